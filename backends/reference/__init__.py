@@ -1,0 +1,1 @@
+"""Plain torch implementations: the yardstick every other backend is compared with."""

@@ -1,0 +1,48 @@
+"""Registers the torch reference backends: runs anywhere torch does, the yardstick for the rest."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.reference.paged_mqa_logits import paged_mqa_logits
+from backends.reference.q_quant import indexer_q_quant
+from dispatch.backend import ALL_ARCHS, PAGED_MODES, Backend, Support
+from dispatch.checks import check_logits_inputs
+from dispatch.hookspecs import hookimpl
+from dispatch.key import Op
+from dispatch.layout import Layout
+
+
+def run_paged_mqa_logits(plan, q, kv_cache, weights):
+    check_logits_inputs(plan, q, kv_cache, weights)
+    return paged_mqa_logits(
+        q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype
+    )
+
+
+@hookimpl
+def register_backends(register):
+    logits_support = Support(archs=ALL_ARCHS, forward_modes=PAGED_MODES)
+    for name, layout in (("torch.reference", Layout.NATIVE), ("torch.reference.flatten", Layout.FLATTEN)):
+        register(
+            Backend(
+                name=name,
+                op=Op.PAGED_MQA_LOGITS,
+                layout=layout,
+                supports=logits_support,
+                run=run_paged_mqa_logits,
+                version=torch.__version__,
+                description=f"plain torch, {layout.value} layout; slow, exact fp32 on fp8 inputs",
+            )
+        )
+    register(
+        Backend(
+            name="torch.reference",
+            op=Op.INDEXER_Q_QUANT,
+            layout=Layout.TOKENS,
+            supports=Support(archs=ALL_ARCHS),
+            run=indexer_q_quant,
+            version=torch.__version__,
+            description="plain torch RoPE + power-of-two fp8 quantisation",
+        )
+    )

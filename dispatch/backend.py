@@ -1,0 +1,109 @@
+"""The backend contract: what a plugin registers. A backend is one implementation of one op in one
+layout, with the keys it supports and whether it can run on this machine."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.layout import Layout
+
+ALL_ARCHS = frozenset(Arch)
+ALL_MODES = frozenset(ForwardMode)
+ALL_FP8_DTYPES = frozenset(Fp8Dtype)
+# Modes in which the paged logits step runs over cached pages (extend uses the ragged, non-paged kernel).
+PAGED_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
+
+
+@dataclass(frozen=True)
+class Support:
+    """The keys a backend can serve. `next_n_max` None means unbounded."""
+
+    archs: frozenset[Arch] = ALL_ARCHS
+    forward_modes: frozenset[ForwardMode] = ALL_MODES
+    fp8_dtypes: frozenset[Fp8Dtype] = ALL_FP8_DTYPES
+    next_n_min: int = 1
+    next_n_max: int | None = None
+    # Extra constraint beyond the ranges, e.g. "next_n in {1, 2}"; returns a reason or None.
+    extra: Callable[[DispatchKey], str | None] | None = None
+
+    def why_not(self, key: DispatchKey) -> str | None:
+        """None when `key` is supported, else the first reason it is not."""
+        if key.arch not in self.archs:
+            return f"arch {key.arch.value} not supported (supports {_names(self.archs)})"
+        if key.forward_mode not in self.forward_modes:
+            return f"forward_mode {key.forward_mode.value} not supported (supports {_names(self.forward_modes)})"
+        if key.fp8_dtype not in self.fp8_dtypes:
+            return f"fp8_dtype {key.fp8_dtype.value} not supported (supports {_names(self.fp8_dtypes)})"
+        if not self.next_n_min <= key.next_n <= (self.next_n_max or key.next_n):
+            return f"next_n {key.next_n} not supported (supports {self.next_n_text()})"
+        return self.extra(key) if self.extra else None
+
+    def next_n_text(self) -> str:
+        upper = "" if self.next_n_max is None else str(self.next_n_max)
+        return f"{self.next_n_min}..{upper}" if self.next_n_max != self.next_n_min else str(self.next_n_min)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "archs": sorted(a.value for a in self.archs),
+            "forward_modes": sorted(m.value for m in self.forward_modes),
+            "fp8_dtypes": sorted(d.value for d in self.fp8_dtypes),
+            "next_n": {"min": self.next_n_min, "max": self.next_n_max},
+        }
+
+
+def _names(members: frozenset) -> str:
+    return ", ".join(sorted(m.value for m in members))
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run on this machine, and why not when it cannot."""
+
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls) -> "Availability":
+        return cls(True)
+
+    @classmethod
+    def no(cls, reason: str) -> "Availability":
+        return cls(False, reason)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of one op, in one layout.
+
+    `run` is the kernel entry point (its arguments are the op's, see dispatch.ops).
+    `probe` answers availability on this machine; it is called at most once per process.
+    `prepare`, when given, builds per-batch state (a schedule) once per plan, never per layer.
+    """
+
+    name: str
+    op: Op
+    layout: Layout
+    supports: Support
+    run: Callable[..., Any]
+    probe: Callable[[], Availability] = Availability.yes
+    prepare: Callable[..., Any] | None = None
+    version: str = ""
+    description: str = ""
+    # Filled in by the host when the backend is registered; a plugin leaves it empty.
+    plugin: str = field(default="", compare=False)
+    distribution: str = field(default="", compare=False)
+
+    def availability(self) -> Availability:
+        return _probe_once(self.probe)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_once(probe: Callable[[], Availability]) -> Availability:
+    try:
+        result = probe()
+    except Exception as error:  # a probe that crashes means "cannot run here", with the reason
+        return Availability.no(f"availability probe raised {type(error).__name__}: {error}")
+    return result

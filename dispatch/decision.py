@@ -1,0 +1,50 @@
+"""A decision: a frozen value saying what was chosen for a key, by which rule, from which plugin,
+and why every other candidate was rejected. `explain` prints it; nothing recomputes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dispatch.backend import Backend
+from dispatch.key import DispatchKey, Op
+from dispatch.layout import Layout
+
+
+@dataclass(frozen=True)
+class Rejection:
+    backend: str
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"backend": self.backend, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Decision:
+    op: Op
+    key: DispatchKey
+    backend: str
+    layout: Layout
+    rule: str  # "rule <id>", "cluster <name> prefer", or "fallback[<i>]"
+    cluster: str | None
+    plugin: str
+    rejected: tuple[Rejection, ...]
+    registry_fingerprint: str
+    availability_checked: bool = True
+    # The resolved implementation; not part of the value's identity or its JSON.
+    impl: Backend = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op.value,
+            "key": self.key.as_dict(),
+            "backend": self.backend,
+            "layout": self.layout.value,
+            "rule": self.rule,
+            "cluster": self.cluster,
+            "plugin": self.plugin,
+            "rejected": [r.as_dict() for r in self.rejected],
+            "registry_fingerprint": self.registry_fingerprint,
+            "availability_checked": self.availability_checked,
+        }

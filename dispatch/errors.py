@@ -1,0 +1,29 @@
+"""The project's errors. The CLI is the one place that turns them into messages and exit codes."""
+
+
+class DispatchError(Exception):
+    """Base class of every error dispatch raises on purpose."""
+
+
+class InvalidKeyError(DispatchError, ValueError):
+    """A dispatch key names a value that does not exist or cannot occur on real hardware."""
+
+
+class RegistryError(DispatchError):
+    """registry.yaml is unreadable or invalid; the message names file, line and key."""
+
+
+class PluginError(DispatchError):
+    """A plugin failed to load or registered an invalid or duplicate backend."""
+
+
+class NoBackendError(DispatchError):
+    """No registered backend can serve the key; the message lists every candidate's reason."""
+
+
+class LayoutError(DispatchError, ValueError):
+    """Tensors handed to a backend do not match the layout its decision was tagged with."""
+
+
+class DtypeMismatchError(DispatchError, ValueError):
+    """Q and the K cache were quantised to different fp8 dtypes."""

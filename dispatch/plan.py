@@ -1,0 +1,130 @@
+"""The per-batch plan: one decision per op and the tensors of the decided layout, built once per
+batch from the engine's metadata and carried, as the tag, into every layer's call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dispatch.decision import Decision
+from dispatch.errors import LayoutError
+from dispatch.fp8 import fp8_dtype_of
+from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.layout import Layout, rows_and_tokens
+
+if TYPE_CHECKING:
+    from dispatch.dispatcher import Dispatcher
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What an engine knows about a batch before the first layer runs."""
+
+    seq_lens: torch.Tensor  # int32 [B]: each request's total length L, draft tokens included
+    page_table: torch.Tensor  # int32 [B, M]: logical page -> physical KV block
+    max_seq_len: int  # host-side max(L); engines keep it on the host, so reading it costs no sync
+    forward_mode: ForwardMode
+    next_n: int  # tokens scored per request in this batch (1 + drafts when verifying)
+
+
+@dataclass(frozen=True, eq=False)
+class IndexerPlan:
+    """Decisions plus layout tensors. Backends read only this; nothing re-derives the path."""
+
+    key: DispatchKey
+    logits: Decision
+    q_quant: Decision
+    batch_size: int
+    next_n: int
+    context_lens: torch.Tensor  # native [B, N]; flatten [B*N, 1]
+    block_table: torch.Tensor  # native [B, M]; flatten [B*N, M]
+    max_context_len: int
+    state: Any = None  # the logits backend's per-batch state (e.g. a DeepGEMM schedule)
+
+    @property
+    def layout(self) -> Layout:
+        return self.logits.layout
+
+    @property
+    def fp8_dtype(self) -> Fp8Dtype:
+        return self.key.fp8_dtype
+
+    def q_in_layout(self, q_tokens: torch.Tensor) -> torch.Tensor:
+        """View per-token q [B*N, H, D] (request-major) as the decided layout's q."""
+        rows, tokens = rows_and_tokens(self.layout, self.batch_size, self.next_n)
+        expected = self.batch_size * self.next_n
+        if q_tokens.dim() != 3 or q_tokens.shape[0] != expected:
+            raise LayoutError(
+                f"q has shape {list(q_tokens.shape)}; the plan expects per-token q [B*N={expected}, H, D]"
+            )
+        return q_tokens.view(rows, tokens, *q_tokens.shape[1:])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key.as_dict(),
+            "batch_size": self.batch_size,
+            "next_n": self.next_n,
+            "max_context_len": self.max_context_len,
+            "context_lens_shape": list(self.context_lens.shape),
+            "block_table_shape": list(self.block_table.shape),
+            "decisions": {"paged_mqa_logits": self.logits.as_dict(), "indexer_q_quant": self.q_quant.as_dict()},
+        }
+
+
+def visible_lengths(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """Causal lengths [B, N]: token j of a request of total length L sees keys 0 .. L - N + j."""
+    offsets = torch.arange(1 - next_n, 1, device=seq_lens.device, dtype=torch.int32)
+    return (seq_lens.to(torch.int32)[:, None] + offsets[None, :]).clamp_(min=0)
+
+
+def layout_tensors(layout: Layout, seq_lens: torch.Tensor, page_table: torch.Tensor, next_n: int):
+    """(context_lens, block_table) in `layout`, from per-request lengths and pages."""
+    lens = visible_lengths(seq_lens, next_n)
+    if layout is Layout.NATIVE:
+        return lens, page_table
+    if layout is Layout.FLATTEN:
+        return lens.reshape(-1, 1), page_table.repeat_interleave(next_n, dim=0)
+    raise LayoutError(f"layout `{layout.value}` is not a paged-logits layout")
+
+
+def build_plan(
+    dispatcher: "Dispatcher",
+    batch: ForwardBatch,
+    *,
+    kv_fp8_dtype: Fp8Dtype | torch.dtype,
+    arch: Arch | str | None = None,
+) -> IndexerPlan:
+    """Decide both ops for this batch and build the decided layout's tensors. No host-device sync.
+
+    `kv_fp8_dtype` is the K cache's fp8 dtype (a key name or the cache's torch dtype): it becomes the
+    key's fp8_dtype, so Q is quantised into exactly the dtype the cache holds.
+    """
+    fp8 = kv_fp8_dtype if isinstance(kv_fp8_dtype, (Fp8Dtype, str)) else fp8_dtype_of(kv_fp8_dtype, "the K cache")
+    key = DispatchKey(
+        arch=arch or dispatcher.host_arch, forward_mode=batch.forward_mode, next_n=batch.next_n, fp8_dtype=fp8
+    )
+    logits = dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
+    q_quant = dispatcher.decide(Op.INDEXER_Q_QUANT, key)
+    batch_size = batch.seq_lens.shape[0]
+    if batch.page_table.dim() != 2 or batch.page_table.shape[0] != batch_size:
+        raise LayoutError(
+            f"page_table has shape {list(batch.page_table.shape)}; expected [B={batch_size}, max_blocks]"
+        )
+    context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
+    plan = IndexerPlan(
+        key=key,
+        logits=logits,
+        q_quant=q_quant,
+        batch_size=batch_size,
+        next_n=batch.next_n,
+        context_lens=context_lens,
+        block_table=block_table,
+        max_context_len=batch.max_seq_len,
+    )
+    prepare = logits.impl.prepare
+    if prepare is None:
+        return plan
+    return IndexerPlan(**{**plan.__dict__, "state": prepare(plan)})
+

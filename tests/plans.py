@@ -1,0 +1,55 @@
+"""Test helpers: a plan tagged with one given backend, so kernel tests need no registry."""
+
+from __future__ import annotations
+
+import torch
+
+from dispatch.backend import Backend
+from dispatch.decision import Decision
+from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode
+from dispatch.plan import IndexerPlan, layout_tensors
+
+
+def decision_for(backend: Backend, key: DispatchKey) -> Decision:
+    return Decision(
+        op=backend.op,
+        key=key,
+        backend=backend.name,
+        layout=backend.layout,
+        rule="test",
+        cluster=None,
+        plugin=backend.plugin or "test",
+        rejected=(),
+        registry_fingerprint="test",
+        impl=backend,
+    )
+
+
+def plan_for(
+    backend: Backend,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    next_n: int,
+    *,
+    fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN,
+    forward_mode: ForwardMode | None = None,
+    arch: Arch = Arch.CPU,
+    max_seq_len: int | None = None,
+) -> IndexerPlan:
+    mode = forward_mode or (ForwardMode.DECODE if next_n == 1 else ForwardMode.TARGET_VERIFY)
+    key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8_dtype)
+    decision = decision_for(backend, key)
+    context_lens, block_table = layout_tensors(backend.layout, seq_lens, page_table, next_n)
+    plan = IndexerPlan(
+        key=key,
+        logits=decision,
+        q_quant=decision,
+        batch_size=seq_lens.shape[0],
+        next_n=next_n,
+        context_lens=context_lens,
+        block_table=block_table,
+        max_context_len=int(seq_lens.max()) if max_seq_len is None else max_seq_len,
+    )
+    if backend.prepare is None:
+        return plan
+    return IndexerPlan(**{**plan.__dict__, "state": backend.prepare(plan)})
