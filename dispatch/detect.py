@@ -1,0 +1,64 @@
+"""What this machine is, in the key's terms: its arch (CUDA capability, ROCm gcnArchName, else cpu)
+and its platform fp8 dtype. Both can be overridden by the caller or the environment."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from dispatch.errors import InvalidKeyError
+from dispatch.key import Arch, Fp8Dtype, parse_enum
+
+# CUDA compute capability major -> arch family the kernels are built for. sm_103 (B300) runs sm100
+# code; sm_121 (DGX Spark) runs sm120 code; 8.x covers A100 / L40 (no fp8 tensor cores before 8.9,
+# which backends declare through their own support).
+_CUDA_MAJOR = {8: Arch.SM80, 9: Arch.SM90, 10: Arch.SM100, 12: Arch.SM120}
+_ROCM_PREFIX = {"gfx942": Arch.GFX942, "gfx950": Arch.GFX950}
+
+
+@functools.lru_cache(maxsize=1)
+def detect_arch() -> Arch:
+    """This machine's arch; DISPATCH_ARCH overrides it. cpu when torch sees no GPU."""
+    override = os.environ.get("DISPATCH_ARCH")
+    if override:
+        return parse_enum(Arch, override, "DISPATCH_ARCH")
+    try:
+        import torch
+    except ImportError:
+        return Arch.CPU
+    if not torch.cuda.is_available():
+        return Arch.CPU
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if getattr(torch.version, "hip", None):
+        gcn = getattr(props, "gcnArchName", "").split(":")[0]
+        if gcn not in _ROCM_PREFIX:
+            raise InvalidKeyError(f"ROCm GPU `{gcn}` is not a known arch; set DISPATCH_ARCH to one of gfx942, gfx950")
+        return _ROCM_PREFIX[gcn]
+    if props.major not in _CUDA_MAJOR:
+        raise InvalidKeyError(
+            f"CUDA capability {props.major}.{props.minor} is not a known arch; set DISPATCH_ARCH to one of "
+            + ", ".join(a.value for a in Arch)
+        )
+    return _CUDA_MAJOR[props.major]
+
+
+def platform_fp8_dtype(arch: Arch) -> Fp8Dtype:
+    """The fp8 dtype a platform's K cache uses: e4m3fnuz on gfx94x (MI300), OCP e4m3fn elsewhere.
+    DISPATCH_FP8_DTYPE overrides it."""
+    override = os.environ.get("DISPATCH_FP8_DTYPE")
+    if override:
+        return parse_enum(Fp8Dtype, override, "DISPATCH_FP8_DTYPE")
+    return Fp8Dtype.E4M3FNUZ if arch is Arch.GFX942 else Fp8Dtype.E4M3FN
+
+
+def gpu_name() -> str:
+    """The GPU's marketing name ('' on a CPU-only machine), for cluster matching and reports."""
+    try:
+        import torch
+    except ImportError:
+        return ""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
+def triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
