@@ -26,7 +26,8 @@ class Decision:
     key: DispatchKey
     backend: str
     layout: Layout
-    rule: str  # "rule <id>", "cluster <name> prefer", or "fallback[<i>]"
+    rule: str  # the rule's id, "prefer[<i>]" (the cluster's list) or "fallback[<i>]"
+    source: str  # "rule", "cluster-prefer" or "fallback"
     cluster: str | None
     plugin: str
     rejected: tuple[Rejection, ...]
@@ -42,6 +43,7 @@ class Decision:
             "backend": self.backend,
             "layout": self.layout.value,
             "rule": self.rule,
+            "source": self.source,
             "cluster": self.cluster,
             "plugin": self.plugin,
             "rejected": [r.as_dict() for r in self.rejected],

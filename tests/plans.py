@@ -17,6 +17,7 @@ def decision_for(backend: Backend, key: DispatchKey) -> Decision:
         backend=backend.name,
         layout=backend.layout,
         rule="test",
+        source="rule",
         cluster=None,
         plugin=backend.plugin or "test",
         rejected=(),

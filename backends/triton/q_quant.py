@@ -1,0 +1,227 @@
+"""Indexer Q quantisation as one fused Triton kernel: RoPE on the rotary part, amax over the head
+vector, a power-of-two scale, fp8 store, and the scale folded into the head weights.
+
+Bit-exact with backends/reference/q_quant.py: the scale is built from amax's bits (no log2, no
+division), q is multiplied by the exact reciprocal power of two, and the fp8 rounding is
+round-to-nearest-even on every path. One caveat: with a bf16 or fp16 q and cos_sin cache the RoPE
+products are exact in fp32, so the FMA contraction the GPU compiler may apply cannot change a bit;
+with an fp32 cache a contracted product can differ by one fp32 ulp, which (rarely) moves an fp8
+value to the neighbouring code.
+
+fp8 storage, chosen by the `STORE` constexpr:
+- e4m3fn: tl.float8e4nv.
+- fnuz native: tl.float8e4b8, the gfx94x (MI300) path. Triton 3.6 on NVIDIA refuses to compile it.
+- fnuz emulated, for NVIDIA and the CPU: an fnuz byte is the e4m3fn byte of 2x for |x| <= 224
+  (same bits, exponent bias 8 instead of 7), except that fnuz has no -0: e4m3fn's 0x80 becomes 0x00.
+  NaN is not carried over (0x7F/0xFF are numbers in fnuz); the scale keeps finite inputs finite.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from dispatch.detect import triton_interpreter_on
+from dispatch.errors import LayoutError
+from dispatch.fp8 import torch_dtype
+from dispatch.key import FP8_MAX, Fp8Dtype
+from dispatch.rope import RopeSpec
+
+STORE_E4M3FN: tl.constexpr = tl.constexpr(0)
+STORE_FNUZ_NATIVE: tl.constexpr = tl.constexpr(1)
+STORE_FNUZ_EMULATED: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _rope(x, row_ptrs, stride_qd, cs_row_ptr, stride_csd, dims, mask,
+          ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # Each rotary element pairs with a partner: out = x*cos + (-+partner)*sin. Loading the partner
+    # as a second (cache-hitting) gather keeps both RoPE styles and both placements one code path.
+    j = dims - ROT_START
+    in_rot = (j >= 0) & (j < ROT_DIM)
+    j = tl.where(in_rot, j, 0)
+    if INTERLEAVED:
+        first = (j % 2) == 0
+        freq = j // 2
+        partner_j = tl.where(first, j + 1, j - 1)
+    else:
+        first = j < ROT_DIM // 2
+        freq = tl.where(first, j, j - ROT_DIM // 2)
+        partner_j = tl.where(first, j + ROT_DIM // 2, j - ROT_DIM // 2)
+    cos = tl.load(cs_row_ptr + freq * stride_csd, mask=in_rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row_ptr + (freq + ROT_DIM // 2) * stride_csd, mask=in_rot, other=0.0).to(tl.float32)
+    partner = tl.load(row_ptrs + (ROT_START + partner_j)[None, :] * stride_qd,
+                      mask=mask & in_rot[None, :], other=0.0).to(tl.float32)
+    # a - b is a + (-b) in IEEE arithmetic, so this matches the reference's x1*cos - x2*sin bit for bit.
+    signed = tl.where(first[None, :], -partner, partner)
+    rotated = x * cos[None, :] + signed * sin[None, :]
+    # Select rather than multiply by cos=1, sin=0 outside the rotary part: -0 + 0 would give +0.
+    return tl.where(in_rot[None, :], rotated, x)
+
+
+@triton.jit
+def _power_of_two_scale(amax, FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.constexpr):
+    # The smallest 2^e with a <= FP8_MAX * 2^e, from the bits of a = max(amax, 1e-4) (a normal float):
+    # e = exp(a) - exp(FP8_MAX), plus one when a's mantissa exceeds FP8_MAX's. tl.log2 is
+    # approximate and fp32 division may be, so neither is used.
+    bits = tl.maximum(amax, 1e-4).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - FP8_MAX_EXP + ((bits & 0x7FFFFF) > FP8_MAX_MANT).to(tl.int32)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return scale, inv_scale
+
+
+@triton.jit
+def _round_to_fp8_grid(y, QUANTUM_MIN_EXP: tl.constexpr):
+    # Round fp32 y to the nearest (ties to even) value with 3 mantissa bits and a quantum no finer
+    # than 2^QUANTUM_MIN_EXP (the subnormal step), by adding and subtracting 1.5 * 2^23 * quantum.
+    # Needed only where the fp8 cast itself does not round correctly (the Triton interpreter).
+    bits = y.to(tl.int32, bitcast=True)
+    quantum_exp = tl.maximum(((bits >> 23) & 0xFF) - 127 - 3, QUANTUM_MIN_EXP)
+    magic = (((quantum_exp + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (tl.abs(y) + magic) - magic
+    return tl.where(bits < 0, -rounded, rounded)
+
+
+@triton.jit
+def _to_fp8(y, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
+    if STORE == STORE_FNUZ_EMULATED:
+        y = y * 2.0
+    if ROUND_IN_SOFTWARE:
+        y = _round_to_fp8_grid(y, -10 if STORE == STORE_FNUZ_NATIVE else -9)
+    if STORE == STORE_FNUZ_NATIVE:
+        return y.to(tl.float8e4b8)
+    fn = y.to(tl.float8e4nv)
+    if STORE == STORE_E4M3FN:
+        return fn
+    byte = fn.to(tl.uint8, bitcast=True)
+    return tl.where(byte == 0x80, tl.zeros_like(byte), byte)
+
+
+@triton.jit
+def _indexer_q_quant_kernel(
+    q_ptr, w_ptr, pos_ptr, cs_ptr, q_out_ptr, w_out_ptr,
+    num_heads, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_pos, stride_cst, stride_csd,
+    weight_factor,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, INTERLEAVED: tl.constexpr,
+    FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.constexpr,
+    STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < num_heads
+    mask = head_ok[:, None] & (dims < HEAD_DIM)[None, :]
+
+    row_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh
+    x = tl.load(row_ptrs + dims[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+    position = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
+    x = _rope(x, row_ptrs, stride_qd, cs_ptr + position * stride_cst, stride_csd, dims, mask,
+              ROT_DIM, ROT_START, INTERLEAVED)
+
+    scale, inv_scale = _power_of_two_scale(tl.max(tl.abs(x), axis=1), FP8_MAX_EXP, FP8_MAX_MANT)
+    # |x| * inv_scale <= FP8_MAX by the choice of scale, so no clamp is needed before the cast.
+    q_fp8 = _to_fp8(x * inv_scale[:, None], STORE, ROUND_IN_SOFTWARE)
+    out_ptrs = q_out_ptr + (token * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
+    tl.store(out_ptrs, q_fp8, mask=mask)
+
+    w = tl.load(w_ptr + token * stride_wt + heads * stride_wh, mask=head_ok).to(tl.float32)
+    tl.store(w_out_ptr + token * num_heads + heads, w * scale * weight_factor, mask=head_ok)
+
+
+def indexer_q_quant(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    fp8_dtype: Fp8Dtype,
+    rope: RopeSpec,
+    softmax_scale: float,
+    head_scale: float,
+    fnuz_native: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H]); as the torch reference.
+
+    `fnuz_native` picks tl.float8e4b8 over the e4m3fn emulation for e4m3fnuz; None means native on
+    ROCm gfx94x only."""
+    fp8_dtype = Fp8Dtype(fp8_dtype)
+    if fp8_dtype is Fp8Dtype.E4M3FN:
+        store = STORE_E4M3FN
+    elif fnuz_native if fnuz_native is not None else _has_native_fnuz(q.device):
+        store = STORE_FNUZ_NATIVE
+    else:
+        store = STORE_FNUZ_EMULATED
+    block_h, num_warps = launch_config(q.shape[1] if q.dim() == 3 else 0)
+    return launch(q, weights, positions, cos_sin_cache, fp8_dtype=fp8_dtype, rope=rope,
+                  weight_factor=softmax_scale * head_scale, store=store,
+                  round_in_software=triton_interpreter_on(), block_h=block_h, num_warps=num_warps)
+
+
+def launch_config(num_heads: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps). The interpreter pays per program, so it takes all heads at once."""
+    if triton_interpreter_on():
+        return triton.next_power_of_2(max(num_heads, 1)), 1
+    return 16, 4
+
+
+def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, weight_factor, store,
+           round_in_software, block_h, num_warps):
+    """Check shapes, then run the kernel with an explicit store mode and launch config (the tuner
+    calls this directly)."""
+    _check(q, weights, positions, cos_sin_cache)
+    tokens, heads, head_dim = q.shape
+    rot_dim = cos_sin_cache.shape[-1]
+    out_dtype = torch.uint8 if store == STORE_FNUZ_EMULATED else torch_dtype(fp8_dtype)
+    q_out = torch.empty((tokens, heads, head_dim), dtype=out_dtype, device=q.device)
+    w_out = torch.empty((tokens, heads), dtype=torch.float32, device=q.device)
+    if tokens and heads:
+        max_exp, max_mant = _exponent_and_mantissa(FP8_MAX[fp8_dtype])
+        grid = (tokens, triton.cdiv(heads, block_h))
+        _indexer_q_quant_kernel[grid](
+            q, weights, positions, cos_sin_cache, q_out, w_out,
+            heads, *q.stride(), *weights.stride(), positions.stride(0), *cos_sin_cache.stride(),
+            weight_factor,
+            HEAD_DIM=head_dim, ROT_DIM=rot_dim, ROT_START=0 if rope.at_head else head_dim - rot_dim,
+            INTERLEAVED=rope.interleaved, FP8_MAX_EXP=max_exp, FP8_MAX_MANT=max_mant,
+            STORE=store, ROUND_IN_SOFTWARE=round_in_software,
+            BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps,
+        )
+    if store == STORE_FNUZ_EMULATED:
+        q_out = q_out.view(torch.float8_e4m3fnuz)
+    return q_out, w_out
+
+
+def _exponent_and_mantissa(value: float) -> tuple[int, int]:
+    """The unbiased exponent and the 23 mantissa bits of `value` as an fp32 (a normal number)."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return ((bits >> 23) & 0xFF) - 127, bits & 0x7FFFFF
+
+
+def _has_native_fnuz(device: torch.device) -> bool:
+    """Only gfx94x (MI300) stores e4m3fnuz natively; gfx950 moved to OCP e4m3fn."""
+    if device.type != "cuda" or not getattr(torch.version, "hip", None):
+        return False
+    return torch.cuda.get_device_properties(device).gcnArchName.startswith("gfx94")
+
+
+def _check(q, weights, positions, cos_sin_cache) -> None:
+    if q.dim() != 3:
+        raise LayoutError(f"indexer_q_quant expects q [T, H, D]; got q {list(q.shape)}")
+    tokens, heads, head_dim = q.shape
+    if tuple(weights.shape) != (tokens, heads):
+        raise LayoutError(f"indexer_q_quant expects weights [{tokens}, {heads}]; got {list(weights.shape)}")
+    if tuple(positions.shape) != (tokens,):
+        raise LayoutError(f"indexer_q_quant expects positions [{tokens}]; got {list(positions.shape)}")
+    if cos_sin_cache.dim() != 2:
+        raise LayoutError(f"indexer_q_quant expects cos_sin_cache [max_pos, rot_dim]; got {list(cos_sin_cache.shape)}")
+    rot_dim = cos_sin_cache.shape[-1]
+    if rot_dim % 2 or not 0 < rot_dim <= head_dim:
+        raise LayoutError(f"cos_sin_cache rot_dim {rot_dim} must be even and in 2..{head_dim} (the head dim)")
+    for name, tensor in (("weights", weights), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if tensor.device != q.device:
+            raise LayoutError(f"{name} is on {tensor.device} but q is on {q.device}")

@@ -1,0 +1,59 @@
+"""dispatch: declarative hardware dispatch for the DeepSeek sparse-attention indexer.
+
+    dispatcher = load_dispatcher()                       # registry.yaml + plugins, this machine
+    plan = build_plan(dispatcher, batch, kv_fp8_dtype=...)  # once per batch: decisions + layout tensors
+    q_fp8, w = quantize_q(plan, q, weights, positions, cos_sin, rope=..., softmax_scale=..., head_scale=...)
+    logits = paged_mqa_logits(plan, q_fp8, kv_cache, w)  # per layer, through the decided backend
+"""
+
+from dispatch.decision import Decision, Rejection
+from dispatch.errors import (
+    DispatchError,
+    DtypeMismatchError,
+    InvalidKeyError,
+    LayoutError,
+    NoBackendError,
+    PluginError,
+    RegistryError,
+)
+from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.layout import Layout
+
+__all__ = [
+    "Arch",
+    "Decision",
+    "DispatchError",
+    "DispatchKey",
+    "DtypeMismatchError",
+    "Fp8Dtype",
+    "ForwardMode",
+    "InvalidKeyError",
+    "Layout",
+    "LayoutError",
+    "NoBackendError",
+    "Op",
+    "PluginError",
+    "RegistryError",
+    "Rejection",
+    "build_plan",
+    "load_dispatcher",
+    "paged_mqa_logits",
+    "quantize_q",
+]
+
+
+def __getattr__(name):
+    # The runtime pulls in pydantic and torch; import it on first use so `import dispatch` stays light.
+    if name == "load_dispatcher":
+        from dispatch.runtime import load_dispatcher
+
+        return load_dispatcher
+    if name == "build_plan":
+        from dispatch.plan import build_plan
+
+        return build_plan
+    if name in ("paged_mqa_logits", "quantize_q"):
+        from dispatch import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module 'dispatch' has no attribute {name!r}")

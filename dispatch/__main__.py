@@ -1,0 +1,5 @@
+import sys
+
+from dispatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""`python -m dispatch`: explain, validate, backends, schema, bench. The one place that turns the
+project's errors into messages and exit codes: 0 success, 1 no backend fits, 2 invalid input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dispatch.errors import DispatchError, NoBackendError
+from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
+
+EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.command(args)
+    except NoBackendError as error:
+        print(f"dispatch: {error}", file=sys.stderr)
+        return EXIT_NO_BACKEND
+    except DispatchError as error:
+        print(f"dispatch: {error}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dispatch", description=__doc__)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    explain = commands.add_parser("explain", help="the chosen path for a key, the rule that chose it, and every rejection")
+    explain.add_argument("--op", choices=[o.value for o in Op] + ["all"], default=Op.PAGED_MQA_LOGITS.value)
+    explain.add_argument("--arch", choices=[a.value for a in Arch], help="default: this machine's")
+    explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode")
+    explain.add_argument("--next-n", type=int, default=None, help="default: 1 (decode), else 2")
+    explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the arch's platform dtype")
+    _common(explain)
+    explain.set_defaults(command=_explain)
+
+    validate = commands.add_parser("validate", help="validate and lint a registry file")
+    validate.add_argument("path", nargs="?", help="default: the project's registry.yaml")
+    validate.set_defaults(command=_validate)
+
+    backends = commands.add_parser("backends", help="every registered backend, its support and availability here")
+    backends.add_argument("--json", action="store_true")
+    backends.set_defaults(command=_backends)
+
+    schema = commands.add_parser("schema", help="the JSON Schema of registry.yaml, for editors")
+    schema.set_defaults(command=_schema)
+
+    bench = commands.add_parser("bench", help="check then time every backend available here")
+    _bench_arguments(bench)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", help="cluster overlay (default: DISPATCH_CLUSTER, else a declared match)")
+    parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else registry.yaml)")
+    parser.add_argument("--json", action="store_true")
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from dispatch.detect import detect_arch, platform_fp8_dtype
+    from dispatch.explain import decision_text
+    from dispatch.key import DispatchKey
+    from dispatch.runtime import load_dispatcher
+
+    arch = Arch(args.arch) if args.arch else detect_arch()
+    mode = ForwardMode(args.forward_mode)
+    next_n = args.next_n if args.next_n is not None else (1 if mode is ForwardMode.DECODE else 2)
+    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(arch)
+    key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8)
+    dispatcher = load_dispatcher(args.registry, cluster=args.cluster, arch=arch)
+    ops = list(Op) if args.op == "all" else [Op(args.op)]
+    decisions = [dispatcher.decide(op, key) for op in ops]
+    if args.json:
+        payload = [d.as_dict() for d in decisions]
+        print(json.dumps(payload if args.op == "all" else payload[0], indent=2))
+    else:
+        if not decisions[0].availability_checked:
+            print(f"(this machine is {detect_arch().value}; explaining {arch.value} as a what-if)")
+        print("\n\n".join(decision_text(d, dispatcher) for d in decisions))
+    return EXIT_OK
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from dispatch.plugins import collect_backends
+    from dispatch.registry.checks import check_backend_names, lint
+    from dispatch.registry.document import load_registry
+    from dispatch.runtime import load_plugins, registry_path
+
+    document = load_registry(registry_path(args.path))
+    catalog = collect_backends(load_plugins())
+    check_backend_names(document, catalog)
+    findings = lint(document, catalog)
+    for finding in findings:
+        print(f"lint: {finding}", file=sys.stderr)
+    if findings:
+        return EXIT_INVALID
+    rules = sum(len(t.rules) for t in document.registry.ops.values())
+    print(
+        f"ok: {document.path}: {rules} rules over {len(document.registry.ops)} ops, "
+        f"{len(document.registry.clusters)} clusters (fingerprint {document.fingerprint})"
+    )
+    return EXIT_OK
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from dispatch.explain import backend_row, backends_text
+    from dispatch.plugins import collect_backends
+    from dispatch.runtime import load_plugins
+
+    rows = [backend_row(b) for b in collect_backends(load_plugins()).backends]
+    print(json.dumps(rows, indent=2) if args.json else backends_text(rows))
+    return EXIT_OK
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from dispatch.registry.models import Registry
+
+    print(json.dumps(Registry.model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    def run(args: argparse.Namespace) -> int:
+        from dispatch.bench.cli import run_bench
+
+        return run_bench(args)
+
+    try:
+        from dispatch.bench.cli import add_arguments
+    except ImportError:
+        parser.set_defaults(command=lambda args: _missing_bench())
+        return
+    add_arguments(parser)
+    parser.set_defaults(command=run)
+
+
+def _missing_bench() -> int:
+    print("dispatch: bench is not available in this build", file=sys.stderr)
+    return EXIT_INVALID

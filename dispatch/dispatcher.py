@@ -1,0 +1,168 @@
+"""The dispatcher: for an (op, key), the one decision, from the registry's ordered rules.
+
+Order of consideration: the cluster's `prefer` list, then the first rule whose `when` matches the
+key (its `use` list in order), then the op's fallback chain. A candidate is eligible when it is not
+disabled, supports the key and (when checked) is available on this machine. The first eligible
+candidate wins; every other registered backend of the op is listed with the reason it lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from dispatch.backend import Backend
+from dispatch.catalog import Catalog
+from dispatch.decision import Decision, Rejection
+from dispatch.errors import NoBackendError
+from dispatch.key import Arch, DispatchKey, Op
+from dispatch.registry.document import RegistryDocument
+
+logger = logging.getLogger("dispatch")
+
+
+@dataclass(frozen=True)
+class _Step:
+    backend: str
+    rule: str
+    source: str
+    label: str  # how explain names the step: "rule `x`", "cluster `c` prefer", "fallback[1]"
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        document: RegistryDocument,
+        catalog: Catalog,
+        *,
+        cluster: str | None,
+        host_arch: Arch,
+        check_availability: bool = True,
+    ) -> None:
+        self.document = document
+        self.catalog = catalog
+        self.cluster = cluster
+        self.host_arch = host_arch
+        self.check_availability = check_availability
+        self._disabled = self._disabled_backends()
+        self._cache: dict[tuple[Op, DispatchKey], Decision] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.document.fingerprint
+
+    def decide(self, op: Op | str, key: DispatchKey) -> Decision:
+        """The decision for `key`; computed once per (op, key), then served from the cache."""
+        op = Op(op)
+        cached = self._cache.get((op, key))
+        if cached is not None:
+            return cached
+        with self._lock:
+            cached = self._cache.get((op, key))
+            if cached is None:
+                cached = self._decide(op, key)
+                self._cache[(op, key)] = cached
+                self._log(cached)
+        return cached
+
+    def _decide(self, op: Op, key: DispatchKey) -> Decision:
+        candidates = self.catalog.for_op(op)
+        ineligible = {b.name: reason for b in candidates if (reason := self._why_ineligible(b, key))}
+        steps = self._steps(op, key)
+        chosen = next((s for s in steps if s.backend not in ineligible), None)
+        named_at = {}
+        for step in steps:
+            named_at.setdefault(step.backend, step)
+        if chosen is None:
+            lines = [f"  {b.name}: {self._explained(ineligible[b.name], named_at.get(b.name))}" for b in candidates]
+            raise NoBackendError(f"no backend for {op.value} at {key}:\n" + "\n".join(lines))
+        rejected = []
+        for backend in candidates:
+            if backend.name == chosen.backend:
+                continue
+            if backend.name in ineligible:
+                reason = self._explained(ineligible[backend.name], named_at.get(backend.name))
+            elif backend.name in named_at:
+                reason = self._lost_to(chosen, named_at[backend.name])
+            else:
+                reason = "eligible, but no cluster preference, matching rule or fallback names it"
+            rejected.append(Rejection(backend.name, reason))
+        impl = self.catalog.get(op, chosen.backend)
+        return Decision(
+            op=op,
+            key=key,
+            backend=impl.name,
+            layout=impl.layout,
+            rule=chosen.rule,
+            source=chosen.source,
+            cluster=self.cluster,
+            plugin=impl.plugin,
+            rejected=tuple(rejected),
+            registry_fingerprint=self.fingerprint,
+            availability_checked=self.check_availability,
+            impl=impl,
+        )
+
+    def _steps(self, op: Op, key: DispatchKey) -> list[_Step]:
+        steps = []
+        if self.cluster is not None:
+            for index, name in enumerate(self.document.registry.clusters[self.cluster].prefer):
+                if self.catalog.get(op, name) is not None:
+                    steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", f"cluster `{self.cluster}` prefer[{index}]"))
+        table = self.document.registry.table(op)
+        rule = next((r for r in table.rules if r.when.matches(key)), None)
+        if rule is not None:
+            steps += [_Step(name, rule.id, "rule", f"rule `{rule.id}`") for name in rule.use]
+        steps += [_Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]") for i, name in enumerate(table.fallback)]
+        return steps
+
+    def _why_ineligible(self, backend: Backend, key: DispatchKey) -> str | None:
+        if backend.name in self._disabled:
+            return self._disabled[backend.name]
+        unsupported = backend.supports.why_not(key)
+        if unsupported:
+            return unsupported
+        if self.check_availability:
+            availability = backend.availability()
+            if not availability.ok:
+                return f"not available here: {availability.reason}"
+        return None
+
+    @staticmethod
+    def _lost_to(chosen: _Step, later: _Step) -> str:
+        if later.label == chosen.label:
+            return f"eligible, but {chosen.label} lists `{chosen.backend}` before it"
+        return f"eligible, but {chosen.label} (`{chosen.backend}`) comes before {later.label}"
+
+    @staticmethod
+    def _explained(reason: str, step: _Step | None) -> str:
+        return f"{step.label} names it, but {reason}" if step else reason
+
+    def _disabled_backends(self) -> dict[str, str]:
+        registry = self.document.registry
+        disabled = {name: "disabled by the registry's `disabled` list" for name in registry.disabled}
+        if self.cluster is not None:
+            overlay = registry.clusters[self.cluster]
+            for name in overlay.enable:
+                disabled.pop(name, None)
+            for name in overlay.disable:
+                disabled[name] = f"disabled by cluster `{self.cluster}`"
+        return disabled
+
+    def _log(self, decision: Decision) -> None:
+        others = ", ".join(r.backend for r in decision.rejected)
+        logger.info(
+            "dispatch: using %s (%s, %s %s) for %s at %s out of [%s]",
+            decision.backend,
+            decision.layout.value,
+            decision.source,
+            decision.rule,
+            decision.op.value,
+            decision.key,
+            others,
+        )
+        if os.environ.get("DISPATCH_TRACE") == "1":
+            logger.info("dispatch trace: %s", decision.as_dict())

@@ -1,0 +1,73 @@
+"""Rendering decisions and backends for people. Nothing here decides: it prints Decision values."""
+
+from __future__ import annotations
+
+from dispatch.backend import Backend
+from dispatch.decision import Decision
+from dispatch.dispatcher import Dispatcher
+
+
+def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
+    document = dispatcher.document
+    lines = [f"{decision.op.value} for {decision.key}"]
+    if not decision.availability_checked:
+        lines.append("  what-if: availability on this machine was not checked for this key")
+    where = ""
+    if decision.source == "rule":
+        index = next(i for i, r in enumerate(document.registry.table(decision.op).rules) if r.id == decision.rule)
+        where = f" ({document.path}:{document.line_of(('ops', decision.op.value, 'rules', index))})"
+    lines += [
+        f"  chosen:   {decision.backend}",
+        f"  layout:   {decision.layout.value}: {decision.layout.describe()}",
+        f"  by:       {_source_text(decision)}{where}",
+        f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution}, version {decision.impl.version or '-'})",
+        f"  cluster:  {decision.cluster or 'none'}",
+        f"  registry: {document.path} (fingerprint {decision.registry_fingerprint})",
+    ]
+    if decision.rejected:
+        width = max(len(r.backend) for r in decision.rejected)
+        lines.append("  rejected:")
+        lines += [f"    {r.backend.ljust(width)}  {r.reason}" for r in decision.rejected]
+    return "\n".join(lines)
+
+
+def _source_text(decision: Decision) -> str:
+    if decision.source == "rule":
+        return f"rule `{decision.rule}`"
+    if decision.source == "cluster-prefer":
+        return f"cluster `{decision.cluster}` {decision.rule}"
+    return decision.rule
+
+
+def backend_row(backend: Backend) -> dict:
+    availability = backend.availability()
+    return {
+        "name": backend.name,
+        "op": backend.op.value,
+        "layout": backend.layout.value,
+        "plugin": backend.plugin,
+        "distribution": backend.distribution,
+        "version": backend.version,
+        "supports": backend.supports.as_dict(),
+        "available": availability.ok,
+        "reason": availability.reason,
+        "description": backend.description,
+    }
+
+
+def backends_text(rows: list[dict]) -> str:
+    out = []
+    for row in rows:
+        s = row["supports"]
+        next_n = f"{s['next_n']['min']}..{s['next_n']['max'] or ''}"
+        here = "available here" if row["available"] else f"NOT available here: {row['reason']}"
+        out += [
+            f"{row['name']}  [{row['op']}, {row['layout']}]",
+            f"  plugin {row['plugin']} ({row['distribution']} {row['version']})",
+            f"  supports arch {', '.join(s['archs'])}; modes {', '.join(s['forward_modes'])}; "
+            f"next_n {next_n}; fp8 {', '.join(s['fp8_dtypes'])}",
+            f"  {here}",
+        ]
+        if row["description"]:
+            out.append(f"  {row['description']}")
+    return "\n".join(out)

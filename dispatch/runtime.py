@@ -1,0 +1,50 @@
+"""Putting it together: load the registry, collect the backends, pick the cluster, build a Dispatcher."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dispatch.clusters import resolve_cluster
+from dispatch.detect import detect_arch
+from dispatch.dispatcher import Dispatcher
+from dispatch.key import Arch, parse_enum
+from dispatch.plugins import LoadedPlugin, allowlist_from_env, builtin_plugins, collect_backends, entry_point_plugins
+from dispatch.registry.checks import check_backend_names
+from dispatch.registry.document import load_registry
+
+# A source checkout or editable install keeps registry.yaml beside the packages.
+DEFAULT_REGISTRY = Path(__file__).resolve().parent.parent / "registry.yaml"
+
+
+def registry_path(explicit: str | os.PathLike | None = None) -> Path:
+    """The registry file: the explicit path, else DISPATCH_REGISTRY, else the project's registry.yaml."""
+    return Path(explicit or os.environ.get("DISPATCH_REGISTRY") or DEFAULT_REGISTRY)
+
+
+def load_plugins(allowlist: frozenset[str] | None = None) -> list[LoadedPlugin]:
+    return builtin_plugins() + entry_point_plugins(allowlist_from_env() if allowlist is None else allowlist)
+
+
+def load_dispatcher(
+    registry: str | os.PathLike | None = None,
+    *,
+    cluster: str | None = None,
+    arch: Arch | str | None = None,
+    check_availability: bool | None = None,
+    plugins: list[LoadedPlugin] | None = None,
+) -> Dispatcher:
+    """A dispatcher for this machine, or for `arch` when given (a what-if: availability on this
+    machine is then not checked unless `check_availability` says so)."""
+    host = detect_arch()
+    target = host if arch is None else parse_enum(Arch, arch, "arch")
+    document = load_registry(registry_path(registry))
+    catalog = collect_backends(load_plugins() if plugins is None else plugins)
+    check_backend_names(document, catalog)
+    return Dispatcher(
+        document,
+        catalog,
+        cluster=resolve_cluster(document, cluster, target),
+        host_arch=target,
+        check_availability=(target is host) if check_availability is None else check_availability,
+    )
