@@ -124,20 +124,13 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    def run(args: argparse.Namespace) -> int:
-        from dispatch.bench.cli import run_bench
+    from dispatch.bench.cli import add_arguments
 
-        return run_bench(args)
-
-    try:
-        from dispatch.bench.cli import add_arguments
-    except ImportError:
-        parser.set_defaults(command=lambda args: _missing_bench())
-        return
     add_arguments(parser)
-    parser.set_defaults(command=run)
+    parser.set_defaults(command=_bench)
 
 
-def _missing_bench() -> int:
-    print("dispatch: bench is not available in this build", file=sys.stderr)
-    return EXIT_INVALID
+def _bench(args: argparse.Namespace) -> int:
+    from dispatch.bench.cli import run_bench
+
+    return run_bench(args)

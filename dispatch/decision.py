@@ -27,7 +27,7 @@ class Decision:
     backend: str
     layout: Layout
     rule: str  # the rule's id, "prefer[<i>]" (the cluster's list) or "fallback[<i>]"
-    source: str  # "rule", "cluster-prefer" or "fallback"
+    source: str  # "rule", "cluster-prefer", "fallback" or "pinned"
     cluster: str | None
     plugin: str
     rejected: tuple[Rejection, ...]

@@ -68,6 +68,31 @@ class Dispatcher:
                 self._log(cached)
         return cached
 
+    def pin(self, op: Op | str, key: DispatchKey, backend: str) -> Decision:
+        """A decision naming `backend` outright (a benchmark, or an engine flag forcing a path). It is
+        still tagged and checked: an unknown, unsupported or unavailable backend is refused."""
+        op = Op(op)
+        impl = self.catalog.get(op, backend)
+        if impl is None:
+            raise NoBackendError(f"no backend `{backend}` for {op.value} (registered: {', '.join(self.catalog.names(op))})")
+        reason = self._why_ineligible(impl, key)
+        if reason:
+            raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
+        return Decision(
+            op=op,
+            key=key,
+            backend=impl.name,
+            layout=impl.layout,
+            rule="pinned",
+            source="pinned",
+            cluster=self.cluster,
+            plugin=impl.plugin,
+            rejected=(),
+            registry_fingerprint=self.fingerprint,
+            availability_checked=self.check_availability,
+            impl=impl,
+        )
+
     def _decide(self, op: Op, key: DispatchKey) -> Decision:
         candidates = self.catalog.for_op(op)
         ineligible = {b.name: reason for b in candidates if (reason := self._why_ineligible(b, key))}

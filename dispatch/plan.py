@@ -95,6 +95,7 @@ def build_plan(
     *,
     kv_fp8_dtype: Fp8Dtype | torch.dtype,
     arch: Arch | str | None = None,
+    pinned: dict[Op, str] | None = None,
 ) -> IndexerPlan:
     """Decide both ops for this batch and build the decided layout's tensors. No host-device sync.
 
@@ -105,8 +106,13 @@ def build_plan(
     key = DispatchKey(
         arch=arch or dispatcher.host_arch, forward_mode=batch.forward_mode, next_n=batch.next_n, fp8_dtype=fp8
     )
-    logits = dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
-    q_quant = dispatcher.decide(Op.INDEXER_Q_QUANT, key)
+    pinned = pinned or {}
+
+    def decide(op: Op):
+        return dispatcher.pin(op, key, pinned[op]) if op in pinned else dispatcher.decide(op, key)
+
+    logits = decide(Op.PAGED_MQA_LOGITS)
+    q_quant = decide(Op.INDEXER_Q_QUANT)
     batch_size = batch.seq_lens.shape[0]
     if batch.page_table.dim() != 2 or batch.page_table.shape[0] != batch_size:
         raise LayoutError(

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
@@ -33,11 +34,13 @@ from dispatch.rope import RopeSpec
 STORE_E4M3FN: tl.constexpr = tl.constexpr(0)
 STORE_FNUZ_NATIVE: tl.constexpr = tl.constexpr(1)
 STORE_FNUZ_EMULATED: tl.constexpr = tl.constexpr(2)
+_STORE = {Fp8Mode.E4M3FN: 0, Fp8Mode.FNUZ_NATIVE: 1, Fp8Mode.FNUZ_EMULATED: 2}
 
 
 @triton.jit
-def _rope(x, row_ptrs, stride_qd, cs_row_ptr, stride_csd, dims, mask,
+def _rope(x, row_ptrs, stride_qd, cs_row_ptrs, stride_csd, dims, mask, token_ok,
           ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # x [BLOCK_T, BLOCK_H, BLOCK_D]; row_ptrs [BLOCK_T, BLOCK_H, 1]; cs_row_ptrs [BLOCK_T, 1].
     # Each rotary element pairs with a partner: out = x*cos + (-+partner)*sin. Loading the partner
     # as a second (cache-hitting) gather keeps both RoPE styles and both placements one code path.
     j = dims - ROT_START
@@ -51,15 +54,16 @@ def _rope(x, row_ptrs, stride_qd, cs_row_ptr, stride_csd, dims, mask,
         first = j < ROT_DIM // 2
         freq = tl.where(first, j, j - ROT_DIM // 2)
         partner_j = tl.where(first, j + ROT_DIM // 2, j - ROT_DIM // 2)
-    cos = tl.load(cs_row_ptr + freq * stride_csd, mask=in_rot, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row_ptr + (freq + ROT_DIM // 2) * stride_csd, mask=in_rot, other=0.0).to(tl.float32)
-    partner = tl.load(row_ptrs + (ROT_START + partner_j)[None, :] * stride_qd,
-                      mask=mask & in_rot[None, :], other=0.0).to(tl.float32)
+    cs_mask = token_ok[:, None] & in_rot[None, :]
+    cos = tl.load(cs_row_ptrs + freq[None, :] * stride_csd, mask=cs_mask, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row_ptrs + (freq + ROT_DIM // 2)[None, :] * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
+    partner = tl.load(row_ptrs + (ROT_START + partner_j)[None, None, :] * stride_qd,
+                      mask=mask & in_rot[None, None, :], other=0.0).to(tl.float32)
     # a - b is a + (-b) in IEEE arithmetic, so this matches the reference's x1*cos - x2*sin bit for bit.
-    signed = tl.where(first[None, :], -partner, partner)
-    rotated = x * cos[None, :] + signed * sin[None, :]
+    signed = tl.where(first[None, None, :], -partner, partner)
+    rotated = x * cos[:, None, :] + signed * sin[:, None, :]
     # Select rather than multiply by cos=1, sin=0 outside the rotary part: -0 + 0 would give +0.
-    return tl.where(in_rot[None, :], rotated, x)
+    return tl.where(in_rot[None, None, :], rotated, x)
 
 
 @triton.jit
@@ -91,7 +95,10 @@ def _to_fp8(y, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
     if STORE == STORE_FNUZ_EMULATED:
         y = y * 2.0
     if ROUND_IN_SOFTWARE:
-        y = _round_to_fp8_grid(y, -10 if STORE == STORE_FNUZ_NATIVE else -9)
+        if STORE == STORE_FNUZ_NATIVE:
+            y = _round_to_fp8_grid(y, -10)  # fnuz subnormals step by 2^-10
+        else:
+            y = _round_to_fp8_grid(y, -9)  # e4m3fn subnormals step by 2^-9
     if STORE == STORE_FNUZ_NATIVE:
         return y.to(tl.float8e4b8)
     fn = y.to(tl.float8e4nv)
@@ -104,33 +111,36 @@ def _to_fp8(y, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
 @triton.jit
 def _indexer_q_quant_kernel(
     q_ptr, w_ptr, pos_ptr, cs_ptr, q_out_ptr, w_out_ptr,
-    num_heads, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_pos, stride_cst, stride_csd,
+    num_tokens, num_heads,
+    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_pos, stride_cst, stride_csd,
     weight_factor,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, INTERLEAVED: tl.constexpr,
     FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.constexpr,
     STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    # One program quantises a [BLOCK_T, BLOCK_H] block of head vectors.
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    head_ok = heads < num_heads
-    mask = head_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    token_ok = tokens < num_tokens
+    vector_ok = token_ok[:, None] & (heads < num_heads)[None, :]
+    mask = vector_ok[:, :, None] & (dims < HEAD_DIM)[None, None, :]
 
-    row_ptrs = q_ptr + token * stride_qt + heads[:, None] * stride_qh
-    x = tl.load(row_ptrs + dims[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
-    position = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
-    x = _rope(x, row_ptrs, stride_qd, cs_ptr + position * stride_cst, stride_csd, dims, mask,
+    row_ptrs = q_ptr + tokens[:, None, None] * stride_qt + heads[None, :, None] * stride_qh
+    x = tl.load(row_ptrs + dims[None, None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+    positions = tl.load(pos_ptr + tokens * stride_pos, mask=token_ok, other=0).to(tl.int64)
+    x = _rope(x, row_ptrs, stride_qd, cs_ptr + positions[:, None] * stride_cst, stride_csd, dims, mask, token_ok,
               ROT_DIM, ROT_START, INTERLEAVED)
 
-    scale, inv_scale = _power_of_two_scale(tl.max(tl.abs(x), axis=1), FP8_MAX_EXP, FP8_MAX_MANT)
+    scale, inv_scale = _power_of_two_scale(tl.max(tl.abs(x), axis=2), FP8_MAX_EXP, FP8_MAX_MANT)
     # |x| * inv_scale <= FP8_MAX by the choice of scale, so no clamp is needed before the cast.
-    q_fp8 = _to_fp8(x * inv_scale[:, None], STORE, ROUND_IN_SOFTWARE)
-    out_ptrs = q_out_ptr + (token * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
-    tl.store(out_ptrs, q_fp8, mask=mask)
+    q_fp8 = _to_fp8(x * inv_scale[:, :, None], STORE, ROUND_IN_SOFTWARE)
+    vectors = tokens[:, None] * num_heads + heads[None, :]
+    tl.store(q_out_ptr + vectors[:, :, None] * HEAD_DIM + dims[None, None, :], q_fp8, mask=mask)
 
-    w = tl.load(w_ptr + token * stride_wt + heads * stride_wh, mask=head_ok).to(tl.float32)
-    tl.store(w_out_ptr + token * num_heads + heads, w * scale * weight_factor, mask=head_ok)
+    w = tl.load(w_ptr + tokens[:, None] * stride_wt + heads[None, :] * stride_wh, mask=vector_ok).to(tl.float32)
+    tl.store(w_out_ptr + vectors, w * scale * weight_factor, mask=vector_ok)
 
 
 def indexer_q_quant(
@@ -143,70 +153,61 @@ def indexer_q_quant(
     rope: RopeSpec,
     softmax_scale: float,
     head_scale: float,
-    fnuz_native: bool | None = None,
+    fnuz_mode: Fp8Mode | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H]); as the torch reference.
+    """q [T, H, D], weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H]), as the torch reference.
 
-    `fnuz_native` picks tl.float8e4b8 over the e4m3fn emulation for e4m3fnuz; None means native on
+    `fnuz_mode` (fnuz_native / fnuz_emulated) overrides the machine's choice for e4m3fnuz: native on
     ROCm gfx94x only."""
-    fp8_dtype = Fp8Dtype(fp8_dtype)
-    if fp8_dtype is Fp8Dtype.E4M3FN:
-        store = STORE_E4M3FN
-    elif fnuz_native if fnuz_native is not None else _has_native_fnuz(q.device):
-        store = STORE_FNUZ_NATIVE
-    else:
-        store = STORE_FNUZ_EMULATED
-    block_h, num_warps = launch_config(q.shape[1] if q.dim() == 3 else 0)
-    return launch(q, weights, positions, cos_sin_cache, fp8_dtype=fp8_dtype, rope=rope,
-                  weight_factor=softmax_scale * head_scale, store=store,
-                  round_in_software=triton_interpreter_on(), block_h=block_h, num_warps=num_warps)
+    block_t, block_h, num_warps = launch_config(*q.shape[:2]) if q.dim() == 3 else (1, 1, 1)
+    return launch(
+        q, weights, positions, cos_sin_cache,
+        fp8_dtype=fp8_dtype, rope=rope, weight_factor=softmax_scale * head_scale,
+        mode=fp8_mode(fp8_dtype, fnuz_mode), round_in_software=triton_interpreter_on(),
+        block_t=block_t, block_h=block_h, num_warps=num_warps,
+    )
 
 
-def launch_config(num_heads: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps). The interpreter pays per program, so it takes all heads at once."""
+def launch_config(num_tokens: int, num_heads: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_H, num_warps). The interpreter pays per operation, not per element, so there
+    a program takes as many head vectors as is reasonable."""
     if triton_interpreter_on():
-        return triton.next_power_of_2(max(num_heads, 1)), 1
-    return 16, 4
+        block_h = triton.next_power_of_2(max(num_heads, 1))
+        return min(triton.next_power_of_2(max(num_tokens, 1)), max(1, 4096 // block_h)), block_h, 1
+    return 1, 16, 4
 
 
-def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, weight_factor, store,
-           round_in_software, block_h, num_warps):
-    """Check shapes, then run the kernel with an explicit store mode and launch config (the tuner
+def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, weight_factor, mode,
+           round_in_software, block_t, block_h, num_warps):
+    """Check the inputs, then run the kernel with an explicit fp8 mode and launch config (the tuner
     calls this directly)."""
     _check(q, weights, positions, cos_sin_cache)
+    fp8_dtype = Fp8Dtype(fp8_dtype)
     tokens, heads, head_dim = q.shape
     rot_dim = cos_sin_cache.shape[-1]
-    out_dtype = torch.uint8 if store == STORE_FNUZ_EMULATED else torch_dtype(fp8_dtype)
-    q_out = torch.empty((tokens, heads, head_dim), dtype=out_dtype, device=q.device)
+    emulated = mode is Fp8Mode.FNUZ_EMULATED
+    q_out = torch.empty((tokens, heads, head_dim), dtype=torch.uint8 if emulated else torch_dtype(fp8_dtype),
+                        device=q.device)
     w_out = torch.empty((tokens, heads), dtype=torch.float32, device=q.device)
     if tokens and heads:
         max_exp, max_mant = _exponent_and_mantissa(FP8_MAX[fp8_dtype])
-        grid = (tokens, triton.cdiv(heads, block_h))
+        grid = (triton.cdiv(tokens, block_t), triton.cdiv(heads, block_h))
         _indexer_q_quant_kernel[grid](
             q, weights, positions, cos_sin_cache, q_out, w_out,
-            heads, *q.stride(), *weights.stride(), positions.stride(0), *cos_sin_cache.stride(),
+            tokens, heads, *q.stride(), *weights.stride(), positions.stride(0), *cos_sin_cache.stride(),
             weight_factor,
             HEAD_DIM=head_dim, ROT_DIM=rot_dim, ROT_START=0 if rope.at_head else head_dim - rot_dim,
             INTERLEAVED=rope.interleaved, FP8_MAX_EXP=max_exp, FP8_MAX_MANT=max_mant,
-            STORE=store, ROUND_IN_SOFTWARE=round_in_software,
-            BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps,
+            STORE=_STORE[mode], ROUND_IN_SOFTWARE=round_in_software,
+            BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps,
         )
-    if store == STORE_FNUZ_EMULATED:
-        q_out = q_out.view(torch.float8_e4m3fnuz)
-    return q_out, w_out
+    return (q_out.view(torch.float8_e4m3fnuz) if emulated else q_out), w_out
 
 
 def _exponent_and_mantissa(value: float) -> tuple[int, int]:
     """The unbiased exponent and the 23 mantissa bits of `value` as an fp32 (a normal number)."""
     bits = struct.unpack("<I", struct.pack("<f", value))[0]
     return ((bits >> 23) & 0xFF) - 127, bits & 0x7FFFFF
-
-
-def _has_native_fnuz(device: torch.device) -> bool:
-    """Only gfx94x (MI300) stores e4m3fnuz natively; gfx950 moved to OCP e4m3fn."""
-    if device.type != "cuda" or not getattr(torch.version, "hip", None):
-        return False
-    return torch.cuda.get_device_properties(device).gcnArchName.startswith("gfx94")
 
 
 def _check(q, weights, positions, cos_sin_cache) -> None:

@@ -1,0 +1,1 @@
+"""`python -m dispatch bench`: check every backend available here against the reference, then time it."""

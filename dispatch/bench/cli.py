@@ -1,0 +1,111 @@
+"""Arguments and report of `python -m dispatch bench`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+
+from dispatch.key import Fp8Dtype, Op
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", choices=[o.value for o in Op] + ["all"], default="all")
+    parser.add_argument("--batch-sizes", type=_ints, default=[32, 128])
+    parser.add_argument("--next-n", type=_ints, default=[1, 2, 4])
+    parser.add_argument("--lengths", type=_ints, default=[8192, 32768], help="mean lengths; each batch is uniform in [L/2, 3L/2]")
+    parser.add_argument("--tokens", type=_ints, default=[16384], help="tokens for indexer_q_quant")
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the platform's")
+    parser.add_argument("--backends", help="comma-separated backend names (default: every available one)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
+    parser.add_argument("--cluster")
+    parser.add_argument("--registry")
+    parser.add_argument("--json", action="store_true")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from dispatch.bench.ceilings import measure_ceilings
+    from dispatch.bench.runner import bench_logits, bench_quant, dispatch_overhead
+    from dispatch.bench.workload import LogitsShape, QuantShape
+    from dispatch.detect import platform_fp8_dtype
+    from dispatch.runtime import load_dispatcher
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.quick:
+        args.batch_sizes, args.lengths, args.tokens, args.repeats = [2], [256], [64], min(args.repeats, 3)
+    dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
+    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.host_arch)
+    wanted = set(args.backends.split(",")) if args.backends else None
+    ceilings = measure_ceilings(device) if device == "cuda" else None
+    tolerance = 1e-3 if device == "cuda" else 1e-5
+    rows = []
+    if args.op in ("all", Op.PAGED_MQA_LOGITS.value):
+        for batch_size in args.batch_sizes:
+            for length in args.lengths:
+                for next_n in args.next_n:
+                    shape = LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
+                    rows += bench_logits(
+                        dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats,
+                        tolerance=tolerance, wanted=wanted,
+                    )
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+    if args.op in ("all", Op.INDEXER_Q_QUANT.value):
+        for tokens in args.tokens:
+            shape = QuantShape(tokens, args.heads, args.head_dim)
+            rows += bench_quant(dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
+    report = {
+        "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "fp8_dtype": fp8.value,
+        "ceilings": ceilings.as_dict() if ceilings else None,
+        "dispatch_overhead": dispatch_overhead(dispatcher, device=device),
+        "rows": [row.as_dict() for row in rows],
+    }
+    print(json.dumps(report, indent=2) if args.json else report_text(report))
+    failed = [row for row in report["rows"] if row["check"] != "ok"]
+    return 1 if failed else 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def report_text(report: dict) -> str:
+    lines = [
+        f"machine {report['machine']}, {report['date']}, torch {report['torch']}, triton {report['triton']}, fp8 {report['fp8_dtype']}",
+    ]
+    if report["ceilings"]:
+        c = report["ceilings"]
+        lines.append(f"ceilings: copy {c['copy_GBps']:.0f} GB/s (read+write), fp8 matmul {c['fp8_TFLOPs']:.0f} TFLOP/s")
+    o = report["dispatch_overhead"]
+    lines.append(f"dispatch: cached decide {o['decide_cached_us']:.2f} us, build_plan B=128 {o['build_plan_B128_us']:.1f} us (host)")
+    header = f"{'op':<17} {'backend':<24} {'layout':<8} {'shape':<34} {'median us':>10} {'GB/s':>7} {'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}  check"
+    lines += ["", header, "-" * len(header)]
+    for row in report["rows"]:
+        lines.append(
+            f"{row['op']:<17} {row['backend']:<24} {row['layout']:<8} {row['shape']:<34} "
+            f"{_num(row['median_us'], '.1f'):>10} {_num(row['GBps'], '.0f'):>7} {_num(row['TFLOPs'], '.0f'):>8} "
+            f"{_num(row['x_floor'], '.2f'):>8} {_num(row['rel_error'], '.1e'):>9}  {row['check']}"
+        )
+    return "\n".join(lines)
+
+
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

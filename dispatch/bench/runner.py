@@ -1,0 +1,193 @@
+"""Check each available backend against the reference, then time it, at each shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dispatch.bench.ceilings import Ceilings
+from dispatch.bench.timing import time_host, time_rotating
+from dispatch.bench.workload import (
+    LogitsShape,
+    QuantShape,
+    logits_floor_counts,
+    logits_inputs,
+    quant_floor_bytes,
+    quant_inputs,
+)
+from dispatch.dispatcher import Dispatcher
+from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.ops import paged_mqa_logits, quantize_q
+from dispatch.plan import ForwardBatch, build_plan
+from dispatch.rope import RopeSpec
+
+L2_BYTES = 60 << 20  # H200; only sizes how many input sets to rotate through
+REFERENCE = "torch.reference"
+
+
+@dataclass
+class Row:
+    op: str
+    backend: str
+    layout: str
+    shape: str
+    seconds: float | None = None
+    bytes: float = 0.0
+    flops: float = 0.0
+    floor_seconds: float | None = None
+    error: float | None = None
+    check: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        timed = self.seconds is not None
+        return {
+            "op": self.op,
+            "backend": self.backend,
+            "layout": self.layout,
+            "shape": self.shape,
+            "median_us": self.seconds * 1e6 if timed else None,
+            "GBps": self.bytes / self.seconds / 1e9 if timed else None,
+            "TFLOPs": self.flops / self.seconds / 1e12 if timed and self.flops else None,
+            "floor_us": self.floor_seconds * 1e6 if self.floor_seconds else None,
+            "x_floor": self.seconds / self.floor_seconds if timed and self.floor_seconds else None,
+            "rel_error": self.error,
+            "check": self.check,
+            **self.extra,
+        }
+
+
+def _floor(bytes_: float, flops: float, ceilings: Ceilings | None) -> float | None:
+    if ceilings is None:
+        return None
+    return max(bytes_ / ceilings.copy_bytes_per_s, flops / ceilings.fp8_flops_per_s)
+
+
+def _candidates(dispatcher: Dispatcher, op: Op, key: DispatchKey, wanted: set[str] | None) -> list[str]:
+    names = []
+    for backend in dispatcher.catalog.for_op(op):
+        if wanted and backend.name not in wanted:
+            continue
+        if backend.supports.why_not(key) is None and backend.availability().ok:
+            names.append(backend.name)
+    return names
+
+
+def bench_logits(
+    dispatcher: Dispatcher,
+    shape: LogitsShape,
+    fp8_dtype: Fp8Dtype,
+    *,
+    device: str,
+    ceilings: Ceilings | None,
+    repeats: int,
+    tolerance: float,
+    wanted: set[str] | None,
+) -> list[Row]:
+    mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
+    key = DispatchKey(dispatcher.host_arch, mode, shape.next_n, fp8_dtype)
+    first = logits_inputs(shape, fp8_dtype, device, seed=0)
+    data_bytes = first.kv_cache.numel()
+    sets = [first] + [logits_inputs(shape, fp8_dtype, device, seed=s) for s in range(1, 3 if data_bytes < 3 * L2_BYTES else 1)]
+    bytes_, flops = logits_floor_counts(shape, first.seq_lens_host)
+    floor = _floor(bytes_, flops, ceilings)
+    reference = _run_logits(dispatcher, REFERENCE, mode, first, fp8_dtype)
+    rows = []
+    for name in _candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted):
+        plan_of = {id(inputs): _plan(dispatcher, name, mode, inputs, fp8_dtype) for inputs in sets}
+        row = Row(Op.PAGED_MQA_LOGITS.value, name, plan_of[id(first)].layout.value, shape.label(), bytes=bytes_, flops=flops, floor_seconds=floor)
+        out = paged_mqa_logits(plan_of[id(first)], first.q_tokens, first.kv_cache, first.weights)
+        row.error, row.check = compare_logits(out, reference, tolerance)
+        if row.check == "ok":
+            calls = [
+                (lambda inputs=inputs: paged_mqa_logits(plan_of[id(inputs)], inputs.q_tokens, inputs.kv_cache, inputs.weights))
+                for inputs in sets
+            ]
+            row.seconds = time_rotating(calls, on_gpu=device != "cpu", repeats=repeats)
+        rows.append(row)
+    return rows
+
+
+def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_dtype: Fp8Dtype):
+    batch = ForwardBatch(
+        seq_lens=inputs.seq_lens,
+        page_table=inputs.page_table,
+        max_seq_len=max(inputs.seq_lens_host),
+        forward_mode=mode,
+        next_n=inputs.q_tokens.shape[0] // inputs.seq_lens.shape[0],
+    )
+    return build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, pinned={Op.PAGED_MQA_LOGITS: backend})
+
+
+def _run_logits(dispatcher, backend, mode, inputs, fp8_dtype):
+    plan = _plan(dispatcher, backend, mode, inputs, fp8_dtype)
+    return paged_mqa_logits(plan, inputs.q_tokens, inputs.kv_cache, inputs.weights)
+
+
+def compare_logits(out: torch.Tensor, reference: torch.Tensor, tolerance: float) -> tuple[float | None, str]:
+    """(relative error over visible positions, verdict). The -inf pattern must match exactly."""
+    if out.shape != reference.shape:
+        return None, f"shape {list(out.shape)} != reference {list(reference.shape)}"
+    if torch.isnan(out).any():
+        return None, "NaN in output"
+    masked = torch.isinf(reference)
+    if not torch.equal(torch.isinf(out) & (out < 0), masked):
+        return None, "-inf pattern differs from the reference"
+    visible = ~masked
+    diff = (out[visible] - reference[visible]).double().norm()
+    error = float(diff / reference[visible].double().norm().clamp(min=1e-30))
+    return error, "ok" if error <= tolerance else f"error {error:.2e} > {tolerance:.0e}"
+
+
+def bench_quant(
+    dispatcher: Dispatcher,
+    shape: QuantShape,
+    fp8_dtype: Fp8Dtype,
+    *,
+    device: str,
+    ceilings: Ceilings | None,
+    repeats: int,
+    wanted: set[str] | None,
+) -> list[Row]:
+    key = DispatchKey(dispatcher.host_arch, ForwardMode.DECODE, 1, fp8_dtype)
+    inputs = quant_inputs(shape, device, seed=0)
+    bytes_ = quant_floor_bytes(shape)
+    floor = _floor(bytes_, 0.0, ceilings)
+    settings = dict(fp8_dtype=fp8_dtype, rope=RopeSpec.neox_head(), softmax_scale=shape.head_dim**-0.5, head_scale=shape.heads**-0.5)
+    reference = dispatcher.catalog.get(Op.INDEXER_Q_QUANT, REFERENCE).run(**inputs, **settings)
+    rows = []
+    for name in _candidates(dispatcher, Op.INDEXER_Q_QUANT, key, wanted):
+        decision = dispatcher.pin(Op.INDEXER_Q_QUANT, key, name)
+        row = Row(Op.INDEXER_Q_QUANT.value, name, decision.layout.value, shape.label(), bytes=bytes_, floor_seconds=floor)
+        q_fp8, weights = decision.impl.run(**inputs, **settings)
+        mismatched = (q_fp8.view(torch.uint8) != reference[0].view(torch.uint8)).sum().item()
+        weights_equal = torch.equal(weights, reference[1])
+        row.error = mismatched / q_fp8.numel()
+        row.check = "ok" if mismatched == 0 and weights_equal else f"{mismatched} fp8 bytes differ; weights equal: {weights_equal}"
+        if row.check == "ok":
+            row.seconds = time_rotating([lambda: decision.impl.run(**inputs, **settings)], on_gpu=device != "cpu", repeats=repeats)
+        rows.append(row)
+    return rows
+
+
+def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 128, next_n: int = 4) -> dict[str, float]:
+    """Host cost of a cached decide, and of building a B=128 plan, in microseconds."""
+    from dispatch.detect import platform_fp8_dtype
+
+    fp8 = platform_fp8_dtype(dispatcher.host_arch)
+    key = DispatchKey(dispatcher.host_arch, ForwardMode.TARGET_VERIFY, next_n, fp8)
+    dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
+    loops = 10000
+    decide_s = time_host(lambda: [dispatcher.decide(Op.PAGED_MQA_LOGITS, key) for _ in range(loops)], repeats=5) / loops
+    batch = ForwardBatch(
+        seq_lens=torch.full((batch_size,), 4096, dtype=torch.int32, device=device),
+        page_table=torch.zeros(batch_size, 64, dtype=torch.int32, device=device),
+        max_seq_len=4096,
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        next_n=next_n,
+    )
+    plan_s = time_host(lambda: build_plan(dispatcher, batch, kv_fp8_dtype=fp8), repeats=200, warmup=20)
+    return {"decide_cached_us": decide_s * 1e6, "build_plan_B128_us": plan_s * 1e6}
+

@@ -1,0 +1,47 @@
+"""Timing: CUDA events on a GPU (warm-up, median of repeats), the host clock on a CPU."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from typing import Callable
+
+
+def time_cuda(fn: Callable[[], object], *, repeats: int = 30, warmup: int = 5) -> float:
+    """Median seconds of fn() measured with CUDA events, one pair per call."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+def time_host(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of fn() on the host clock (CPU runs, and host-side dispatch overhead)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def time_rotating(fns: list[Callable[[], object]], *, on_gpu: bool, repeats: int) -> float:
+    """Median time per call, cycling through several input sets so the L2 never holds the next one."""
+    cycle = itertools.cycle(fns)
+
+    def next_call() -> object:
+        return next(cycle)()
+
+    return time_cuda(next_call, repeats=repeats) if on_gpu else time_host(next_call, repeats=repeats)
