@@ -101,8 +101,13 @@ class Dispatcher:
         named_at = {}
         for step in steps:
             named_at.setdefault(step.backend, step)
+        unnamed = "eligible, but no cluster preference, matching rule or fallback names it"
         if chosen is None:
-            lines = [f"  {b.name}: {self._explained(ineligible[b.name], named_at.get(b.name))}" for b in candidates]
+            lines = [
+                f"  {b.name}: "
+                + (self._explained(ineligible[b.name], named_at.get(b.name)) if b.name in ineligible else unnamed)
+                for b in candidates
+            ]
             raise NoBackendError(f"no backend for {op.value} at {key}:\n" + "\n".join(lines))
         rejected = []
         for backend in candidates:
@@ -113,7 +118,7 @@ class Dispatcher:
             elif backend.name in named_at:
                 reason = self._lost_to(chosen, named_at[backend.name])
             else:
-                reason = "eligible, but no cluster preference, matching rule or fallback names it"
+                reason = unnamed
             rejected.append(Rejection(backend.name, reason))
         impl = self.catalog.get(op, chosen.backend)
         return Decision(

@@ -27,3 +27,11 @@ class LayoutError(DispatchError, ValueError):
 
 class DtypeMismatchError(DispatchError, ValueError):
     """Q and the K cache were quantised to different fp8 dtypes."""
+
+
+class GraphMismatchError(DispatchError):
+    """A batch replayed on a captured CUDA graph does not match the decision the graph was captured with."""
+
+
+class RankDisagreementError(DispatchError):
+    """Ranks of one model chose different backends or hold different registries."""

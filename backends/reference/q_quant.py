@@ -3,6 +3,8 @@ head, fp8 store, and the scale folded into the head weights."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dispatch.fp8 import torch_dtype
@@ -31,9 +33,16 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
 
 
 def power_of_two_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """2^ceil(log2(max(amax, 1e-4) / fp8_max)). Computed in float64, where it is exact for fp32 amax."""
-    ratio = amax.double().clamp(min=1e-4) / fp8_max
-    return torch.exp2(torch.ceil(torch.log2(ratio))).float()
+    """2^ceil(log2(max(amax, 1e-4) / fp8_max)), exactly, on any device.
+
+    With amax = m_a * 2^e_a and fp8_max = m_f * 2^e_f (mantissas in [0.5, 1)), the ratio lies in
+    (2^(e_a - e_f - 1), 2^(e_a - e_f)] when m_a <= m_f, else one binade up. Comparing mantissas avoids
+    log2 and division, whose rounding differs between devices (CUDA's log2 is not exact at powers of two).
+    """
+    amax_mantissa, amax_exponent = torch.frexp(amax.float().clamp(min=1e-4))
+    max_mantissa, max_exponent = math.frexp(fp8_max)
+    exponent = amax_exponent - max_exponent + (amax_mantissa > max_mantissa).to(amax_exponent.dtype)
+    return torch.ldexp(torch.ones_like(amax_mantissa), exponent)
 
 
 def indexer_q_quant(

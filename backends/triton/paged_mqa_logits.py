@@ -3,12 +3,12 @@
     logits[r*N + j, k] = sum_h w[r*N + j, h] * relu(q[r, j, h] . K[k]) * s[k]   for k < ctx[r, j]
                        = -inf                                                    otherwise
 
-Grid: (rows, splits). A program owns one row's (request's) contiguous range of pages and writes every
-logit column of that range, -inf included, so no reduction across programs is needed. Per step it
-loads PAGES pages of keys [T, D] and computes keys @ q^T -> [T, N*H] in one fp8 dot: the tokens x heads
-axis is the dot's N, so the relu-weighted sum over heads reduces along registers of one thread group
-rather than across warps (the same orientation as DeepGEMM's SM90 kernel). The q tile [N*H, D] and
-the weights are loaded once per program. Pages wholly past every token's length are not read.
+Grid: (token groups, rows, splits). A program owns up to TG tokens of one row and a contiguous range
+of its pages, and writes every logit column of that range, -inf included, so no reduction across
+programs is needed. Per step it loads PAGES pages of keys [T, D] and computes keys @ q^T -> [T, TG*H]
+in one fp8 dot: tokens x heads is the dot's N, so the relu-weighted sum over heads stays inside a
+thread and its quad rather than crossing warps (DeepGEMM's SM90 kernel has the same orientation).
+q^T and the weights are loaded once per program. Pages past every token's length are never read.
 """
 
 from __future__ import annotations
@@ -44,25 +44,28 @@ def _paged_mqa_logits_kernel(
     max_context_len,
     pages_per_split,
     N: tl.constexpr,
-    N_PAD: tl.constexpr,
+    TG: tl.constexpr,  # tokens per program: a power of two; N > TG takes ceil(N / TG) programs
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     PAGES: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
+    # The token group varies fastest, so the groups of one row's split run together and the second
+    # group's page reads hit L2.
+    group = tl.program_id(0)
+    row = tl.program_id(1)
+    split = tl.program_id(2)
     T: tl.constexpr = PAGES * BLOCK_KV
-    NH: tl.constexpr = N_PAD * H
+    GH: tl.constexpr = TG * H
     BLOCK_BYTES: tl.constexpr = BLOCK_KV * (D + 4)
     BLOCK_WORDS: tl.constexpr = BLOCK_BYTES // 4
 
-    tok = tl.arange(0, N_PAD)
+    tok = group * TG + tl.arange(0, TG)
     tok_ok = tok < N
     ctx = tl.load(ctx_ptr + row * stride_ctx_row + tok, mask=tok_ok, other=0)
     num_pages = tl.cdiv(max_context_len, BLOCK_KV)
-    # Pages past the longest token's length are skipped, and never looked up in the table (engines
+    # Pages past the group's longest length are skipped, and never looked up in the table (engines
     # pad tables with anything); a length past max_context_len is clipped to the output's width.
     valid_pages = tl.minimum(tl.cdiv(tl.max(ctx, axis=0), BLOCK_KV), num_pages)
     page_begin = split * pages_per_split
@@ -70,9 +73,9 @@ def _paged_mqa_logits_kernel(
     col_end = tl.minimum(page_end * BLOCK_KV, max_context_len)
     compute_end = tl.minimum(page_end, valid_pages)
 
-    # q rows are token-major (j * H + h); padded tokens load zeros and carry zero weight.
-    qk_row = tl.arange(0, NH)
-    q_tok = qk_row // H
+    # q rows are token-major (i * H + h); padded tokens load zeros and carry zero weight.
+    qk_row = tl.arange(0, GH)
+    q_tok = group * TG + qk_row // H
     q_head = qk_row % H
     dim = tl.arange(0, D)
     q = tl.load(
@@ -81,6 +84,9 @@ def _paged_mqa_logits_kernel(
         other=0.0,
     )
     w = tl.load(w_ptr + (row * N + q_tok) * stride_w_row + q_head, mask=q_tok < N, other=0.0) * PRODUCT_SCALE
+    # Transposed outside the loop: Triton then stores q^T to shared memory once per program; a
+    # tl.trans inside the loop re-stores the whole tile every step.
+    q_t = tl.trans(q)
 
     out_rows = out_ptr + (row * N + tok).to(tl.int64) * stride_out_row
     t = tl.arange(0, T)
@@ -92,15 +98,19 @@ def _paged_mqa_logits_kernel(
         block = block.to(tl.int64)
         keys = tl.load(k_ptr + (block * BLOCK_BYTES + slot_of_t * D)[:, None] + dim[None, :])
         scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t)
-        scores = tl.dot(keys, tl.trans(q))  # [T, N_PAD * H], fp32 accumulation
+        # Keys are the dot's M and tokens x heads its N: the head sum below stays inside a thread
+        # and its quad instead of crossing warps.
+        scores = tl.dot(keys, q_t)  # [T, TG * H], fp32 accumulation
         scores = tl.maximum(scores, 0.0) * w[None, :]
-        logits = tl.sum(tl.reshape(scores, (T, N_PAD, H)), axis=2) * scale[:, None]
+        logits = tl.sum(tl.reshape(scores, (T, TG, H)), axis=2) * scale[:, None]
         col = page * BLOCK_KV + t
         # A select, not a multiply: bytes past a length are garbage and may decode to NaN.
         logits = tl.where(col[:, None] < ctx[None, :], logits, float("-inf"))
         tl.store(out_rows[None, :] + col[:, None], logits, mask=tok_ok[None, :] & (col < col_end)[:, None])
+    # The columns no compute step wrote (the last step may run past compute_end; its select wrote
+    # -inf there) get -inf without reading anything.
     fill_begin = tl.maximum(page_begin, page_begin + tl.cdiv(compute_end - page_begin, PAGES) * PAGES)
-    neg_inf = tl.full((N_PAD, T), float("-inf"), tl.float32)
+    neg_inf = tl.full((TG, T), float("-inf"), tl.float32)
     for page in range(fill_begin, page_end, PAGES):
         col = page * BLOCK_KV + t
         tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=tok_ok[:, None] & (col < col_end)[None, :])
@@ -108,24 +118,27 @@ def _paged_mqa_logits_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Tuning knobs: pages per step (PAGES * 64 keys per dot), pages per program, warps, pipeline depth."""
+    """Tuning knobs. `tokens`: most tokens of one row per program (more take several programs);
+    `pages`: 64-key pages per dot; `pages_per_split`: pages per program; then warps and pipeline depth."""
 
+    tokens: int = 4
     pages: int = 1
     pages_per_split: int = 32
     num_warps: int = 4
     num_stages: int = 2
 
 
-def default_config(n_pad: int, device: torch.device) -> LaunchConfig:
-    """Per padded next_n; see NOTES.md for the measurements behind the choice."""
+def default_config(next_n: int, device: torch.device) -> LaunchConfig:
+    """Per next_n; NOTES.md has the measurements behind each choice."""
     if device.type != "cuda":
         # The interpreter pays per program and per step: few, large ones.
-        return LaunchConfig(pages=2, pages_per_split=64, num_warps=4, num_stages=1)
-    if n_pad == 1:
-        return LaunchConfig(pages=2, pages_per_split=32, num_warps=4, num_stages=3)
-    if n_pad <= 4:
-        return LaunchConfig(pages=2, pages_per_split=32, num_warps=8, num_stages=2)
-    return LaunchConfig(pages=1, pages_per_split=32, num_warps=8, num_stages=2)
+        return LaunchConfig(tokens=8, pages=2, pages_per_split=64, num_warps=4, num_stages=1)
+    if next_n == 1:
+        # Memory-bound: 64-key steps, 4 warps (71 registers), a deep pipeline for bytes in flight.
+        return LaunchConfig(tokens=1, pages=1, pages_per_split=32, num_warps=4, num_stages=6)
+    # One warpgroup per 64-key page, up to 4 tokens x 64 heads as the dot's N (~230 registers, two
+    # programs per SM). The table lookup takes pipeline stages: 5 stages leave 3 page buffers.
+    return LaunchConfig(tokens=4, pages=1, pages_per_split=32, num_warps=4, num_stages=5)
 
 
 def paged_mqa_logits(
@@ -139,23 +152,32 @@ def paged_mqa_logits(
     *,
     fnuz_mode: Fp8Mode | None = None,
     config: LaunchConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 logits [rows * N, max_context_len], -inf past each token's length. No host-device sync."""
+    """fp32 logits [rows * N, max_context_len], -inf past each token's length. No host-device sync.
+
+    `fnuz_mode` overrides fnuz_mode_for_here() for an e4m3fnuz cache; `config` overrides default_config;
+    `out` is a preallocated result (every element is written, so it needs no initialisation).
+    """
     mode = fp8_mode(fp8_dtype, fnuz_mode)
     rows, next_n, heads, head_dim = _check(q, kv_cache, weights, context_lens, block_table, max_context_len, fp8_dtype)
     num_blocks, block_kv = kv_cache.shape[0], kv_cache.shape[1]
-    out = torch.empty((rows * next_n, max_context_len), dtype=torch.float32, device=q.device)
+    shape = (rows * next_n, max_context_len)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != shape or out.stride(1) != 1 or out.device != q.device:
+        raise LayoutError(f"out must be fp32 {list(shape)} contiguous along columns on {q.device}; got "
+                          f"{out.dtype} {list(out.shape)}, strides {out.stride()} on {out.device}")
     if out.numel() == 0:
         return out
-    n_pad = triton.next_power_of_2(next_n)
-    cfg = config or default_config(n_pad, q.device)
-    if cfg.pages_per_split % cfg.pages:
-        raise ValueError(f"pages_per_split {cfg.pages_per_split} is not a multiple of pages {cfg.pages}")
+    cfg = config or default_config(next_n, q.device)
+    if cfg.pages_per_split % cfg.pages or not _pow2(cfg.tokens) or not _pow2(cfg.pages):
+        raise ValueError(f"{cfg}: tokens and pages must be powers of two dividing pages_per_split")
+    tokens = min(triton.next_power_of_2(next_n), cfg.tokens)
     flat = kv_cache.view(num_blocks, -1)
     keys = flat.view(mode.torch_view_dtype)
     scales = flat[:, block_kv * head_dim :].view(torch.float32)
-    num_pages = triton.cdiv(max_context_len, block_kv)
-    grid = (rows, triton.cdiv(num_pages, cfg.pages_per_split))
+    grid = (triton.cdiv(next_n, tokens), rows, triton.cdiv(triton.cdiv(max_context_len, block_kv), cfg.pages_per_split))
     _paged_mqa_logits_kernel[grid](
         q.view(mode.torch_view_dtype),
         keys,
@@ -174,7 +196,7 @@ def paged_mqa_logits(
         max_context_len,
         cfg.pages_per_split,
         N=next_n,
-        N_PAD=n_pad,
+        TG=tokens,
         H=heads,
         D=head_dim,
         BLOCK_KV=block_kv,

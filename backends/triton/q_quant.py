@@ -3,7 +3,8 @@ vector, a power-of-two scale, fp8 store, and the scale folded into the head weig
 
 Bit-exact with backends/reference/q_quant.py: the scale is built from amax's bits (no log2, no
 division), q is multiplied by the exact reciprocal power of two, and the fp8 rounding is
-round-to-nearest-even on every path. One caveat: with a bf16 or fp16 q and cos_sin cache the RoPE
+round-to-nearest-even on every path (the hardware cast on GPUs, software rounding under the
+interpreter, whose own cast is wrong). One caveat: with a bf16 or fp16 q and cos_sin cache the RoPE
 products are exact in fp32, so the FMA contraction the GPU compiler may apply cannot change a bit;
 with an fp32 cache a contracted product can differ by one fp32 ulp, which (rarely) moves an fp8
 value to the neighbouring code.
@@ -38,35 +39,6 @@ _STORE = {Fp8Mode.E4M3FN: 0, Fp8Mode.FNUZ_NATIVE: 1, Fp8Mode.FNUZ_EMULATED: 2}
 
 
 @triton.jit
-def _rope(x, row_ptrs, stride_qd, cs_row_ptrs, stride_csd, dims, mask, token_ok,
-          ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, INTERLEAVED: tl.constexpr):
-    # x [BLOCK_T, BLOCK_H, BLOCK_D]; row_ptrs [BLOCK_T, BLOCK_H, 1]; cs_row_ptrs [BLOCK_T, 1].
-    # Each rotary element pairs with a partner: out = x*cos + (-+partner)*sin. Loading the partner
-    # as a second (cache-hitting) gather keeps both RoPE styles and both placements one code path.
-    j = dims - ROT_START
-    in_rot = (j >= 0) & (j < ROT_DIM)
-    j = tl.where(in_rot, j, 0)
-    if INTERLEAVED:
-        first = (j % 2) == 0
-        freq = j // 2
-        partner_j = tl.where(first, j + 1, j - 1)
-    else:
-        first = j < ROT_DIM // 2
-        freq = tl.where(first, j, j - ROT_DIM // 2)
-        partner_j = tl.where(first, j + ROT_DIM // 2, j - ROT_DIM // 2)
-    cs_mask = token_ok[:, None] & in_rot[None, :]
-    cos = tl.load(cs_row_ptrs + freq[None, :] * stride_csd, mask=cs_mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row_ptrs + (freq + ROT_DIM // 2)[None, :] * stride_csd, mask=cs_mask, other=0.0).to(tl.float32)
-    partner = tl.load(row_ptrs + (ROT_START + partner_j)[None, None, :] * stride_qd,
-                      mask=mask & in_rot[None, None, :], other=0.0).to(tl.float32)
-    # a - b is a + (-b) in IEEE arithmetic, so this matches the reference's x1*cos - x2*sin bit for bit.
-    signed = tl.where(first[None, None, :], -partner, partner)
-    rotated = x * cos[:, None, :] + signed * sin[:, None, :]
-    # Select rather than multiply by cos=1, sin=0 outside the rotary part: -0 + 0 would give +0.
-    return tl.where(in_rot[None, None, :], rotated, x)
-
-
-@triton.jit
 def _power_of_two_scale(amax, FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.constexpr):
     # The smallest 2^e with a <= FP8_MAX * 2^e, from the bits of a = max(amax, 1e-4) (a normal float):
     # e = exp(a) - exp(FP8_MAX), plus one when a's mantissa exceeds FP8_MAX's. tl.log2 is
@@ -82,7 +54,8 @@ def _power_of_two_scale(amax, FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.conste
 def _round_to_fp8_grid(y, QUANTUM_MIN_EXP: tl.constexpr):
     # Round fp32 y to the nearest (ties to even) value with 3 mantissa bits and a quantum no finer
     # than 2^QUANTUM_MIN_EXP (the subnormal step), by adding and subtracting 1.5 * 2^23 * quantum.
-    # Needed only where the fp8 cast itself does not round correctly (the Triton interpreter).
+    # Needed only where the fp8 cast itself does not round correctly: the Triton interpreter (3.9)
+    # rounds ties away from zero and drops the mantissa carry (1.97 -> 1.0), triton-lang/triton#8322.
     bits = y.to(tl.int32, bitcast=True)
     quantum_exp = tl.maximum(((bits >> 23) & 0xFF) - 127 - 3, QUANTUM_MIN_EXP)
     magic = (((quantum_exp + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
@@ -92,6 +65,7 @@ def _round_to_fp8_grid(y, QUANTUM_MIN_EXP: tl.constexpr):
 
 @triton.jit
 def _to_fp8(y, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
+    # One return statement: the compiler types every return of a function, pruned branches included.
     if STORE == STORE_FNUZ_EMULATED:
         y = y * 2.0
     if ROUND_IN_SOFTWARE:
@@ -100,12 +74,13 @@ def _to_fp8(y, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
         else:
             y = _round_to_fp8_grid(y, -9)  # e4m3fn subnormals step by 2^-9
     if STORE == STORE_FNUZ_NATIVE:
-        return y.to(tl.float8e4b8)
-    fn = y.to(tl.float8e4nv)
-    if STORE == STORE_E4M3FN:
-        return fn
-    byte = fn.to(tl.uint8, bitcast=True)
-    return tl.where(byte == 0x80, tl.zeros_like(byte), byte)
+        out = y.to(tl.float8e4b8)
+    elif STORE == STORE_E4M3FN:
+        out = y.to(tl.float8e4nv)
+    else:
+        out = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        out = tl.where(out == 0x80, tl.zeros_like(out), out)
+    return out
 
 
 @triton.jit
@@ -114,33 +89,70 @@ def _indexer_q_quant_kernel(
     num_tokens, num_heads,
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_pos, stride_cst, stride_csd,
     weight_factor,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_START: tl.constexpr, INTERLEAVED: tl.constexpr,
-    FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT_START: tl.constexpr, REST_START: tl.constexpr,
+    INTERLEAVED: tl.constexpr, FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.constexpr,
     STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr,
 ):
-    # One program quantises a [BLOCK_T, BLOCK_H] block of head vectors.
+    # One program quantises a [BLOCK_T, BLOCK_H] block of head vectors. Each vector is handled as
+    # its rotary pairs (x1, x2) and the rest, so every load and store is contiguous and RoPE is the
+    # reference's formula: no gather for the partner element.
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
     token_ok = tokens < num_tokens
-    vector_ok = token_ok[:, None] & (heads < num_heads)[None, :]
-    mask = vector_ok[:, :, None] & (dims < HEAD_DIM)[None, None, :]
-
-    row_ptrs = q_ptr + tokens[:, None, None] * stride_qt + heads[None, :, None] * stride_qh
-    x = tl.load(row_ptrs + dims[None, None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
-    positions = tl.load(pos_ptr + tokens * stride_pos, mask=token_ok, other=0).to(tl.int64)
-    x = _rope(x, row_ptrs, stride_qd, cs_ptr + positions[:, None] * stride_cst, stride_csd, dims, mask, token_ok,
-              ROT_DIM, ROT_START, INTERLEAVED)
-
-    scale, inv_scale = _power_of_two_scale(tl.max(tl.abs(x), axis=2), FP8_MAX_EXP, FP8_MAX_MANT)
-    # |x| * inv_scale <= FP8_MAX by the choice of scale, so no clamp is needed before the cast.
-    q_fp8 = _to_fp8(x * inv_scale[:, :, None], STORE, ROUND_IN_SOFTWARE)
+    w_ok = token_ok[:, None] & (heads < num_heads)[None, :]
+    vector_ok = w_ok[:, :, None]
+    rows = q_ptr + tokens[:, None, None] * stride_qt + heads[None, :, None] * stride_qh
     vectors = tokens[:, None] * num_heads + heads[None, :]
-    tl.store(q_out_ptr + vectors[:, :, None] * HEAD_DIM + dims[None, None, :], q_fp8, mask=mask)
+    out_rows = q_out_ptr + vectors[:, :, None] * HEAD_DIM
 
-    w = tl.load(w_ptr + tokens[:, None] * stride_wt + heads[None, :] * stride_wh, mask=vector_ok).to(tl.float32)
-    tl.store(w_out_ptr + vectors, w * scale * weight_factor, mask=vector_ok)
+    halves = tl.arange(0, HALF_BLOCK)
+    half_ok = halves < HALF
+    positions = tl.load(pos_ptr + tokens * stride_pos, mask=token_ok, other=0).to(tl.int64)
+    cs_ptrs = cs_ptr + positions[:, None] * stride_cst + halves[None, :] * stride_csd
+    cs_ok = token_ok[:, None] & half_ok[None, :]
+    cos = tl.load(cs_ptrs, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
+    sin = tl.load(cs_ptrs + HALF * stride_csd, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
+
+    if INTERLEAVED:
+        pair_dims = tl.arange(0, 2 * HALF_BLOCK)
+        pair_ok = vector_ok & (pair_dims < 2 * HALF)[None, None, :]
+        pairs = tl.load(rows + (ROT_START + pair_dims)[None, None, :] * stride_qd, mask=pair_ok, other=0.0)
+        x1, x2 = tl.split(tl.reshape(pairs.to(tl.float32), (BLOCK_T, BLOCK_H, HALF_BLOCK, 2)))
+    else:
+        rot_ok = vector_ok & half_ok[None, None, :]
+        x1 = tl.load(rows + (ROT_START + halves)[None, None, :] * stride_qd, mask=rot_ok, other=0.0)
+        x2 = tl.load(rows + (ROT_START + HALF + halves)[None, None, :] * stride_qd, mask=rot_ok, other=0.0)
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+    amax = tl.maximum(tl.max(tl.abs(out1), axis=2), tl.max(tl.abs(out2), axis=2))
+    if REST_BLOCK > 0:
+        rest_dims = tl.arange(0, REST_BLOCK)
+        rest_ok = vector_ok & (rest_dims < HEAD_DIM - 2 * HALF)[None, None, :]
+        rest = tl.load(rows + (REST_START + rest_dims)[None, None, :] * stride_qd, mask=rest_ok, other=0.0)
+        rest = rest.to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=2))
+
+    scale, inv_scale = _power_of_two_scale(amax, FP8_MAX_EXP, FP8_MAX_MANT)
+    inv_scale = inv_scale[:, :, None]
+    # |x| * inv_scale <= FP8_MAX by the choice of scale, so no clamp is needed before the casts.
+    if INTERLEAVED:
+        rotated = tl.reshape(tl.join(out1, out2), (BLOCK_T, BLOCK_H, 2 * HALF_BLOCK))
+        tl.store(out_rows + ROT_START + pair_dims[None, None, :],
+                 _to_fp8(rotated * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=pair_ok)
+    else:
+        tl.store(out_rows + ROT_START + halves[None, None, :],
+                 _to_fp8(out1 * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=rot_ok)
+        tl.store(out_rows + ROT_START + HALF + halves[None, None, :],
+                 _to_fp8(out2 * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=rot_ok)
+    if REST_BLOCK > 0:
+        tl.store(out_rows + REST_START + rest_dims[None, None, :],
+                 _to_fp8(rest * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=rest_ok)
+
+    w = tl.load(w_ptr + tokens[:, None] * stride_wt + heads[None, :] * stride_wh, mask=w_ok).to(tl.float32)
+    tl.store(w_out_ptr + vectors, w * scale * weight_factor, mask=w_ok)
 
 
 def indexer_q_quant(
@@ -196,10 +208,13 @@ def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, weight_fact
             q, weights, positions, cos_sin_cache, q_out, w_out,
             tokens, heads, *q.stride(), *weights.stride(), positions.stride(0), *cos_sin_cache.stride(),
             weight_factor,
-            HEAD_DIM=head_dim, ROT_DIM=rot_dim, ROT_START=0 if rope.at_head else head_dim - rot_dim,
+            HEAD_DIM=head_dim, HALF=rot_dim // 2,
+            ROT_START=0 if rope.at_head else head_dim - rot_dim, REST_START=rot_dim if rope.at_head else 0,
             INTERLEAVED=rope.interleaved, FP8_MAX_EXP=max_exp, FP8_MAX_MANT=max_mant,
             STORE=_STORE[mode], ROUND_IN_SOFTWARE=round_in_software,
-            BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps,
+            BLOCK_T=block_t, BLOCK_H=block_h, HALF_BLOCK=triton.next_power_of_2(rot_dim // 2),
+            REST_BLOCK=triton.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0,
+            num_warps=num_warps,
         )
     return (q_out.view(torch.float8_e4m3fnuz) if emulated else q_out), w_out
 

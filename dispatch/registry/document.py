@@ -122,8 +122,10 @@ def _index_lines(node: yaml.Node, location: Location, lines: dict[Location, int]
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
-            key = key_node.value
             line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise located_error(path, line, location, "a key must be a plain name, not a list or mapping")
+            key = key_node.value
             if key in seen:
                 raise located_error(
                     path, line, location + (key,), f"duplicate key (first given on line {seen[key]})"

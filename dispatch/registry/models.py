@@ -22,13 +22,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
 
+def _one_or_many(item: object) -> object:
+    """A list of `item` in which a single value stands for a one-element list; the JSON Schema says so too."""
+    return Annotated[tuple[item, ...], BeforeValidator(_as_tuple, json_schema_input_type=item | list[item])]
+
+
 BackendName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.\-]*$")]
-NameList = Annotated[tuple[BackendName, ...], BeforeValidator(_as_tuple)]
+NameList = _one_or_many(BackendName)
+ArchList = _one_or_many(Arch)
+ModeList = _one_or_many(ForwardMode)
+Fp8DtypeList = _one_or_many(Fp8Dtype)
+NextN = Annotated[int, Field(ge=1, strict=True)]
 
 
 class NextNRange(Strict):
-    min: Annotated[int, Field(ge=1, strict=True)] = 1
-    max: Annotated[int, Field(ge=1, strict=True)] | None = None
+    min: NextN = 1
+    max: NextN | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> "NextNRange":
@@ -52,10 +61,10 @@ def _next_n(value: object) -> object:
 class When(Strict):
     """A rule's condition: each field a list of allowed values; a missing field matches anything."""
 
-    arch: Annotated[tuple[Arch, ...], BeforeValidator(_as_tuple)] | None = None
-    forward_mode: Annotated[tuple[ForwardMode, ...], BeforeValidator(_as_tuple)] | None = None
-    next_n: Annotated[NextNRange, BeforeValidator(_next_n)] | None = None
-    fp8_dtype: Annotated[tuple[Fp8Dtype, ...], BeforeValidator(_as_tuple)] | None = None
+    arch: ArchList | None = None
+    forward_mode: ModeList | None = None
+    next_n: Annotated[NextNRange, BeforeValidator(_next_n, json_schema_input_type=NextN | NextNRange)] | None = None
+    fp8_dtype: Fp8DtypeList | None = None
 
     @field_validator("arch", "forward_mode", "fp8_dtype")
     @classmethod
@@ -109,7 +118,7 @@ class OpTable(Strict):
 class ClusterMatch(Strict):
     """Declares which machines a cluster is: every given field must match the host."""
 
-    arch: Annotated[tuple[Arch, ...], BeforeValidator(_as_tuple)] | None = None
+    arch: ArchList | None = None
     gpu_name: str | None = None  # shell-style glob over torch.cuda.get_device_name()
     hostname: str | None = None  # shell-style glob over socket.gethostname()
 

@@ -1,0 +1,48 @@
+"""Where the Triton backends run, and the probe that says why not. Never imports triton at import time."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Callable
+
+import torch
+
+from dispatch.backend import Availability
+from dispatch.detect import detect_arch, triton_interpreter_on
+from dispatch.errors import InvalidKeyError
+from dispatch.key import Arch
+
+# fp8 tensor-core dots need sm89+ (the sm80 family here includes sm80/86, which have none) or CDNA3+;
+# e4m3fn does not compile for gfx942. The CPU runs the kernels under TRITON_INTERPRET=1.
+TRITON_ARCHS = frozenset({Arch.SM90, Arch.SM100, Arch.SM120, Arch.GFX950, Arch.CPU})
+# e4m3fnuz caches exist only on gfx942 (tl.float8e4b8 natively); the CPU runs the emulated bytes for tests.
+FNUZ_ARCHS = frozenset({Arch.GFX942, Arch.CPU})
+
+
+def probe_for(archs: frozenset[Arch]) -> Callable[[], Availability]:
+    """A probe: triton importable, then a GPU (or the interpreter), then this machine's arch declared."""
+
+    def probe() -> Availability:
+        try:
+            import triton  # noqa: F401
+        except ImportError as error:
+            return Availability.no(f"triton is not importable: {error}")
+        if not torch.cuda.is_available() and not triton_interpreter_on():
+            return Availability.no("no GPU visible to torch, and TRITON_INTERPRET is not 1 (the CPU interpreter is off)")
+        try:
+            arch = detect_arch()
+        except InvalidKeyError as error:
+            return Availability.no(str(error))
+        if arch not in archs:
+            declared = ", ".join(sorted(a.value for a in archs))
+            return Availability.no(f"this machine's arch {arch.value} is not among the declared archs ({declared})")
+        return Availability.yes()
+
+    return probe
+
+
+def triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return ""

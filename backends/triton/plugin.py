@@ -1,0 +1,133 @@
+"""Registers the Triton backends. Registration never imports triton: a machine without it still
+lists these backends, and their probe says why they cannot run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backends.triton.availability import (
+    FNUZ_ARCHS,
+    TRITON_ARCHS,
+    probe_for,
+    triton_version,
+)
+from backends.triton.fp8_mode import Fp8Mode
+from dispatch.backend import PAGED_MODES, Backend, Support
+from dispatch.checks import check_logits_inputs
+from dispatch.errors import LayoutError
+from dispatch.hookspecs import hookimpl
+from dispatch.key import Fp8Dtype, Op
+from dispatch.layout import Layout
+
+# The native kernel holds a row's tokens x heads in one program's tile; past 8 tokens it is untested.
+NATIVE_NEXT_N_MAX = 8
+
+
+def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
+    """run(plan, q, kv_cache, weights) for one layout; `fnuz_mode` None lets the machine choose."""
+
+    def run(plan, q, kv_cache, weights):
+        if plan.layout is not layout:
+            raise LayoutError(f"backend `{plan.logits.backend}` consumes layout `{layout.value}`; the plan is `{plan.layout.value}`")
+        check_logits_inputs(plan, q, kv_cache, weights)
+        from backends.triton.paged_mqa_logits import paged_mqa_logits
+
+        return paged_mqa_logits(
+            q,
+            kv_cache,
+            weights,
+            plan.context_lens,
+            plan.block_table,
+            plan.max_context_len,
+            plan.fp8_dtype,
+            fnuz_mode=fnuz_mode,
+        )
+
+    return run
+
+
+def logits_backends() -> list[Backend]:
+    """The paged-logits backends: `triton` (native), `triton.flatten`, and `rocm.fnuz` (native, e4m3fnuz)."""
+    version = triton_version()
+    e4m3fn = frozenset({Fp8Dtype.E4M3FN})
+    return [
+        Backend(
+            name="triton",
+            op=Op.PAGED_MQA_LOGITS,
+            layout=Layout.NATIVE,
+            supports=Support(
+                archs=TRITON_ARCHS, forward_modes=PAGED_MODES, fp8_dtypes=e4m3fn, next_n_max=NATIVE_NEXT_N_MAX
+            ),
+            run=logits_runner(Layout.NATIVE),
+            probe=probe_for(TRITON_ARCHS),
+            version=version,
+            description="Triton fp8 dot, native layout: each KV page read once for all next_n tokens",
+        ),
+        Backend(
+            name="triton.flatten",
+            op=Op.PAGED_MQA_LOGITS,
+            layout=Layout.FLATTEN,
+            supports=Support(archs=TRITON_ARCHS, forward_modes=PAGED_MODES, fp8_dtypes=e4m3fn),
+            run=logits_runner(Layout.FLATTEN),
+            probe=probe_for(TRITON_ARCHS),
+            version=version,
+            description="Triton fp8 dot, flatten layout: one row per token, KV pages read next_n times",
+        ),
+        Backend(
+            name="rocm.fnuz",
+            op=Op.PAGED_MQA_LOGITS,
+            layout=Layout.NATIVE,
+            supports=Support(
+                archs=FNUZ_ARCHS,
+                forward_modes=PAGED_MODES,
+                fp8_dtypes=frozenset({Fp8Dtype.E4M3FNUZ}),
+                next_n_max=NATIVE_NEXT_N_MAX,
+            ),
+            run=logits_runner(Layout.NATIVE),
+            probe=probe_for(FNUZ_ARCHS),
+            version=version,
+            description="Triton, native layout, e4m3fnuz: tl.float8e4b8 on gfx94x, emulated through e4m3fn elsewhere",
+        ),
+    ]
+
+
+def run_q_quant(*args, **kwargs):
+    from backends.triton.q_quant import (
+        indexer_q_quant,  # imports triton, which the probe found
+    )
+
+    return indexer_q_quant(*args, **kwargs)
+
+
+def q_quant_backends() -> list[Backend]:
+    """The fused Q quantiser twice: `triton` stores OCP e4m3fn, `rocm.fnuz` stores MI300's e4m3fnuz
+    (FP8_MAX 224), so a gfx942 key can never be served by the e4m3fn path."""
+    description = "fused Triton RoPE + amax + power-of-two scale + {} store + weight folding"
+    return [
+        Backend(
+            name="triton",
+            op=Op.INDEXER_Q_QUANT,
+            layout=Layout.TOKENS,
+            supports=Support(archs=TRITON_ARCHS, fp8_dtypes=frozenset({Fp8Dtype.E4M3FN})),
+            run=run_q_quant,
+            probe=probe_for(TRITON_ARCHS),
+            version=triton_version(),
+            description=description.format("e4m3fn (FP8_MAX 448)"),
+        ),
+        Backend(
+            name="rocm.fnuz",
+            op=Op.INDEXER_Q_QUANT,
+            layout=Layout.TOKENS,
+            supports=Support(archs=FNUZ_ARCHS, fp8_dtypes=frozenset({Fp8Dtype.E4M3FNUZ})),
+            run=run_q_quant,
+            probe=probe_for(FNUZ_ARCHS),
+            version=triton_version(),
+            description=description.format("e4m3fnuz (FP8_MAX 224; native on gfx94x, emulated elsewhere)"),
+        ),
+    ]
+
+
+@hookimpl
+def register_backends(register):
+    for backend in logits_backends() + q_quant_backends():
+        register(backend)

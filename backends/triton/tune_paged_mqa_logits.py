@@ -1,0 +1,267 @@
+"""Times launch configs of the Triton paged MQA logits kernel at the serving shape, correctness first.
+
+    PYTHONPATH=. python backends/triton/tune_paged_mqa_logits.py --out $OUT    # on a GPU: sweep
+    PYTHONPATH=. python backends/triton/tune_paged_mqa_logits.py --resources   # no GPU: sm_90 registers
+
+The sweep measures the two ceilings (device copy bandwidth, fp8 _scaled_mm rate), builds one paged
+cache of B requests with lengths uniform in [low, high], checks every config against the torch
+reference (relative error over visible positions, exact -inf pattern), then times it with
+triton.testing.do_bench (median; do_bench clears L2 before each call) while rotating over several
+q / weights / block-table sets. The floor is max(bytes / copy bandwidth, flops / fp8 rate), with
+bytes = every needed KV page once + q + weights + the whole logits output, and flops = 2 H D per
+visible (token, key) pair. Results go to OUT/tune.jsonl as they come and a table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from backends.reference.kv_cache import BLOCK_KV, quantize_keys
+from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
+from backends.triton.paged_mqa_logits import LaunchConfig, _paged_mqa_logits_kernel, default_config, paged_mqa_logits
+from dispatch.key import Fp8Dtype
+from dispatch.layout import Layout
+from dispatch.plan import layout_tensors
+
+HEADS, HEAD_DIM = 64, 128
+DEVICE = "cuda"  # a smoke test of the input building on the CPU sets "cpu"
+
+C = LaunchConfig
+# (shape name, next_n, layout) -> configs; `tokens` beyond next_n is clipped by the wrapper.
+SWEEP = {
+    ("n4_native", 4, Layout.NATIVE): [
+        C(4, 1, 32, 4, 2), C(4, 1, 32, 4, 5), C(4, 1, 32, 4, 7), C(4, 1, 64, 4, 7), C(4, 1, 16, 4, 7),
+        C(4, 1, 32, 8, 7), C(4, 2, 32, 8, 7), C(2, 1, 32, 4, 5), C(2, 1, 32, 4, 7), C(1, 2, 32, 4, 7),
+    ],
+    ("n1", 1, Layout.NATIVE): [
+        C(1, 2, 32, 4, 3), C(1, 2, 32, 4, 5), C(1, 2, 32, 4, 7), C(1, 2, 64, 4, 7), C(1, 1, 32, 4, 6),
+        C(1, 1, 32, 4, 8),
+    ],
+    ("n4_flatten", 4, Layout.FLATTEN): [C(1, 2, 32, 4, 3), C(1, 2, 32, 4, 7), C(1, 1, 32, 4, 8)],
+    ("n2_native", 2, Layout.NATIVE): [C(2, 1, 32, 4, 5), C(2, 1, 32, 4, 7), C(1, 2, 32, 4, 7)],
+    ("n8_native", 8, Layout.NATIVE): [C(4, 1, 32, 4, 7), C(4, 1, 32, 8, 7), C(8, 1, 32, 8, 7)],
+}
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Device copy bandwidth (read + write counted) and the fp8 matmul rate, measured here and now."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_s = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    mm_s = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=50, rep=300,
+                    return_mode="median") * 1e-3
+    return {"copy_GBps": 2 * (2 << 30) / copy_s / 1e9, "fp8_TFLOPs": 2 * n**3 / mm_s / 1e12}
+
+
+class Batch:
+    """One paged cache for B requests plus `sets` independent (q, weights, block table) draws."""
+
+    def __init__(self, batch: int, low: int, high: int, *, sets: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.seq_lens_host = torch.randint(low, high + 1, (batch,), generator=gen)
+        self.max_len = int(self.seq_lens_host.max())
+        pages = (self.seq_lens_host + BLOCK_KV - 1) // BLOCK_KV
+        self.total_pages = int(pages.sum())
+        num_blocks = self.total_pages + 1
+        torch.manual_seed(seed)
+        keys = torch.randn(num_blocks * BLOCK_KV, HEAD_DIM, device=DEVICE)
+        values, scales = quantize_keys(keys, Fp8Dtype.E4M3FN)
+        del keys
+        cache = torch.empty(num_blocks, BLOCK_KV * (HEAD_DIM + 4), dtype=torch.uint8, device=DEVICE)
+        cache[:, : BLOCK_KV * HEAD_DIM] = values.view(torch.uint8).view(num_blocks, -1)
+        cache[:, BLOCK_KV * HEAD_DIM :] = scales.view(torch.uint8).view(num_blocks, -1)
+        self.cache = cache.view(num_blocks, BLOCK_KV, 1, HEAD_DIM + 4)
+        self.seq_lens = self.seq_lens_host.to(torch.int32).to(DEVICE)
+        width = int(pages.max())
+        starts = torch.cumsum(pages, 0) - pages
+        slot = torch.arange(width)
+        self.tables = []
+        for _ in range(sets):
+            order = torch.randperm(self.total_pages, generator=gen) + 1
+            index = (starts[:, None] + slot[None, :]).clamp(max=self.total_pages - 1)
+            table = torch.where(slot[None, :] < pages[:, None], order[index], 0)
+            self.tables.append(table.to(torch.int32).to(DEVICE))
+        self.sets = sets
+
+    def inputs(self, next_n: int, layout: Layout, seed: int) -> list[tuple]:
+        """Per set: (q, kv_cache, weights, context_lens, block_table, max_context_len) in `layout`."""
+        batch = self.seq_lens.shape[0]
+        torch.manual_seed(seed)
+        out = []
+        for table in self.tables:
+            q = (torch.randn(batch * next_n, HEADS, HEAD_DIM, device=DEVICE) * 100).clamp(-448, 448)
+            weights = torch.randn(batch * next_n, HEADS, device=DEVICE)
+            context_lens, block_table = layout_tensors(layout, self.seq_lens, table, next_n)
+            rows = context_lens.shape[0]
+            q = q.to(torch.float8_e4m3fn).view(rows, -1, HEADS, HEAD_DIM)
+            out.append((q, self.cache, weights, context_lens, block_table, self.max_len))
+        return out
+
+    def floor_terms(self, next_n: int) -> tuple[float, float]:
+        """(bytes, flops) the problem needs at minimum, whatever the layout."""
+        batch = self.seq_lens.shape[0]
+        kv = self.total_pages * BLOCK_KV * (HEAD_DIM + 4)
+        small = batch * next_n * HEADS * (HEAD_DIM + 4)
+        logits = batch * next_n * self.max_len * 4
+        visible = sum(max(int(L) - next_n + j + 1, 0) for L in self.seq_lens_host for j in range(next_n))
+        return kv + small + logits, 2.0 * HEADS * HEAD_DIM * visible
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    mask_ok = bool(torch.equal(torch.isinf(out), torch.isinf(ref))) and not bool(torch.isnan(out).any())
+    visible = torch.isfinite(ref)
+    err = ((out[visible] - ref[visible]).norm() / ref[visible].norm()).item()
+    return err, mask_ok
+
+
+def sweep(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune.jsonl"), "a") as log:
+        _sweep(args, log)
+
+
+def _sweep(args, log) -> None:
+    from triton.testing import do_bench
+
+    props = torch.cuda.get_device_properties(0)
+    # A profiler run (ncu) times nothing; it needs only the kernel's launches.
+    ceilings = {"copy_GBps": 4273.0, "fp8_TFLOPs": 1260.0} if args.profile else measure_ceilings()
+    print(f"{props.name}, {props.multi_processor_count} SMs; ceilings {ceilings}", flush=True)
+    log.write(json.dumps({"device": props.name, **ceilings, "date": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
+    batch = Batch(args.batch, args.low, args.high, sets=args.sets, seed=args.seed)
+    started = time.time()
+    rows = []
+    for (name, next_n, layout), configs in SWEEP.items():
+        if args.only and name not in args.only:
+            continue
+        sets = batch.inputs(next_n, layout, seed=next_n)
+        ref = reference_logits(*sets[0])
+        nbytes, flops = batch.floor_terms(next_n)
+        floor_s = max(nbytes / (ceilings["copy_GBps"] * 1e9), flops / (ceilings["fp8_TFLOPs"] * 1e12))
+        # What the wrapper picks by itself: flatten q has one token per row.
+        default = default_config(sets[0][0].shape[1], torch.device("cuda"))
+        candidates = [LaunchConfig(*args.config)] if args.config else [default] + [c for c in configs if c != default]
+        for config in candidates:
+            if time.time() - started > args.budget_s:
+                print(f"budget of {args.budget_s} s spent; skipping the rest", flush=True)
+                break
+            record = {"shape": name, "next_n": next_n, "layout": layout.value, "config": config.__dict__,
+                      "default": config == default}
+            try:
+                err, mask_ok = relative_error(paged_mqa_logits(*sets[0], config=config), ref)
+                if args.profile:
+                    paged_mqa_logits(*sets[1], config=config)
+                    torch.cuda.synchronize()
+                    print(f"{name} {config}: err {err:.1e} mask {'ok' if mask_ok else 'BAD'}; launched for the profiler")
+                    continue
+                seconds = do_bench(_rotating(sets, config), warmup=args.warmup_ms, rep=args.rep_ms,
+                                   return_mode="median") * 1e-3
+                record.update(err=err, mask_ok=mask_ok, us=seconds * 1e6, floor_us=floor_s * 1e6,
+                              of_floor=seconds / floor_s, GBps=nbytes / seconds / 1e9, TFLOPs=flops / seconds / 1e12)
+            except Exception as error:  # a config that fails to compile (shared memory) is a result too
+                record.update(error=f"{type(error).__name__}: {str(error)[:300]}")
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            rows.append(record)
+            print(_row(record), flush=True)
+        del sets, ref
+        torch.cuda.empty_cache()
+    print("\nbest per shape:")
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        timed = [r for r in rows if r["shape"] == name and "us" in r and r["mask_ok"] and r["err"] < 1e-3]
+        if timed:
+            best = min(timed, key=lambda r: r["us"])
+            print(_row(best))
+            dflt = next((r for r in timed if r["default"]), None)
+            if dflt:
+                print("  default:", _row(dflt))
+
+
+def _rotating(sets: list[tuple], config: LaunchConfig):
+    """A call that takes the next input set each time, so no set stays in L2 between calls."""
+    turn = iter(range(1 << 62))
+    return lambda: paged_mqa_logits(*sets[next(turn) % len(sets)], config=config)
+
+
+def _row(r: dict) -> str:
+    c = r["config"]
+    cfg = f"tok{c['tokens']} pg{c['pages']} split{c['pages_per_split']} w{c['num_warps']} s{c['num_stages']}"
+    if "error" in r:
+        return f"{r['shape']:11s} {cfg:30s} ERROR {r['error'][:120]}"
+    return (f"{r['shape']:11s} {cfg:30s} {r['us']:8.1f} us  floor {r['floor_us']:6.1f} us  x{r['of_floor']:.2f}  "
+            f"{r['GBps']:6.0f} GB/s  {r['TFLOPs']:6.1f} TFLOP/s  err {r['err']:.1e}  mask {'ok' if r['mask_ok'] else 'BAD'}")
+
+
+def resources() -> None:
+    """Compile every swept config for sm_90 without a GPU and print registers, stack and shared memory."""
+    import subprocess
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    names = _paged_mqa_logits_kernel.arg_names
+    pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*fp32"]
+    seen = set()
+    for (name, next_n, _), configs in SWEEP.items():
+        for config in configs:
+            tokens = min(triton.next_power_of_2(next_n), config.tokens)
+            key = (next_n, tokens, config.pages, config.num_warps, config.num_stages)
+            if key in seen:
+                continue
+            seen.add(key)
+            constexprs = {"N": next_n, "TG": tokens, "H": HEADS, "D": HEAD_DIM, "BLOCK_KV": BLOCK_KV,
+                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0}
+            signature = {n: (pointer_types[i] if i < len(pointer_types) else "constexpr" if n in constexprs else "i32")
+                         for i, n in enumerate(names)}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if i < 7 or n.startswith("stride")}
+            source = ASTSource(_paged_mqa_logits_kernel, signature,
+                               constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=aligned)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+            path = "/tmp/paged_mqa_logits_sm90.cubin"
+            with open(path, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], check=True, capture_output=True, text=True).stdout
+            regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:")))
+            print(f"N={next_n} tok{tokens} pg{config.pages} w{config.num_warps} s{config.num_stages}: {regs} "
+                  f"SMEM:{compiled.metadata.shared}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "tune_out"))
+    parser.add_argument("--resources", action="store_true", help="sm_90 resource report, no GPU needed")
+    parser.add_argument("--only", nargs="*", help="shape names to sweep")
+    parser.add_argument("--config", type=lambda text: [int(v) for v in text.split(",")],
+                        help="one config instead of the sweep's: tokens,pages,pages_per_split,num_warps,num_stages")
+    parser.add_argument("--profile", action="store_true", help="check, then launch once more untimed (for ncu)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--low", type=int, default=16384)
+    parser.add_argument("--high", type=int, default=49152)
+    parser.add_argument("--sets", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-ms", type=int, default=20)
+    parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--budget-s", type=float, default=300.0)
+    args = parser.parse_args()
+    if args.resources:
+        resources()
+    else:
+        sweep(args)
+
+
+if __name__ == "__main__":
+    main()

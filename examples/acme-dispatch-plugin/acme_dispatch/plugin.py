@@ -1,0 +1,53 @@
+"""Registers `acme.chunked`: paged MQA logits in the native layout, computed a chunk of requests at a
+time with dense torch ops. A real plugin would call its own kernel here; the contract is the same."""
+
+from __future__ import annotations
+
+import torch
+
+from dispatch.backend import ALL_ARCHS, PAGED_MODES, Backend, Support
+from dispatch.checks import check_logits_inputs
+from dispatch.fp8 import torch_dtype
+from dispatch.hookspecs import hookimpl
+from dispatch.key import Op
+from dispatch.layout import Layout
+
+CHUNK = 8
+
+
+def run(plan, q, kv_cache, weights):
+    check_logits_inputs(plan, q, kv_cache, weights)
+    batch, next_n, heads, head_dim = q.shape
+    num_blocks, block_kv = kv_cache.shape[:2]
+    flat = kv_cache.view(num_blocks, -1)
+    keys = flat[:, : block_kv * head_dim].view(torch_dtype(plan.fp8_dtype)).view(num_blocks, block_kv, head_dim)
+    scales = flat[:, block_kv * head_dim :].view(torch.float32)
+    pages = -(-plan.max_context_len // block_kv)
+    table = plan.block_table[:, :pages].long().clamp(0, num_blocks - 1)
+    out = torch.empty(batch * next_n, plan.max_context_len, dtype=torch.float32, device=q.device)
+    positions = torch.arange(plan.max_context_len, device=q.device)
+    for start in range(0, batch, CHUNK):
+        rows = slice(start, min(start + CHUNK, batch))
+        k = keys[table[rows]].flatten(1, 2)[:, : plan.max_context_len].float()  # [b, T, D]
+        s = scales[table[rows]].flatten(1)[:, : plan.max_context_len]  # [b, T]
+        scores = torch.relu(torch.einsum("bnhd,btd->bnht", q[rows].float(), k))
+        w = weights.view(batch, next_n, heads)[rows]
+        logits = torch.einsum("bnht,bnh->bnt", scores, w) * s[:, None, :]
+        visible = positions < plan.context_lens[rows][..., None]
+        out.view(batch, next_n, -1)[rows] = torch.where(visible, logits, float("-inf"))
+    return out
+
+
+@hookimpl
+def register_backends(register):
+    register(
+        Backend(
+            name="acme.chunked",
+            op=Op.PAGED_MQA_LOGITS,
+            layout=Layout.NATIVE,
+            supports=Support(archs=ALL_ARCHS, forward_modes=PAGED_MODES),
+            run=run,
+            version="0.1.0",
+            description="example third-party plugin: chunked dense torch",
+        )
+    )

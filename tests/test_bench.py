@@ -1,0 +1,31 @@
+"""`dispatch bench` end to end at tiny shapes on the CPU: every row is checked against the reference
+before it is timed, and the report carries the machine, versions and dispatch overhead."""
+
+import json
+
+import torch
+
+from dispatch.bench.runner import compare_logits
+from dispatch.cli import main
+
+
+def test_quick_bench_checks_then_times(capsys):
+    code = main(["bench", "--quick", "--next-n", "1,3", "--backends", "torch.reference.flatten,triton", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {(r["op"], r["backend"], r["shape"]) for r in report["rows"]}
+    assert ("paged_mqa_logits", "torch.reference.flatten", "B=2 N=3 L~256 H=64 D=128") in rows
+    assert ("indexer_q_quant", "triton", "T=64 H=64 D=128 rot=64") in rows
+    assert all(r["check"] == "ok" and r["median_us"] > 0 for r in report["rows"])
+    assert report["torch"] == torch.__version__
+    assert report["dispatch_overhead"]["decide_cached_us"] > 0
+
+
+def test_compare_logits_catches_a_wrong_mask_and_nan():
+    reference = torch.tensor([[1.0, 2.0, float("-inf")]])
+    assert compare_logits(reference.clone(), reference, 1e-5) == (0.0, "ok")
+    leaked = torch.tensor([[1.0, 2.0, 5.0]])
+    assert compare_logits(leaked, reference, 1e-5)[1] == "-inf pattern differs from the reference"
+    assert compare_logits(torch.tensor([[float("nan"), 2.0, float("-inf")]]), reference, 1e-5)[1] == "NaN in output"
+    error, verdict = compare_logits(torch.tensor([[1.1, 2.0, float("-inf")]]), reference, 1e-5)
+    assert verdict.startswith("error") and abs(error - 0.1 / 5**0.5) < 1e-6

@@ -1,0 +1,300 @@
+"""`python -m dispatch` through dispatch.cli.main: explain, validate, backends; exit codes 0 / 1 / 2 and
+clean messages (no traceback) for user mistakes."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from dispatch.cli import main
+from dispatch.detect import detect_arch
+
+LOGITS_KEYS = {"op", "key", "backend", "layout", "rule", "cluster", "plugin", "rejected"}
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ("DISPATCH_REGISTRY", "DISPATCH_CLUSTER", "DISPATCH_PLUGINS", "DISPATCH_ARCH", "DISPATCH_FP8_DTYPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    detect_arch.cache_clear()
+    yield monkeypatch
+    detect_arch.cache_clear()
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def explain_json(capsys, *argv) -> dict:
+    code, out, err = run(capsys, "explain", "--json", *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def logits_backends(capsys) -> set[str]:
+    code, out, _ = run(capsys, "backends", "--json")
+    assert code == 0
+    return {row["name"] for row in json.loads(out) if row["op"] == "paged_mqa_logits"}
+
+
+def assert_decision_shape(payload: dict, capsys) -> None:
+    assert LOGITS_KEYS <= set(payload)
+    assert isinstance(payload["rejected"], list)
+    for rejection in payload["rejected"]:
+        assert set(rejection) == {"backend", "reason"} and rejection["reason"]
+    # every other registered backend is listed once, with its reason
+    names = [r["backend"] for r in payload["rejected"]]
+    assert len(names) == len(set(names))
+    assert set(names) | {payload["backend"]} == logits_backends(capsys)
+
+
+def test_explain_sm100_target_verify(capsys):
+    payload = explain_json(
+        capsys, "--arch", "sm100", "--forward-mode", "target_verify", "--next-n", "4", "--fp8-dtype", "e4m3fn"
+    )
+    assert payload["op"] == "paged_mqa_logits"
+    assert payload["key"] == {"arch": "sm100", "forward_mode": "target_verify", "next_n": 4, "fp8_dtype": "e4m3fn"}
+    assert (payload["backend"], payload["layout"], payload["rule"]) == (
+        "deepgemm.sm100",
+        "native",
+        "sm100-deepgemm-native",
+    )
+    assert payload["plugin"] == "backends.deepgemm.plugin"
+    assert payload["cluster"] is None
+    assert payload["availability_checked"] is False  # sm100 on this machine is a what-if
+    assert_decision_shape(payload, capsys)
+    reasons = {r["backend"]: r["reason"] for r in payload["rejected"]}
+    assert reasons["triton"] == "eligible, but rule `sm100-deepgemm-native` lists `deepgemm.sm100` before it"
+
+
+@pytest.mark.parametrize(
+    "next_n, backend, rule",
+    [(2, "deepgemm.sm90", "sm90-deepgemm-native"), (4, "triton", "sm90-beyond-deepgemm")],
+)
+def test_explain_sm90(capsys, next_n, backend, rule):
+    payload = explain_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", str(next_n))
+    assert payload["key"]["fp8_dtype"] == "e4m3fn"
+    assert (payload["backend"], payload["rule"], payload["cluster"]) == (backend, rule, None)
+    assert_decision_shape(payload, capsys)
+
+
+def test_explain_sm90_on_an_h200_applies_its_cluster(capsys, clean_environment):
+    clean_environment.setattr("dispatch.clusters.gpu_name", lambda: "NVIDIA H200")
+    payload = explain_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "4")
+    assert (payload["backend"], payload["cluster"]) == ("triton", "h200-mtp")
+    reasons = {r["backend"]: r["reason"] for r in payload["rejected"]}
+    assert (
+        reasons["deepgemm.sm90.flatten"] == "rule `sm90-beyond-deepgemm` names it, but disabled by cluster `h200-mtp`"
+    )
+
+
+def test_explain_gfx942_uses_fnuz(capsys):
+    payload = explain_json(capsys, "--arch", "gfx942", "--forward-mode", "target_verify", "--next-n", "3")
+    assert payload["key"] == {"arch": "gfx942", "forward_mode": "target_verify", "next_n": 3, "fp8_dtype": "e4m3fnuz"}
+    assert (payload["backend"], payload["rule"]) == ("rocm.fnuz", "gfx942-fnuz")
+    assert_decision_shape(payload, capsys)
+
+
+def test_explain_text_says_what_if_and_lists_rejections(capsys):
+    code, out, err = run(capsys, "explain", "--arch", "sm100", "--forward-mode", "target_verify", "--next-n", "4")
+    assert code == 0 and err == ""
+    assert "what-if" in out
+    assert "chosen:   deepgemm.sm100" in out
+    assert "rule `sm100-deepgemm-native` (" in out and "registry.yaml:" in out
+    assert "rejected:" in out and "triton" in out
+
+
+needs_cpu_host = pytest.mark.skipif(torch.cuda.is_available(), reason="explains this machine, which must be a CPU host")
+
+
+@needs_cpu_host
+def test_explain_this_machine(capsys):
+    code, out, err = run(capsys, "explain")
+    assert code == 0, err
+    assert "torch.reference" in out and "what-if" not in out
+    payload = explain_json(capsys)
+    assert payload["key"] == {"arch": "cpu", "forward_mode": "decode", "next_n": 1, "fp8_dtype": "e4m3fn"}
+    assert (payload["backend"], payload["rule"], payload["availability_checked"]) == (
+        "torch.reference",
+        "cpu-reference",
+        True,
+    )
+    assert payload["plugin"] == "backends.reference.plugin"
+
+
+@needs_cpu_host
+def test_explain_all_ops(capsys):
+    payload = explain_json(capsys, "--op", "all", "--forward-mode", "target_verify", "--next-n", "3")
+    assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant"]
+    assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference"]
+    for decision in payload:
+        assert LOGITS_KEYS <= set(decision)
+        assert decision["key"] == payload[0]["key"]
+    code, out, _ = run(capsys, "explain", "--op", "all")
+    assert code == 0 and "paged_mqa_logits for" in out and "indexer_q_quant for" in out
+
+
+def write_registry(tmp_path, text: str):
+    path = tmp_path / "registry.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_exit_1_when_no_backend_fits(capsys, tmp_path):
+    path = write_registry(
+        tmp_path,
+        """\
+        version: 1
+        ops:
+          paged_mqa_logits:
+            rules:
+              - id: only-reference
+                when: {arch: cpu}
+                use: [torch.reference]
+            fallback: [torch.reference.flatten]
+        """,
+    )
+    code, out, err = run(
+        capsys, "explain", "--registry", str(path), "--arch", "cpu", "--forward-mode", "extend", "--next-n", "2"
+    )
+    assert code == 1
+    assert out == "" and "Traceback" not in err
+    assert err.startswith("dispatch: no backend for paged_mqa_logits at arch=cpu forward_mode=extend next_n=2")
+    assert "torch.reference: rule `only-reference` names it, but forward_mode extend not supported" in err
+    assert "torch.reference.flatten: fallback[0] names it, but forward_mode extend not supported" in err
+    listed = {line.strip().split(":")[0] for line in err.splitlines()[1:]}
+    assert listed == logits_backends(capsys)  # every candidate, with its reason
+
+
+def assert_clean_exit_2(code: int, out: str, err: str) -> None:
+    assert code == 2
+    assert out == ""
+    assert err.startswith("dispatch: ") and "Traceback" not in err
+
+
+def test_exit_2_on_an_invalid_registry(capsys, tmp_path):
+    path = write_registry(
+        tmp_path,
+        "version: 1\nops:\n  paged_mqa_logits:\n    rules:\n      - id: a\n        use: [triton]\n        when: {arch: sm77}\n",
+    )
+    code, out, err = run(capsys, "validate", str(path))
+    assert_clean_exit_2(code, out, err)
+    assert f"{path}:7: ops.paged_mqa_logits.rules[0].when.arch" in err and "'sm77'" in err
+    code, out, err = run(capsys, "explain", "--registry", str(path), "--arch", "cpu")
+    assert_clean_exit_2(code, out, err)
+    assert f"{path}:7:" in err
+
+
+def test_exit_2_on_an_unknown_backend_name(capsys, tmp_path):
+    path = write_registry(
+        tmp_path, "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [torch.reference, no.such.backend]\n"
+    )
+    code, out, err = run(capsys, "validate", str(path))
+    assert_clean_exit_2(code, out, err)
+    assert f"{path}:4: ops.paged_mqa_logits.fallback[1]: unknown backend `no.such.backend`" in err
+
+
+def test_exit_2_on_lint_findings(capsys, tmp_path):
+    path = write_registry(
+        tmp_path,
+        """\
+        version: 1
+        ops:
+          paged_mqa_logits:
+            rules:
+              - id: everything
+                use: [torch.reference]
+              - id: cpu
+                when: {arch: cpu}
+                use: [torch.reference]
+        """,
+    )
+    code, out, err = run(capsys, "validate", str(path))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"lint: {path}:7: ops.paged_mqa_logits.rules[1]: rule `cpu` can never fire" in err
+
+
+def test_exit_2_on_a_missing_registry_file(capsys, tmp_path):
+    code, out, err = run(capsys, "validate", str(tmp_path / "missing.yaml"))
+    assert_clean_exit_2(code, out, err)
+    assert "missing.yaml: cannot read the registry" in err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--arch", "gfx942", "--fp8-dtype", "e4m3fn"], "`fp8_dtype` e4m3fn cannot occur on `arch` gfx942"),
+        (["--arch", "sm90", "--fp8-dtype", "e4m3fnuz"], "`fp8_dtype` e4m3fnuz cannot occur on `arch` sm90"),
+        (["--arch", "sm90", "--forward-mode", "decode", "--next-n", "2"], "`next_n` is 2 with forward_mode `decode`"),
+        (["--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "0"], "`next_n` is 0"),
+    ],
+)
+def test_exit_2_on_an_invalid_key(capsys, argv, words):
+    code, out, err = run(capsys, "explain", *argv)
+    assert_clean_exit_2(code, out, err)
+    assert words in err
+
+
+def test_exit_2_on_an_unknown_cluster(capsys, clean_environment):
+    code, out, err = run(capsys, "explain", "--arch", "sm90", "--cluster", "nope")
+    assert_clean_exit_2(code, out, err)
+    assert "unknown cluster `nope` (declared: h200-mtp, reference-only)" in err
+    clean_environment.setenv("DISPATCH_CLUSTER", "also-nope")
+    code, out, err = run(capsys, "explain", "--arch", "sm90")
+    assert_clean_exit_2(code, out, err)
+    assert "unknown cluster `also-nope`" in err
+
+
+def test_named_cluster_changes_the_decision(capsys):
+    payload = explain_json(
+        capsys, "--arch", "sm100", "--forward-mode", "target_verify", "--next-n", "4", "--cluster", "reference-only"
+    )
+    assert (payload["backend"], payload["rule"], payload["source"], payload["cluster"]) == (
+        "torch.reference",
+        "prefer[0]",
+        "cluster-prefer",
+        "reference-only",
+    )
+
+
+def test_bad_argument_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--arch", "sm77"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'sm77'" in err and "Traceback" not in err
+
+
+def test_backends_json_lists_the_reference_with_its_plugin(capsys):
+    code, out, err = run(capsys, "backends", "--json")
+    assert code == 0, err
+    rows = {(row["op"], row["name"]): row for row in json.loads(out)}
+    reference = rows[("paged_mqa_logits", "torch.reference")]
+    assert reference["plugin"] == "backends.reference.plugin"
+    assert reference["distribution"] == "dispatch-dsa"
+    assert reference["layout"] == "native" and reference["available"] is True
+    assert reference["supports"]["forward_modes"] == ["decode", "draft_extend", "target_verify"]
+    assert rows[("paged_mqa_logits", "torch.reference.flatten")]["layout"] == "flatten"
+    assert rows[("indexer_q_quant", "torch.reference")]["layout"] == "tokens"
+    assert all(
+        set(row) >= {"name", "op", "layout", "plugin", "distribution", "available", "reason"} for row in rows.values()
+    )
+
+
+def test_backends_text(capsys):
+    code, out, _ = run(capsys, "backends")
+    assert code == 0
+    assert "torch.reference  [paged_mqa_logits, native]" in out and "plugin backends.reference.plugin" in out
+
+
+def test_validate_the_project_registry(capsys):
+    code, out, err = run(capsys, "validate")
+    assert code == 0, err
+    assert out.startswith("ok: ") and "registry.yaml" in out and "fingerprint" in out
+    assert err == ""

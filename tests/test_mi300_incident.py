@@ -1,0 +1,82 @@
+"""Regression test for the vLLM MI300 incident: Q quantised as e4m3fn (FP8_MAX 448) against an
+e4m3fnuz K cache. Here the cache's dtype is the key's, so that Q cannot reach the kernel, and the
+path decided for gfx942 quantises with FP8_MAX 224 into e4m3fnuz."""
+
+import pytest
+import torch
+
+from backends.reference.kv_cache import build_paged_kv_cache
+from backends.reference.q_quant import indexer_q_quant
+from dispatch.errors import DtypeMismatchError, InvalidKeyError, RegistryError
+from dispatch.key import DispatchKey, ForwardMode, Op
+from dispatch.ops import paged_mqa_logits, quantize_q
+from dispatch.plan import ForwardBatch, build_plan
+from dispatch.registry import parse_registry
+from dispatch.rope import RopeSpec
+from dispatch.runtime import load_dispatcher
+
+H, D, ROT = 64, 128, 64
+SETTINGS = dict(rope=RopeSpec.gptj_tail(), softmax_scale=D**-0.5, head_scale=H**-0.5)
+
+
+def _batch(generator, lengths=(40, 129, 7)):
+    cache, table = build_paged_kv_cache(
+        [torch.randn(n, D, generator=generator) for n in lengths], "e4m3fnuz", generator=generator
+    )
+    batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths), ForwardMode.TARGET_VERIFY, 2)
+    tokens = len(lengths) * 2
+    inputs = dict(
+        q=(torch.randn(tokens, H, D, generator=generator) * 300).to(torch.bfloat16),
+        weights=torch.randn(tokens, H, generator=generator),
+        positions=torch.arange(tokens),
+        cos_sin_cache=torch.randn(64, ROT, generator=generator).to(torch.bfloat16),
+    )
+    return cache, batch, inputs
+
+
+def test_e4m3fn_q_against_an_fnuz_cache_is_refused_naming_both_dtypes():
+    generator = torch.Generator().manual_seed(0)
+    cache, batch, inputs = _batch(generator)
+    plan = build_plan(load_dispatcher(arch="cpu"), batch, kv_fp8_dtype=torch.float8_e4m3fnuz)
+    hard_coded_q, weights = indexer_q_quant(**inputs, fp8_dtype="e4m3fn", **SETTINGS)  # the bug: FP8_MAX 448, e4m3fn
+    assert hard_coded_q.float().abs().max() > 224
+    with pytest.raises(DtypeMismatchError, match=r"float8_e4m3fn.*e4m3fnuz"):
+        paged_mqa_logits(plan, hard_coded_q, cache, weights)
+
+
+def test_the_plan_quantises_into_the_cache_dtype_and_the_logits_match():
+    generator = torch.Generator().manual_seed(1)
+    cache, batch, inputs = _batch(generator)
+    plan = build_plan(load_dispatcher(arch="cpu"), batch, kv_fp8_dtype=torch.float8_e4m3fnuz)
+    q_fp8, weights = quantize_q(plan, **inputs, **SETTINGS)
+    assert q_fp8.dtype == torch.float8_e4m3fnuz
+    assert q_fp8.float().abs().max() <= 224
+    assert torch.isfinite(paged_mqa_logits(plan, q_fp8, cache, weights)).any()
+
+
+def test_gfx942_decides_the_fnuz_path_with_fp8_max_224():
+    dispatcher = load_dispatcher(arch="gfx942")  # a what-if on this machine
+    key = DispatchKey("gfx942", "target_verify", 2, "e4m3fnuz")
+    quant = dispatcher.decide(Op.INDEXER_Q_QUANT, key)
+    logits = dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
+    assert (quant.backend, logits.backend) == ("rocm.fnuz", "rocm.fnuz")
+    assert "not supported" in {r.backend: r.reason for r in quant.rejected}["triton"]
+    generator = torch.Generator().manual_seed(2)
+    _, _, inputs = _batch(generator)
+    q_fp8, _ = quant.impl.run(**inputs, fp8_dtype=quant.key.fp8_dtype, **SETTINGS)
+    assert q_fp8.dtype == torch.float8_e4m3fnuz
+    # The scale is the power of two at or above amax / 224, so each head's largest value lands in
+    # (112, 224] before the fp8 rounding, which can bring it down to 112.
+    head_max = q_fp8.float().abs().amax(dim=-1)
+    assert head_max.max() <= 224 and head_max.min() >= 112
+
+
+def test_keys_and_rules_that_pair_the_wrong_dtype_with_gfx942_are_rejected():
+    with pytest.raises(InvalidKeyError, match="e4m3fn cannot occur on `arch` gfx942"):
+        DispatchKey("gfx942", "decode", 1, "e4m3fn")
+    with pytest.raises(RegistryError, match=r"registry.yaml:6: .*arch gfx942 cannot hold fp8_dtype e4m3fn"):
+        parse_registry(
+            "version: 1\nops:\n  indexer_q_quant:\n    rules:\n      - id: wrong\n"
+            "        when: {arch: gfx942, fp8_dtype: e4m3fn}\n        use: torch.reference\n",
+            "registry.yaml",
+        )
