@@ -68,14 +68,15 @@ class Dispatcher:
                 self._log(cached)
         return cached
 
-    def pin(self, op: Op | str, key: DispatchKey, backend: str) -> Decision:
+    def pin(self, op: Op | str, key: DispatchKey, backend: str, *, allow_disabled: bool = False) -> Decision:
         """A decision naming `backend` outright (a benchmark, or an engine flag forcing a path). It is
-        still tagged and checked: an unknown, unsupported or unavailable backend is refused."""
+        still tagged and checked: an unknown, unsupported or unavailable backend is refused, and so is
+        a disabled one unless `allow_disabled` (a benchmark comparing every path that can run)."""
         op = Op(op)
         impl = self.catalog.get(op, backend)
         if impl is None:
             raise NoBackendError(f"no backend `{backend}` for {op.value} (registered: {', '.join(self.catalog.names(op))})")
-        reason = self._why_ineligible(impl, key)
+        reason = self._why_ineligible(impl, key, respect_disabled=not allow_disabled)
         if reason:
             raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
         return Decision(
@@ -149,8 +150,8 @@ class Dispatcher:
         steps += [_Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]") for i, name in enumerate(table.fallback)]
         return steps
 
-    def _why_ineligible(self, backend: Backend, key: DispatchKey) -> str | None:
-        if backend.name in self._disabled:
+    def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:
+        if respect_disabled and backend.name in self._disabled:
             return self._disabled[backend.name]
         unsupported = backend.supports.why_not(key)
         if unsupported:

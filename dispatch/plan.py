@@ -3,6 +3,7 @@ batch from the engine's metadata and carried, as the tag, into every layer's cal
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +76,13 @@ class IndexerPlan:
 
 def visible_lengths(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     """Causal lengths [B, N]: token j of a request of total length L sees keys 0 .. L - N + j."""
-    offsets = torch.arange(1 - next_n, 1, device=seq_lens.device, dtype=torch.int32)
-    return (seq_lens.to(torch.int32)[:, None] + offsets[None, :]).clamp_(min=0)
+    return (seq_lens.to(torch.int32)[:, None] + _causal_offsets(next_n, seq_lens.device)).clamp_(min=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_offsets(next_n: int, device: torch.device) -> torch.Tensor:
+    # Built once per (next_n, device): the plan is on every batch's host path.
+    return torch.arange(1 - next_n, 1, device=device, dtype=torch.int32)
 
 
 def layout_tensors(layout: Layout, seq_lens: torch.Tensor, page_table: torch.Tensor, next_n: int):
@@ -96,6 +102,7 @@ def build_plan(
     kv_fp8_dtype: Fp8Dtype | torch.dtype,
     arch: Arch | str | None = None,
     pinned: dict[Op, str] | None = None,
+    allow_disabled: bool = False,
 ) -> IndexerPlan:
     """Decide both ops for this batch and build the decided layout's tensors. No host-device sync.
 
@@ -109,7 +116,9 @@ def build_plan(
     pinned = pinned or {}
 
     def decide(op: Op):
-        return dispatcher.pin(op, key, pinned[op]) if op in pinned else dispatcher.decide(op, key)
+        if op in pinned:
+            return dispatcher.pin(op, key, pinned[op], allow_disabled=allow_disabled)
+        return dispatcher.decide(op, key)
 
     logits = decide(Op.PAGED_MQA_LOGITS)
     q_quant = decide(Op.INDEXER_Q_QUANT)

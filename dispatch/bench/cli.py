@@ -96,13 +96,13 @@ def report_text(report: dict) -> str:
         lines.append(f"ceilings: copy {c['copy_GBps']:.0f} GB/s (read+write), fp8 matmul {c['fp8_TFLOPs']:.0f} TFLOP/s")
     o = report["dispatch_overhead"]
     lines.append(f"dispatch: cached decide {o['decide_cached_us']:.2f} us, build_plan B=128 {o['build_plan_B128_us']:.1f} us (host)")
-    header = f"{'op':<17} {'backend':<24} {'layout':<8} {'shape':<34} {'median us':>10} {'GB/s':>7} {'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}  check"
+    header = f"{'op':<17} {'backend':<24} {'layout':<8} {'shape':<34} {'median us':>10} {'GB/s':>7} {'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}  {'timed':<6} check"
     lines += ["", header, "-" * len(header)]
     for row in report["rows"]:
         lines.append(
             f"{row['op']:<17} {row['backend']:<24} {row['layout']:<8} {row['shape']:<34} "
             f"{_num(row['median_us'], '.1f'):>10} {_num(row['GBps'], '.0f'):>7} {_num(row['TFLOPs'], '.0f'):>8} "
-            f"{_num(row['x_floor'], '.2f'):>8} {_num(row['rel_error'], '.1e'):>9}  {row['check']}"
+            f"{_num(row['x_floor'], '.2f'):>8} {_num(row['rel_error'], '.1e'):>9}  {row.get('timing', '-'):<6} {row['check']}"
         )
     return "\n".join(lines)
 

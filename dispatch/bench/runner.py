@@ -97,17 +97,22 @@ def bench_logits(
     reference = _run_logits(dispatcher, REFERENCE, mode, first, fp8_dtype)
     rows = []
     for name in _candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted):
-        plan_of = {id(inputs): _plan(dispatcher, name, mode, inputs, fp8_dtype) for inputs in sets}
-        row = Row(Op.PAGED_MQA_LOGITS.value, name, plan_of[id(first)].layout.value, shape.label(), bytes=bytes_, flops=flops, floor_seconds=floor)
-        out = paged_mqa_logits(plan_of[id(first)], first.q_tokens, first.kv_cache, first.weights)
+        layout = dispatcher.catalog.get(Op.PAGED_MQA_LOGITS, name).layout.value
+        row = Row(Op.PAGED_MQA_LOGITS.value, name, layout, shape.label(), bytes=bytes_, flops=flops, floor_seconds=floor)
+        rows.append(row)
+        try:
+            plan_of = {id(inputs): _plan(dispatcher, name, mode, inputs, fp8_dtype) for inputs in sets}
+            out = paged_mqa_logits(plan_of[id(first)], first.q_tokens, first.kv_cache, first.weights)
+        except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
+            row.check = f"failed: {type(error).__name__}: {error}"
+            continue
         row.error, row.check = compare_logits(out, reference, tolerance)
         if row.check == "ok":
             calls = [
                 (lambda inputs=inputs: paged_mqa_logits(plan_of[id(inputs)], inputs.q_tokens, inputs.kv_cache, inputs.weights))
                 for inputs in sets
             ]
-            row.seconds = time_rotating(calls, on_gpu=device != "cpu", repeats=repeats)
-        rows.append(row)
+            row.seconds, row.extra["timing"] = time_rotating(calls, on_gpu=device != "cpu", repeats=repeats)
     return rows
 
 
@@ -119,7 +124,9 @@ def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_d
         forward_mode=mode,
         next_n=inputs.q_tokens.shape[0] // inputs.seq_lens.shape[0],
     )
-    return build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, pinned={Op.PAGED_MQA_LOGITS: backend})
+    return build_plan(
+        dispatcher, batch, kv_fp8_dtype=fp8_dtype, pinned={Op.PAGED_MQA_LOGITS: backend}, allow_disabled=True
+    )
 
 
 def _run_logits(dispatcher, backend, mode, inputs, fp8_dtype):
@@ -160,7 +167,7 @@ def bench_quant(
     reference = dispatcher.catalog.get(Op.INDEXER_Q_QUANT, REFERENCE).run(**inputs, **settings)
     rows = []
     for name in _candidates(dispatcher, Op.INDEXER_Q_QUANT, key, wanted):
-        decision = dispatcher.pin(Op.INDEXER_Q_QUANT, key, name)
+        decision = dispatcher.pin(Op.INDEXER_Q_QUANT, key, name, allow_disabled=True)
         row = Row(Op.INDEXER_Q_QUANT.value, name, decision.layout.value, shape.label(), bytes=bytes_, floor_seconds=floor)
         q_fp8, weights = decision.impl.run(**inputs, **settings)
         mismatched = (q_fp8.view(torch.uint8) != reference[0].view(torch.uint8)).sum().item()
@@ -168,7 +175,8 @@ def bench_quant(
         row.error = mismatched / q_fp8.numel()
         row.check = "ok" if mismatched == 0 and weights_equal else f"{mismatched} fp8 bytes differ; weights equal: {weights_equal}"
         if row.check == "ok":
-            row.seconds = time_rotating([lambda: decision.impl.run(**inputs, **settings)], on_gpu=device != "cpu", repeats=repeats)
+            call = [lambda: decision.impl.run(**inputs, **settings)]
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
         rows.append(row)
     return rows
 
