@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode")
     explain.add_argument("--next-n", type=int, default=None, help="default: 1 (decode), else 2")
     explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the arch's platform dtype")
+    explain.add_argument(
+        "--seq-lens",
+        type=lambda text: [int(part) for part in text.split(",")],
+        help="explain a whole batch plan: each request's total length L, drafts included (e.g. 130,64,7)",
+    )
     _common(explain)
     explain.set_defaults(command=_explain)
 
@@ -72,6 +77,8 @@ def _explain(args: argparse.Namespace) -> int:
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(arch)
     key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8)
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster, arch=arch)
+    if args.seq_lens:
+        return _explain_plan(dispatcher, key, args.seq_lens, args.json)
     ops = list(Op) if args.op == "all" else [Op(args.op)]
     decisions = [dispatcher.decide(op, key) for op in ops]
     if args.json:
@@ -81,6 +88,33 @@ def _explain(args: argparse.Namespace) -> int:
         if not decisions[0].availability_checked:
             print(f"(this machine is {detect_arch().value}; explaining {arch.value} as a what-if)")
         print("\n\n".join(decision_text(d, dispatcher) for d in decisions))
+    return EXIT_OK
+
+
+def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
+    """Build the plan an engine would build for this batch (on the CPU) and show it whole."""
+    import torch
+
+    from dispatch.explain import decision_text
+    from dispatch.plan import ForwardBatch, build_plan
+
+    pages = [-(-length // 64) for length in seq_lens]
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    first = 0
+    for row, count in enumerate(pages):
+        table[row, :count] = torch.arange(first, first + count)
+        first += count
+    batch = ForwardBatch(torch.tensor(seq_lens, dtype=torch.int32), table, max(seq_lens), key.forward_mode, key.next_n)
+    plan = build_plan(dispatcher, batch, kv_fp8_dtype=key.fp8_dtype, arch=key.arch)
+    payload = {**plan.as_dict(), "context_lens": plan.context_lens.tolist(), "block_table": plan.block_table.tolist()}
+    if as_json:
+        print(json.dumps(payload, indent=2))
+        return EXIT_OK
+    print(f"plan for B={plan.batch_size}, next_n={plan.next_n}, max_context_len={plan.max_context_len}")
+    print(f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {payload['context_lens']}")
+    print(f"  block_table {list(plan.block_table.shape)}: {payload['block_table']}")
+    print()
+    print("\n\n".join(decision_text(d, dispatcher) for d in (plan.logits, plan.q_quant)))
     return EXIT_OK
 
 

@@ -22,6 +22,7 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
         f"  by:       {_source_text(decision)}{where}",
         f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution}, version {decision.impl.version or '-'})",
         f"  cluster:  {decision.cluster or 'none'}",
+        *_here(decision),
         f"  registry: {document.path} (fingerprint {decision.registry_fingerprint})",
     ]
     if decision.rejected:
@@ -29,6 +30,14 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
         lines.append("  rejected:")
         lines += [f"    {r.backend.ljust(width)}  {r.reason}" for r in decision.rejected]
     return "\n".join(lines)
+
+
+def _here(decision: Decision) -> list[str]:
+    """In a what-if, whether the chosen backend could run on this machine, and why not."""
+    if decision.availability_checked:
+        return []
+    availability = decision.impl.availability()
+    return [f"  here:     {'available on this machine' if availability.ok else 'not available on this machine: ' + availability.reason}"]
 
 
 def _source_text(decision: Decision) -> str:
@@ -63,7 +72,7 @@ def backends_text(rows: list[dict]) -> str:
         here = "available here" if row["available"] else f"NOT available here: {row['reason']}"
         out += [
             f"{row['name']}  [{row['op']}, {row['layout']}]",
-            f"  plugin {row['plugin']} ({row['distribution']} {row['version']})",
+            f"  plugin {row['plugin']} (distribution {row['distribution']}), version {row['version'] or '-'}",
             f"  supports arch {', '.join(s['archs'])}; modes {', '.join(s['forward_modes'])}; "
             f"next_n {next_n}; fp8 {', '.join(s['fp8_dtypes'])}",
             f"  {here}",

@@ -11,7 +11,7 @@ import torch
 from dispatch.errors import GraphMismatchError
 from dispatch.indexer import IndexerStep
 from dispatch.key import Op
-from dispatch.plan import ForwardBatch, IndexerPlan, build_plan, layout_tensors
+from dispatch.plan import ForwardBatch, IndexerPlan, build_plan
 
 
 @dataclass
@@ -49,34 +49,39 @@ class CapturedIndexerStep:
     def update(self, batch: ForwardBatch) -> None:
         """Write a new batch's lengths and pages into the captured plan's tensors, in place."""
         plan = self.plan
-        if batch.seq_lens.shape[0] != plan.batch_size or batch.next_n != plan.next_n:
-            raise GraphMismatchError(
-                f"graph captured for B={plan.batch_size}, next_n={plan.next_n}; "
-                f"batch has B={batch.seq_lens.shape[0]}, next_n={batch.next_n}"
-            )
-        if batch.max_seq_len > plan.max_context_len:
-            raise GraphMismatchError(
-                f"batch max_seq_len {batch.max_seq_len} exceeds the captured bound {plan.max_context_len}"
-            )
         fresh = build_plan(self.step.dispatcher, batch, kv_fp8_dtype=plan.fp8_dtype, arch=plan.key.arch)
-        for op, captured, now in ((Op.PAGED_MQA_LOGITS, plan.logits, fresh.logits), (Op.INDEXER_Q_QUANT, plan.q_quant, fresh.q_quant)):
-            if (now.backend, now.layout) != (captured.backend, captured.layout):
-                raise GraphMismatchError(
-                    f"{op.value}: this batch ({fresh.key}) decides `{now.backend}` ({now.layout.value}, "
-                    f"{now.rule}); the graph was captured with `{captured.backend}` ({captured.layout.value}, "
-                    f"{captured.rule})"
-                )
-        lens, table = layout_tensors(plan.layout, batch.seq_lens, batch.page_table, batch.next_n)
-        if table.shape[1] > plan.block_table.shape[1]:
-            raise GraphMismatchError(
-                f"page table has {table.shape[1]} columns; the graph was captured with {plan.block_table.shape[1]}"
-            )
+        check_replayable(plan, batch, fresh)
         # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
-        plan.context_lens.copy_(lens)
-        plan.block_table[:, : table.shape[1]].copy_(table)
+        plan.context_lens.copy_(fresh.context_lens)
+        plan.block_table[:, : fresh.block_table.shape[1]].copy_(fresh.block_table)
         if isinstance(plan.state, torch.Tensor):
             plan.state.copy_(fresh.state)
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.output
+
+
+def check_replayable(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerPlan) -> None:
+    """Raise GraphMismatchError unless `batch` (planned afresh as `fresh`) can replay a graph captured
+    with `captured`: same shapes, within the captured bounds, and the same decision for both ops."""
+    if batch.seq_lens.shape[0] != captured.batch_size or batch.next_n != captured.next_n:
+        raise GraphMismatchError(
+            f"graph captured for B={captured.batch_size}, next_n={captured.next_n}; "
+            f"batch has B={batch.seq_lens.shape[0]}, next_n={batch.next_n}"
+        )
+    if batch.max_seq_len > captured.max_context_len:
+        raise GraphMismatchError(
+            f"batch max_seq_len {batch.max_seq_len} exceeds the captured bound {captured.max_context_len}"
+        )
+    if batch.page_table.shape[1] > captured.block_table.shape[1]:
+        raise GraphMismatchError(
+            f"page table has {batch.page_table.shape[1]} columns; the graph was captured with "
+            f"{captured.block_table.shape[1]}"
+        )
+    for op, then, now in ((Op.PAGED_MQA_LOGITS, captured.logits, fresh.logits), (Op.INDEXER_Q_QUANT, captured.q_quant, fresh.q_quant)):
+        if (now.backend, now.layout) != (then.backend, then.layout):
+            raise GraphMismatchError(
+                f"{op.value}: this batch ({fresh.key}) decides `{now.backend}` ({now.layout.value}, {now.rule}); "
+                f"the graph was captured with `{then.backend}` ({then.layout.value}, {then.rule})"
+            )

@@ -298,3 +298,15 @@ def test_validate_the_project_registry(capsys):
     assert code == 0, err
     assert out.startswith("ok: ") and "registry.yaml" in out and "fingerprint" in out
     assert err == ""
+
+
+def test_explain_a_whole_batch_plan_as_json(capsys):
+    plan = explain_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "3",
+                        "--seq-lens", "130,64,2")
+    assert plan["context_lens"] == [[128, 129, 130], [62, 63, 64], [0, 1, 2]]
+    assert plan["block_table"] == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
+    assert set(plan["decisions"]) == {"paged_mqa_logits", "indexer_q_quant"}
+    assert plan["decisions"]["paged_mqa_logits"]["backend"] == "torch.reference"
+    flatten = explain_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
+                           "--seq-lens", "5,9", "--cluster", "reference-only")
+    assert flatten["context_lens_shape"] == [2, 2]

@@ -1,0 +1,87 @@
+"""An engine's loop over the indexer, through dispatch: ragged, growing sequences; batches that
+switch between decode, speculative verification and draft extension; several layers per step.
+
+    python examples/engine_loop.py [--steps 6] [--layers 3] [--device cuda]
+
+Where SGLang decided the path inside the indexer with `ctx.shape == (B, next_n)` on a tensor that
+another module built under its own condition, here `step.plan(batch)` decides once per batch and the
+plan carries the decision; every layer's call is checked against it. Nothing looks at a shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from dispatch import load_dispatcher
+from dispatch.indexer import IndexerStep
+from dispatch.key import ForwardMode
+from dispatch.plan import ForwardBatch
+from dispatch.rope import RopeSpec
+
+HEADS, HEAD_DIM, ROT_DIM, BLOCK_KV = 64, 128, 64, 64
+# (forward mode, tokens scored per request): plain decode, MTP verification of 3 drafts, draft extension.
+SCHEDULE = [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 2)]
+
+
+class PagedKV:
+    """A toy paged fp8 K cache per layer: pages handed out as sequences grow."""
+
+    def __init__(self, layers: int, num_blocks: int, device: str, generator: torch.Generator) -> None:
+        row = HEAD_DIM + 4
+        raw = torch.randint(0, 256, (layers, num_blocks, BLOCK_KV * row), dtype=torch.uint8, generator=generator)
+        values = (torch.randn(layers, num_blocks, BLOCK_KV * HEAD_DIM, generator=generator) * 50)
+        raw[..., : BLOCK_KV * HEAD_DIM] = values.to(torch.float8_e4m3fn).view(torch.uint8)
+        raw[..., BLOCK_KV * HEAD_DIM :] = torch.rand(layers, num_blocks, BLOCK_KV).view(torch.uint8)
+        self.caches = raw.view(layers, num_blocks, BLOCK_KV, 1, row).to(device)
+        self.free = list(torch.randperm(num_blocks, generator=generator).tolist())
+        self.pages: list[list[int]] = []
+
+    def grow(self, request: int, length: int) -> None:
+        while len(self.pages) <= request:
+            self.pages.append([])
+        while len(self.pages[request]) < math.ceil(length / BLOCK_KV):
+            self.pages[request].append(self.free.pop())
+
+    def table(self, device: str) -> torch.Tensor:
+        width = max(len(p) for p in self.pages)
+        return torch.tensor([p + [0] * (width - len(p)) for p in self.pages], dtype=torch.int32, device=device)
+
+
+def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    generator = torch.Generator().manual_seed(0)
+    step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
+                       softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, topk=256)
+    kv = PagedKV(args.layers, num_blocks=512, device=args.device, generator=generator)
+    lengths = torch.randint(40, 400, (args.requests,), generator=generator).tolist()  # ragged prompts
+    cos_sin = torch.randn(4096, ROT_DIM, generator=generator).to(torch.bfloat16).to(args.device)
+    selected = []
+    for number in range(args.steps):
+        mode, next_n = SCHEDULE[number % len(SCHEDULE)]
+        lengths = [n + next_n for n in lengths]  # each request's total length L now includes this step's tokens
+        for request, length in enumerate(lengths):
+            kv.grow(request, length)
+        batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32, device=args.device), kv.table(args.device),
+                             max_seq_len=max(lengths), forward_mode=mode, next_n=next_n)
+        plan = step.plan(batch)  # once per batch: the decision and its layout's tensors
+        print(f"step {number}: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
+              f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.q_quant.backend}")
+        tokens = args.requests * next_n
+        positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=args.device)
+        for layer in range(args.layers):
+            q = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16).to(args.device)
+            weights = torch.randn(tokens, HEADS, generator=generator).to(args.device)
+            selected.append((plan, step.select(plan, q, weights, positions, cos_sin, kv.caches[layer])))
+    return selected
+
+
+if __name__ == "__main__":
+    main()
