@@ -8,6 +8,7 @@
 
 from dispatch.decision import Decision, Rejection
 from dispatch.errors import (
+    BackendError,
     DispatchError,
     DtypeMismatchError,
     InvalidKeyError,
@@ -21,6 +22,7 @@ from dispatch.layout import Layout
 
 __all__ = [
     "Arch",
+    "BackendError",
     "Decision",
     "DispatchError",
     "DispatchKey",

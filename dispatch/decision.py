@@ -36,6 +36,15 @@ class Decision:
     # The resolved implementation; not part of the value's identity or its JSON.
     impl: Backend = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
 
+    @property
+    def chosen_by(self) -> str:
+        """How people name what chose it: "rule `x`", "cluster `c` prefer[0]", "fallback[1]", "pinned"."""
+        if self.source == "rule":
+            return f"rule `{self.rule}`"
+        if self.source == "cluster-prefer":
+            return f"cluster `{self.cluster}` {self.rule}"
+        return self.rule
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "op": self.op.value,

@@ -35,3 +35,7 @@ class GraphMismatchError(DispatchError):
 
 class RankDisagreementError(DispatchError):
     """Ranks of one model chose different backends or hold different registries."""
+
+
+class BackendError(DispatchError):
+    """The decided backend raised while running; names backend, op, key and rule, chained to the cause."""

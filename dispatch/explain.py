@@ -19,7 +19,7 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
     lines += [
         f"  chosen:   {decision.backend}",
         f"  layout:   {decision.layout.value}: {decision.layout.describe()}",
-        f"  by:       {_source_text(decision)}{where}",
+        f"  by:       {decision.chosen_by}{where}",
         f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution}, version {decision.impl.version or '-'})",
         f"  cluster:  {decision.cluster or 'none'}",
         *_here(decision),
@@ -38,14 +38,6 @@ def _here(decision: Decision) -> list[str]:
         return []
     availability = decision.impl.availability()
     return [f"  here:     {'available on this machine' if availability.ok else 'not available on this machine: ' + availability.reason}"]
-
-
-def _source_text(decision: Decision) -> str:
-    if decision.source == "rule":
-        return f"rule `{decision.rule}`"
-    if decision.source == "cluster-prefer":
-        return f"cluster `{decision.cluster}` {decision.rule}"
-    return decision.rule
 
 
 def backend_row(backend: Backend) -> dict:

@@ -3,6 +3,7 @@ batch from the engine's metadata and carried, as the tag, into every layer's cal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -107,7 +108,9 @@ def build_plan(
     """Decide both ops for this batch and build the decided layout's tensors. No host-device sync.
 
     `kv_fp8_dtype` is the K cache's fp8 dtype (a key name or the cache's torch dtype): it becomes the
-    key's fp8_dtype, so Q is quantised into exactly the dtype the cache holds.
+    key's fp8_dtype, so Q is quantised into exactly the dtype the cache holds. `pinned` names a backend
+    per op to use instead of the rules' choice (still checked for support and availability;
+    `allow_disabled` lets a benchmark pin a backend the registry or a cluster disabled).
     """
     fp8 = kv_fp8_dtype if isinstance(kv_fp8_dtype, (Fp8Dtype, str)) else fp8_dtype_of(kv_fp8_dtype, "the K cache")
     key = DispatchKey(
@@ -141,5 +144,5 @@ def build_plan(
     prepare = logits.impl.prepare
     if prepare is None:
         return plan
-    return IndexerPlan(**{**plan.__dict__, "state": prepare(plan)})
+    return dataclasses.replace(plan, state=prepare(plan))
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dispatch.catalog import Catalog
 from dispatch.clusters import resolve_cluster
 from dispatch.detect import detect_arch
 from dispatch.dispatcher import Dispatcher
 from dispatch.key import Arch, parse_enum
 from dispatch.plugins import LoadedPlugin, allowlist_from_env, builtin_plugins, collect_backends, entry_point_plugins
 from dispatch.registry.checks import check_backend_names
-from dispatch.registry.document import load_registry
+from dispatch.registry.document import RegistryDocument, load_registry
 
 # A source checkout or editable install keeps registry.yaml beside the packages.
 DEFAULT_REGISTRY = Path(__file__).resolve().parent.parent / "registry.yaml"
@@ -36,10 +37,23 @@ def load_dispatcher(
 ) -> Dispatcher:
     """A dispatcher for this machine, or for `arch` when given (a what-if: availability on this
     machine is then not checked unless `check_availability` says so)."""
-    host = detect_arch()
-    target = host if arch is None else parse_enum(Arch, arch, "arch")
     document = load_registry(registry_path(registry))
     catalog = collect_backends(load_plugins() if plugins is None else plugins)
+    return build_dispatcher(document, catalog, cluster=cluster, arch=arch, check_availability=check_availability)
+
+
+def build_dispatcher(
+    document: RegistryDocument,
+    catalog: Catalog,
+    *,
+    cluster: str | None = None,
+    arch: Arch | str | None = None,
+    check_availability: bool | None = None,
+) -> Dispatcher:
+    """A dispatcher over a loaded registry and catalog: every backend name checked, the cluster resolved.
+    Raises RegistryError before anything is built, so a caller holding an older dispatcher keeps it."""
+    host = detect_arch()
+    target = host if arch is None else parse_enum(Arch, arch, "arch")
     check_backend_names(document, catalog)
     return Dispatcher(
         document,

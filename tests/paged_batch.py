@@ -8,6 +8,7 @@ import torch
 
 from backends.reference.kv_cache import build_paged_kv_cache
 from backends.reference.paged_mqa_logits import paged_mqa_logits
+from dispatch.fp8 import fp8_dtype_of
 from dispatch.key import Fp8Dtype
 
 
@@ -16,7 +17,7 @@ class PagedBatch:
     seq_lens: torch.Tensor  # int32 [B]: total length L, drafts included
     page_table: torch.Tensor  # int32 [B, M]
     kv_cache: torch.Tensor  # uint8 [num_blocks, 64, 1, D + 4]
-    q_tokens: torch.Tensor  # e4m3fn [B*N, H, D], request-major
+    q_tokens: torch.Tensor  # fp8 [B*N, H, D], request-major, in the cache's fp8 dtype
     weights: torch.Tensor  # fp32 [B*N, H]
     next_n: int
 
@@ -59,4 +60,5 @@ def expected_logits(batch: PagedBatch) -> torch.Tensor:
         torch.tensor(lens, dtype=torch.int32, device=device),
         torch.stack(tables),
         batch.max_seq_len,
+        fp8_dtype_of(batch.q_tokens.dtype, "q"),
     )

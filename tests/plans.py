@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import torch
 
 from dispatch.backend import Backend
@@ -53,4 +54,4 @@ def plan_for(
     )
     if backend.prepare is None:
         return plan
-    return IndexerPlan(**{**plan.__dict__, "state": backend.prepare(plan)})
+    return dataclasses.replace(plan, state=backend.prepare(plan))

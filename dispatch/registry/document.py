@@ -55,9 +55,14 @@ def dotted(location: Location) -> str:
 def load_registry(path: str | Path) -> RegistryDocument:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as error:
         raise RegistryError(f"{path}: cannot read the registry: {error.strerror or error}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise RegistryError(f"{path}:{line}: not UTF-8 text: byte {raw[error.start]:#04x} is {error.reason}") from None
     return parse_registry(text, str(path))
 
 
@@ -97,19 +102,41 @@ def _message(error: dict[str, Any]) -> str:
     return message
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader, but a scalar its tag cannot build (`!!int abc`, `!!timestamp x`) is a YAML error
+    at that scalar's line; PyYAML lets the constructor's own exception escape instead."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, KeyError, AttributeError, TypeError):  # what SafeConstructor's scalar parsers raise
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            problem = f"{node.value!r} is not a valid {tag}"
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+
 def _safe_load_with_lines(text: str, path: str) -> tuple[Any, dict[Location, int]]:
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = _Loader(text)  # the reader rejects non-printable characters here, before parsing
+    except yaml.reader.ReaderError as error:
+        line = text.count("\n", 0, error.position) + 1
+        raise RegistryError(
+            f"{path}:{line}: not valid YAML: unacceptable character #x{error.character:04x}: {error.reason}"
+        ) from None
     try:
         node = loader.get_single_node()
         if node is None:
             raise RegistryError(f"{path}: the registry is empty")
         lines: dict[Location, int] = {}
-        _index_lines(node, (), lines, path)
+        _index_lines(node, (), lines, path, set())
         data = loader.construct_document(node)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
         raise RegistryError(f"{path}{line}: not valid YAML: {getattr(error, 'problem', error)}") from None
+    except RecursionError:
+        # PyYAML composes recursively; a registry is a few levels deep.
+        raise RegistryError(f"{path}: not valid YAML: nested too deeply") from None
     finally:
         loader.dispose()
     if not isinstance(data, dict):
@@ -117,8 +144,16 @@ def _safe_load_with_lines(text: str, path: str) -> tuple[Any, dict[Location, int
     return data, lines
 
 
-def _index_lines(node: yaml.Node, location: Location, lines: dict[Location, int], path: str) -> None:
+def _index_lines(
+    node: yaml.Node, location: Location, lines: dict[Location, int], path: str, indexed: set[yaml.Node]
+) -> None:
     lines[location] = node.start_mark.line + 1
+    # An alias is its anchored node again. Indexing each node once keeps a recursive alias from
+    # recursing forever and nested aliases from costing exponential time; parts of a node reached
+    # through a later alias are then located at the alias's key.
+    if node in indexed:
+        return
+    indexed.add(node)
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
@@ -131,8 +166,8 @@ def _index_lines(node: yaml.Node, location: Location, lines: dict[Location, int]
                     path, line, location + (key,), f"duplicate key (first given on line {seen[key]})"
                 )
             seen[key] = line
-            _index_lines(value_node, location + (key,), lines, path)
+            _index_lines(value_node, location + (key,), lines, path, indexed)
             lines[location + (key,)] = line
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _index_lines(item, location + (index,), lines, path)
+            _index_lines(item, location + (index,), lines, path, indexed)
