@@ -72,3 +72,19 @@ def test_plugin_backend_matches_the_reference(installed, monkeypatch):
     assert torch.equal(torch.isinf(out), ~visible)
     error = (out[visible] - ref[visible]).norm() / ref[visible].norm()
     assert error < 1e-5
+
+
+def test_explain_shows_the_plugin_chosen_through_the_overlay(installed, monkeypatch, capsys):
+    import json
+
+    from dispatch.cli import main
+
+    monkeypatch.setenv("DISPATCH_PLUGINS", "acme")
+    argv = ["explain", "--registry", str(PACKAGE / "registry.yaml"), "--arch", "cpu",
+            "--forward-mode", "target_verify", "--next-n", "3", "--json"]
+    assert main(argv + ["--cluster", "acme"]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert (decision["backend"], decision["plugin"], decision["rule"]) == ("acme.chunked", "acme", "prefer[0]")
+    monkeypatch.setenv("DISPATCH_PLUGINS", "")
+    assert main(argv + ["--cluster", "acme"]) == 2  # not allowlisted: the overlay names an unknown backend
+    assert "unknown backend `acme.chunked`" in capsys.readouterr().err
