@@ -16,14 +16,12 @@ from backends.reference.kv_cache import build_paged_kv_cache
 from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
 from backends.triton import availability, plugin
 from backends.triton.fp8_mode import Fp8Mode, fnuz_mode_for_here
+from backends.triton.paged_mqa_logits import LaunchConfig, paged_mqa_logits
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Arch, Fp8Dtype, Op
 from dispatch.layout import Layout
 from tests.plans import plan_for
-
-pytest.importorskip("triton")
-from backends.triton.paged_mqa_logits import LaunchConfig, paged_mqa_logits
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
