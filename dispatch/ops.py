@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from dispatch.decision import Decision
-from dispatch.errors import BackendError, DispatchError
+from dispatch.backend_call import call_backend
 from dispatch.plan import IndexerPlan
 from dispatch.rope import RopeSpec
 
@@ -39,7 +38,7 @@ def quantize_q(
     head_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise per-token q [B*N, H, D] through the plan's decided backend, into the plan's fp8 dtype."""
-    return _run(
+    return call_backend(
         plan.q_quant,
         q,
         weights,
@@ -54,21 +53,4 @@ def quantize_q(
 
 def paged_mqa_logits(plan: IndexerPlan, q_tokens: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> Any:
     """Paged MQA logits through the plan's decided backend; q_tokens is per-token fp8 [B*N, H, D]."""
-    return _run(plan.logits, plan, plan.q_in_layout(q_tokens), kv_cache, weights)
-
-
-def _run(decision: Decision, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return decision.impl.run(*args, **kwargs)
-    except (DispatchError, torch.cuda.OutOfMemoryError):
-        # Project errors already say what is wrong in the project's terms; running out of memory is
-        # the engine's to handle (it catches it by type to shrink or preempt), not a backend fault.
-        raise
-    except Exception as error:
-        # No retry on another backend: a different path mid-batch would change the numerics between
-        # layers of one forward and between ranks that must agree, and it would hide the fault.
-        # (A fault on the device itself may surface only at a later synchronisation, outside this call.)
-        raise BackendError(
-            f"backend `{decision.backend}` (plugin `{decision.plugin}`) raised {type(error).__name__} running "
-            f"{decision.op.value} at {decision.key}, chosen by {decision.chosen_by}: {error}"
-        ) from error
+    return call_backend(plan.logits, plan, plan.q_in_layout(q_tokens), kv_cache, weights)

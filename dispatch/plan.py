@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dispatch.backend_call import call_backend
 from dispatch.decision import Decision
 from dispatch.errors import LayoutError
 from dispatch.fp8 import fp8_dtype_of
@@ -144,5 +145,5 @@ def build_plan(
     prepare = logits.impl.prepare
     if prepare is None:
         return plan
-    return dataclasses.replace(plan, state=prepare(plan))
+    return dataclasses.replace(plan, state=call_backend(logits, plan, entry=prepare))
 

@@ -73,6 +73,22 @@ def test_a_backend_that_raises_is_a_backend_error_naming_backend_op_key_and_rule
     assert error.value.__cause__ is launch_failure
 
 
+def test_a_prepare_that_raises_is_a_backend_error_and_no_plan_is_returned():
+    schedule_failure = RuntimeError("schedule kernel failed")
+    catalog = catalog_of(
+        fake_backend("faulty", prepare=raising(schedule_failure)),
+        fake_backend("healthy"),
+        fake_backend("faulty", QUANT),
+    )
+    batch = ForwardBatch(torch.tensor([5, 9], dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32), 9,
+                         ForwardMode.TARGET_VERIFY, 2)
+    with pytest.raises(BackendError) as error:
+        build_plan(dispatcher(FAULTS, catalog), batch, kv_fp8_dtype="e4m3fn")
+    assert "raised RuntimeError preparing a batch for paged_mqa_logits" in str(error.value)
+    assert "chosen by rule `sm90-faulty`" in str(error.value)
+    assert error.value.__cause__ is schedule_failure
+
+
 def test_no_fallback_to_another_backend_after_a_fault():
     # `healthy` is the fallback and would run; the fault must surface instead of switching paths.
     with pytest.raises(BackendError, match="`faulty`"):

@@ -20,13 +20,21 @@ class Ceilings:
 
 def measure_ceilings(device: str = "cuda") -> Ceilings:
     elements = 1 << 30  # 1 GiB each way: far past the L2
+    n = 8192
+    return Ceilings(
+        copy_bytes_per_s=2 * elements / _copy_seconds(elements, device),
+        fp8_flops_per_s=2.0 * n**3 / _fp8_matmul_seconds(n, device),
+    )
+
+
+def _copy_seconds(elements: int, device: str) -> float:
     src = torch.empty(elements, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    copy_s = time_cuda(lambda: dst.copy_(src), repeats=20)
-    del src, dst
-    n = 8192
+    return time_cuda(lambda: dst.copy_(src), repeats=20)
+
+
+def _fp8_matmul_seconds(n: int, device: str) -> float:
     a = (torch.randn(n, n, device=device) * 0.1).to(torch.float8_e4m3fn)
     b = (torch.randn(n, n, device=device) * 0.1).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device)
-    mm_s = time_cuda(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), repeats=20)
-    return Ceilings(copy_bytes_per_s=2 * elements / copy_s, fp8_flops_per_s=2.0 * n**3 / mm_s)
+    return time_cuda(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), repeats=20)

@@ -19,7 +19,7 @@ from dispatch.bench.workload import (
 )
 from dispatch.dispatcher import Dispatcher
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.ops import paged_mqa_logits, quantize_q
+from dispatch.ops import paged_mqa_logits
 from dispatch.plan import ForwardBatch, build_plan
 from dispatch.rope import RopeSpec
 
