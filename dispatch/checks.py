@@ -6,13 +6,28 @@ import torch
 
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.fp8 import torch_dtype
-from dispatch.layout import rows_and_tokens
+from dispatch.layout import Layout, rows_and_tokens
 from dispatch.plan import IndexerPlan
 
 
-def check_logits_inputs(plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> None:
-    """Raise LayoutError / DtypeMismatchError naming the tensor, the expected and the actual shape."""
+def check_logits_inputs(
+    plan: IndexerPlan,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    consumes: Layout | None = None,
+) -> None:
+    """Raise LayoutError / DtypeMismatchError naming the tensor, the expected and the actual shape.
+
+    `consumes` is the layout the calling backend runs: a plan tagged for another layout is refused
+    even where its shapes happen to fit (B equal to next_n, say)."""
     layout = plan.layout
+    if consumes is not None and layout is not consumes:
+        raise LayoutError(
+            f"backend consumes layout `{consumes.value}`; the plan is tagged `{layout.value}` "
+            f"(backend `{plan.logits.backend}`, {plan.logits.chosen_by})"
+        )
     rows, tokens = rows_and_tokens(layout, plan.batch_size, plan.next_n)
     tag = f"layout `{layout.value}` (decided by {plan.logits.rule}, backend `{plan.logits.backend}`)"
     if q.dim() != 4 or tuple(q.shape[:2]) != (rows, tokens):

@@ -142,7 +142,7 @@ def test_a_plan_tagged_flatten_cannot_reach_the_native_kernel():
     backends = {b.name: b for b in deepgemm_backends(load=lambda: fake)}
     batch = paged_batch([70, 129], 2)
     plan = plan_for(backends["deepgemm.sm90.flatten"], batch.seq_lens, batch.page_table, 2, arch=Arch.SM90)
-    with pytest.raises(LayoutError, match="runs layout `native`"):
+    with pytest.raises(LayoutError, match="consumes layout `native`; the plan is tagged `flatten`"):
         backends["deepgemm.sm90"].run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
     assert not fake.calls_to("fp8_fp4_paged_mqa_logits")
 

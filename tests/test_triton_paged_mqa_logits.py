@@ -183,7 +183,7 @@ def test_wrong_layout_raises():
     with pytest.raises(LayoutError, match="native"):
         native.run(plan, q.reshape(4, 1, *q.shape[2:]), cache, weights)
     flat_plan, flat_q, _, _ = make_case([70, 20], 2, BACKENDS["triton.flatten"], seed=9)
-    with pytest.raises(LayoutError, match="consumes layout `native`"):
+    with pytest.raises(LayoutError, match="consumes layout `native`; the plan is tagged `flatten`"):
         native.run(flat_plan, flat_q, cache, weights)
 
 

@@ -37,22 +37,15 @@ class DeepGemmPagedLogits:
         return api.build_schedule(module, lens, api.num_sms(module, lens.device))
 
     def run(self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        check_logits_inputs(plan, q, kv_cache, weights)
-        self._check_plan(plan)
+        check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
+        self._check_schedule(plan)
         check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
         logits = api.paged_mqa_logits(
             self.load(), q, kv_cache, weights, plan.context_lens, plan.block_table, plan.state, plan.max_context_len
         )
         return mask_past_lengths(logits, plan.context_lens)
 
-    def _check_plan(self, plan: IndexerPlan) -> None:
-        # The tag decides the kernel's reading of q and the lens; a plan tagged for another layout must
-        # not reach this kernel even where its shapes happen to fit.
-        if plan.layout is not self.layout:
-            raise LayoutError(
-                f"backend `{plan.logits.backend}` runs layout `{self.layout.value}`; "
-                f"the plan is tagged `{plan.layout.value}` ({plan.logits.rule})"
-            )
+    def _check_schedule(self, plan: IndexerPlan) -> None:
         state = plan.state
         if not isinstance(state, torch.Tensor) or state.dim() != 2 or state.dtype != torch.int32:
             raise LayoutError(

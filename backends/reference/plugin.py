@@ -14,6 +14,7 @@ from dispatch.layout import Layout
 
 
 def run_paged_mqa_logits(plan, q, kv_cache, weights):
+    # Both reference backends run the same function, which reads the layout from the tensors' tag.
     check_logits_inputs(plan, q, kv_cache, weights)
     return paged_mqa_logits(
         q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype

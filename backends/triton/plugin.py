@@ -14,7 +14,6 @@ from backends.triton.availability import (
 from backends.triton.fp8_mode import Fp8Mode
 from dispatch.backend import PAGED_MODES, Backend, Support
 from dispatch.checks import check_logits_inputs
-from dispatch.errors import LayoutError
 from dispatch.hookspecs import hookimpl
 from dispatch.key import Fp8Dtype, Op
 from dispatch.layout import Layout
@@ -27,9 +26,7 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
     """run(plan, q, kv_cache, weights) for one layout; `fnuz_mode` None lets the machine choose."""
 
     def run(plan, q, kv_cache, weights):
-        if plan.layout is not layout:
-            raise LayoutError(f"backend `{plan.logits.backend}` consumes layout `{layout.value}`; the plan is `{plan.layout.value}`")
-        check_logits_inputs(plan, q, kv_cache, weights)
+        check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
         from backends.triton.paged_mqa_logits import paged_mqa_logits
 
         return paged_mqa_logits(

@@ -16,7 +16,7 @@ CHUNK = 8
 
 
 def run(plan, q, kv_cache, weights):
-    check_logits_inputs(plan, q, kv_cache, weights)
+    check_logits_inputs(plan, q, kv_cache, weights, consumes=Layout.NATIVE)
     batch, next_n, heads, head_dim = q.shape
     num_blocks, block_kv = kv_cache.shape[:2]
     flat = kv_cache.view(num_blocks, -1)
