@@ -79,20 +79,7 @@ class Dispatcher:
         reason = self._why_ineligible(impl, key, respect_disabled=not allow_disabled)
         if reason:
             raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
-        return Decision(
-            op=op,
-            key=key,
-            backend=impl.name,
-            layout=impl.layout,
-            rule="pinned",
-            source="pinned",
-            cluster=self.cluster,
-            plugin=impl.plugin,
-            rejected=(),
-            registry_fingerprint=self.fingerprint,
-            availability_checked=self.check_availability,
-            impl=impl,
-        )
+        return self._decision(op, key, impl, "pinned", "pinned", ())
 
     def _decide(self, op: Op, key: DispatchKey) -> Decision:
         candidates = self.catalog.for_op(op)
@@ -122,16 +109,21 @@ class Dispatcher:
                 reason = unnamed
             rejected.append(Rejection(backend.name, reason))
         impl = self.catalog.get(op, chosen.backend)
+        return self._decision(op, key, impl, chosen.rule, chosen.source, tuple(rejected))
+
+    def _decision(
+        self, op: Op, key: DispatchKey, impl: Backend, rule: str, source: str, rejected: tuple[Rejection, ...]
+    ) -> Decision:
         return Decision(
             op=op,
             key=key,
             backend=impl.name,
             layout=impl.layout,
-            rule=chosen.rule,
-            source=chosen.source,
+            rule=rule,
+            source=source,
             cluster=self.cluster,
             plugin=impl.plugin,
-            rejected=tuple(rejected),
+            rejected=rejected,
             registry_fingerprint=self.fingerprint,
             availability_checked=self.check_availability,
             impl=impl,
