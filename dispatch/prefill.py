@@ -222,6 +222,18 @@ def _check_batch(batch: ExtendBatch) -> None:
                           f"{prefix.device}, {extend.device}, {table.device}")
     if not (isinstance(batch.block_kv, int) and batch.block_kv > 0 and batch.block_kv & (batch.block_kv - 1) == 0):
         raise LayoutError(f"block_kv must be a power of two; got {batch.block_kv!r}")
+    host_prefix, host_extend = batch.host_prefix_lens, batch.host_extend_lens
+    if (host_prefix is None) != (host_extend is None):
+        raise LayoutError("host_prefix_lens and host_extend_lens come together or not at all")
+    if host_prefix is not None and (len(host_prefix) != requests or len(host_extend) != requests):
+        raise LayoutError(f"host lengths have {len(host_prefix)} / {len(host_extend)} requests; the tensors {requests}")
+    capacity = table.shape[1] * batch.block_kv
+    for request, (cached, new) in enumerate(zip(host_prefix or (), host_extend or ())):
+        if cached < 0 or new < 0:
+            raise LayoutError(f"request {request}: prefix_len={cached}, extend_len={new}; lengths must be >= 0")
+        if cached + new > capacity:
+            raise LayoutError(f"request {request}: {cached} + {new} keys need more than the page table's "
+                              f"{table.shape[1]} pages of {batch.block_kv}")
     for name in ("total_tokens", "total_keys"):
         value = getattr(batch, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -229,20 +241,8 @@ def _check_batch(batch: ExtendBatch) -> None:
     if batch.total_keys < batch.total_tokens:
         raise LayoutError(f"total_keys={batch.total_keys} < total_tokens={batch.total_tokens}: every new token "
                           f"is a key too")
-    host_prefix, host_extend = batch.host_prefix_lens, batch.host_extend_lens
-    if (host_prefix is None) != (host_extend is None):
-        raise LayoutError("host_prefix_lens and host_extend_lens come together or not at all")
     if host_prefix is None:
         return
-    if len(host_prefix) != requests or len(host_extend) != requests:
-        raise LayoutError(f"host lengths have {len(host_prefix)} / {len(host_extend)} requests; the tensors {requests}")
-    capacity = table.shape[1] * batch.block_kv
-    for request, (cached, new) in enumerate(zip(host_prefix, host_extend)):
-        if cached < 0 or new < 0:
-            raise LayoutError(f"request {request}: prefix_len={cached}, extend_len={new}; lengths must be >= 0")
-        if cached + new > capacity:
-            raise LayoutError(f"request {request}: {cached} + {new} keys need more than the page table's "
-                              f"{table.shape[1]} pages of {batch.block_kv}")
     if sum(host_extend) != batch.total_tokens or sum(host_prefix) + sum(host_extend) != batch.total_keys:
         raise LayoutError(f"totals disagree with the lengths: total_tokens={batch.total_tokens} (lengths say "
                           f"{sum(host_extend)}), total_keys={batch.total_keys} (lengths say "
