@@ -148,6 +148,23 @@ def test_every_element_is_written():
     assert_close(out, reference_logits(case.q, k, scales, case.weights, m.ks, m.ke))
 
 
+def test_without_clean_logits_only_scored_blocks_are_written():
+    """clean_logits=False: every visible logit is right, columns no tile scores keep what out held."""
+    case = prefill_case([200, 0], [5, 60], device=DEVICE, seed=13)
+    k, scales = case.gathered()
+    m = case.metadata
+    out = torch.full((m.total_tokens, m.total_keys), float("nan"), device=DEVICE)
+    ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, clean_logits=False, out=out,
+                      config=LaunchConfig(rows=4, keys=32))
+    ref = reference_logits(case.q, k, scales, case.weights, m.ks, m.ke)
+    visible = torch.isfinite(ref)
+    error = ((out[visible] - ref[visible]).norm() / ref[visible].norm()).item()
+    assert error < TOLERANCE
+    # Tiles of 4 rows: rows 0-3 are request 0's alone, rows 8+ request 1's alone (4-7 mix both).
+    assert torch.isnan(out[:4, 224:]).all()  # request 0's tile never scores request 1's keys
+    assert torch.isnan(out[8:, :192]).all()  # nor request 1's tiles request 0's
+
+
 def test_nan_keys_of_another_request_stay_hidden():
     """Request 0's keys decode to NaN; request 1's rows, tiled together with request 0's, stay finite."""
     case = prefill_case([10, 40], [3, 9], device=DEVICE, seed=6)

@@ -8,7 +8,8 @@ request the last rows see the most keys, so the longest programs start first and
 A program scores the key blocks of [min ks, max ke) of its rows: keys [BLOCK_K, D] are the dot's M and
 q^T [D, BLOCK_Q * H] its N (rows x heads, as in the paged kernel), so the relu-weighted head sum stays
 inside a thread and its quad. Every other column of its rows gets -inf from wide stores that read
-nothing. K rows outside [min ks, max ke) are never read; NOTES.md has the measurements.
+nothing (unless clean_logits=False). K rows outside [min ks, max ke) are never read; NOTES.md has the
+design and the measurements.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _ragged_mqa_logits_kernel(
     BLOCK_K: tl.constexpr,
     FILL: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
+    CLEAN: tl.constexpr,  # write -inf in the columns no block of this tile scores
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     row = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -90,14 +92,15 @@ def _ragged_mqa_logits_kernel(
         logits = tl.where(visible, logits, float("-inf"))
         tl.store(out_rows[None, :] + col[:, None], logits, mask=row_ok[None, :] & (col < keys)[:, None])
 
-    neg_inf = tl.full((BLOCK_Q, FILL), float("-inf"), tl.float32)
-    ff = tl.arange(0, FILL)
-    for start in range(0, col_lo, FILL):
-        col = start + ff
-        tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=row_ok[:, None] & (col < col_lo)[None, :])
-    for start in range(col_hi, keys, FILL):
-        col = start + ff
-        tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=row_ok[:, None] & (col < keys)[None, :])
+    if CLEAN:
+        neg_inf = tl.full((BLOCK_Q, FILL), float("-inf"), tl.float32)
+        ff = tl.arange(0, FILL)
+        for start in range(0, col_lo, FILL):
+            col = start + ff
+            tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=row_ok[:, None] & (col < col_lo)[None, :])
+        for start in range(col_hi, keys, FILL):
+            col = start + ff
+            tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=row_ok[:, None] & (col < keys)[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +131,16 @@ def ragged_mqa_logits(
     ks: torch.Tensor,
     ke: torch.Tensor,
     *,
+    clean_logits: bool = True,
     fnuz_mode: Fp8Mode | None = None,
     config: LaunchConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 logits [M, S], -inf outside each row's [ks, ke). No host-device sync.
+
+    With clean_logits=False (DeepGEMM's flag, same meaning) only the key blocks a row tile scores are
+    written (-inf outside each row's range there); the other columns keep what `out` held: for a
+    top-k that reads only [ks, ke), at M * S * 4 fewer bytes written.
 
     The fp8 dtype is q's (k must match). `fnuz_mode` overrides fnuz_mode_for_here() for e4m3fnuz
     inputs; `config` overrides default_config; `out` is a preallocated result (any row stride, unit
@@ -173,6 +181,7 @@ def ragged_mqa_logits(
         BLOCK_K=cfg.keys,
         FILL=cfg.fill,
         PRODUCT_SCALE=mode.product_scale,
+        CLEAN=bool(clean_logits),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
