@@ -122,3 +122,13 @@ def test_empty_gather():
     case = prefill_case([10], [5], device=DEVICE, seed=8)
     k, scales = gather_keys(case.kv_cache, torch.zeros(0, dtype=torch.int32, device=DEVICE), flag())
     assert k.shape == (0, 128) and scales.shape == (0,)
+
+
+@pytest.mark.gpu
+def test_prefill_shape_on_gpu():
+    case = prefill_case([15000, 30000, 0], [1024, 4096, 2048], device="cuda", seed=9)
+    error = flag()
+    k, scales = gather_keys(case.kv_cache, case.metadata.gather_slots, error)
+    ref_k, ref_scales = case.gathered()
+    assert int(error) == 0 and torch.equal(k.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)

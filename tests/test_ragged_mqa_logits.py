@@ -210,7 +210,8 @@ def test_chunks_reproduce_the_whole_batch():
     assert len(chunks) > 2
     for chunk in chunks:
         ks, ke = m.chunk_ranges(chunk)
-        part = ragged_mqa_logits(case.q[chunk.rows], k[chunk.keys], scales[chunk.keys], case.weights[chunk.rows], ks, ke)
+        part = ragged_mqa_logits(case.q[chunk.rows], k[chunk.keys], scales[chunk.keys], case.weights[chunk.rows],
+                                 ks, ke)
         assert torch.equal(part, whole[chunk.rows, chunk.keys])
         outside = torch.ones(m.total_keys, dtype=torch.bool, device=DEVICE)
         outside[chunk.keys] = False

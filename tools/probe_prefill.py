@@ -7,12 +7,12 @@ For each shape (several requests; M query tokens, S = prefix + new keys, H = 64,
 shuffled paged cache, the batch's metadata (dispatch.prefill), gathers K with the Triton kernel and
 checks it byte for byte against the torch gather, then times the Triton ragged logits in a few
 launch configs and deep_gemm's fp8_mqa_logits (clean_logits=True: both write -inf outside each row's
-range) on the same inputs, then both once with clean_logits=False, each checked first against the torch reference (relative error over
-visible positions < 1e-3, -inf pattern exact). The floor is the useful fp8 work, sum over rows of
-(ke - ks) * H * D * 2 flops, at the torch._scaled_mm rate measured in this run (8192^3). The -inf
-writes (M * S * 4 bytes) at the copy bandwidth measured here are printed beside it. Timing:
-triton.testing.do_bench, median, L2 cleared before each call. JSON lines to $OUT/probe_prefill.jsonl
-when OUT is set.
+range) on the same inputs, then both once with clean_logits=False. Each is checked first against the
+torch reference (relative error over visible positions < 1e-3, -inf pattern exact when clean). The
+floor is the useful fp8 work, sum over rows of (ke - ks) * H * D * 2 flops, at the torch._scaled_mm
+rate measured in this run (8192^3); the -inf writes (M * S * 4 bytes) at the copy bandwidth measured
+here are printed beside it. Timing: triton.testing.do_bench, median, L2 cleared before each call.
+JSON lines to $OUT/probe_prefill.jsonl when OUT is set.
 """
 
 from __future__ import annotations

@@ -73,12 +73,15 @@ def check_kernel_inputs(q, k, scales, weights, ks, ke) -> None:
     if heads not in HEAD_COUNTS or head_dim not in HEAD_DIMS:
         raise LayoutError(f"deep_gemm supports H in {HEAD_COUNTS} and D in {HEAD_DIMS}; q is {list(q.shape)}")
     if k.dim() != 2 or k.shape[1] != head_dim or not k.is_contiguous():
-        raise LayoutError(f"deep_gemm needs a contiguous k [S, D={head_dim}]; got {list(k.shape)}, strides {list(k.stride())}")
+        raise LayoutError(f"deep_gemm needs a contiguous k [S, D={head_dim}]; got {list(k.shape)}, "
+                          f"strides {list(k.stride())}")
     if scales.dtype != torch.float32 or tuple(scales.shape) != (k.shape[0],) or not scales.is_contiguous():
-        raise LayoutError(f"deep_gemm needs contiguous fp32 scales [S={k.shape[0]}]; got {scales.dtype} {list(scales.shape)}")
+        raise LayoutError(f"deep_gemm needs contiguous fp32 scales [S={k.shape[0]}]; "
+                          f"got {scales.dtype} {list(scales.shape)}")
     if weights.dtype != torch.float32 or tuple(weights.shape) != (rows, heads) or not weights.is_contiguous():
         raise LayoutError(f"deep_gemm needs contiguous fp32 weights [M={rows}, H={heads}]; got {weights.dtype} "
                           f"{list(weights.shape)}, strides {list(weights.stride())}")
     for name, bound in (("ks", ks), ("ke", ke)):
         if bound.dtype != torch.int32 or tuple(bound.shape) != (rows,) or not bound.is_contiguous():
-            raise LayoutError(f"deep_gemm needs {name} as contiguous int32 [M={rows}]; got {bound.dtype} {list(bound.shape)}")
+            raise LayoutError(f"deep_gemm needs {name} as contiguous int32 [M={rows}]; "
+                              f"got {bound.dtype} {list(bound.shape)}")

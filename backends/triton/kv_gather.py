@@ -74,9 +74,11 @@ def gather_keys(
     if scales_out is None:
         scales_out = torch.empty(keys, dtype=torch.float32, device=kv_cache.device)
     if k_out.dtype != torch_dtype(fp8_dtype) or tuple(k_out.shape) != (keys, head_dim) or not k_out.is_contiguous():
-        raise LayoutError(f"k_out must be a contiguous {torch_dtype(fp8_dtype)} [S={keys}, D={head_dim}]; got {k_out.dtype} {list(k_out.shape)}")
+        raise LayoutError(f"k_out must be a contiguous {torch_dtype(fp8_dtype)} [S={keys}, D={head_dim}]; "
+                          f"got {k_out.dtype} {list(k_out.shape)}")
     if scales_out.dtype != torch.float32 or tuple(scales_out.shape) != (keys,) or not scales_out.is_contiguous():
-        raise LayoutError(f"scales_out must be contiguous fp32 [S={keys}]; got {scales_out.dtype} {list(scales_out.shape)}")
+        raise LayoutError(f"scales_out must be contiguous fp32 [S={keys}]; "
+                          f"got {scales_out.dtype} {list(scales_out.shape)}")
     if keys == 0:
         return k_out, scales_out
     words = kv_cache.view(num_blocks, -1).view(torch.int32)
