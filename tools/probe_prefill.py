@@ -256,9 +256,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resources", action="store_true", help="sm_90 resource report, no GPU needed")
     parser.add_argument("--only", nargs="*", help="shape names to run")
+    parser.add_argument("--config", action="append", type=lambda text: LaunchConfig(*map(int, text.split(","))),
+                        help="a Triton config instead of the built-in sweep (repeatable): rows,keys,fill,warps,stages")
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--budget-s", type=float, default=190.0, help="stop starting new measurements after this")
     args = parser.parse_args()
+    if args.config:
+        CONFIGS[:] = args.config
     if args.resources:
         resources()
     else:
