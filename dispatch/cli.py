@@ -114,7 +114,7 @@ def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
     print(f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {payload['context_lens']}")
     print(f"  block_table {list(plan.block_table.shape)}: {payload['block_table']}")
     print()
-    print("\n\n".join(decision_text(d, dispatcher) for d in (plan.logits, plan.q_quant)))
+    print("\n\n".join(decision_text(d, dispatcher) for d in plan.decisions.values()))
     return EXIT_OK
 
 
@@ -158,13 +158,13 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from dispatch.bench.cli import add_arguments
+    from dispatch.bench.command import add_arguments
 
     add_arguments(parser)
     parser.set_defaults(command=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dispatch.bench.cli import run_bench
+    from dispatch.bench.command import run_bench
 
     return run_bench(args)

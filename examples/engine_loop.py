@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
                              max_seq_len=max(lengths), forward_mode=mode, next_n=next_n)
         plan = step.plan(batch)  # once per batch: the decision and its layout's tensors
         print(f"step {number}: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
-              f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.q_quant.backend}")
+              f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.indexer_q_quant.backend}")
         tokens = args.requests * next_n
         positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=args.device)
         for layer in range(args.layers):

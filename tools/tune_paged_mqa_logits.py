@@ -1,7 +1,7 @@
 """Times launch configs of the Triton paged MQA logits kernel at the serving shape, correctness first.
 
-    PYTHONPATH=. python backends/triton/tune_paged_mqa_logits.py --out $OUT    # on a GPU: sweep
-    PYTHONPATH=. python backends/triton/tune_paged_mqa_logits.py --resources   # no GPU: sm_90 registers
+    PYTHONPATH=. python tools/tune_paged_mqa_logits.py --out $OUT    # on a GPU: sweep
+    PYTHONPATH=. python tools/tune_paged_mqa_logits.py --resources   # no GPU: sm_90 registers
 
 The sweep measures the two ceilings (device copy bandwidth, fp8 _scaled_mm rate), builds one paged
 cache of B requests with lengths uniform in [low, high], checks every config against the torch
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from backends.reference.kv_cache import BLOCK_KV, quantize_keys
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
-from backends.triton.paged_mqa_logits import LaunchConfig, _paged_mqa_logits_kernel, default_config, paged_mqa_logits
+from dispatch.kv_cache import BLOCK_KV, quantize_keys
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
+from backends.triton.paged_mqa_logits import LaunchConfig, _paged_mqa_logits_kernel, default_config, triton_paged_mqa_logits
 from dispatch.key import Fp8Dtype
 from dispatch.layout import Layout
 from dispatch.plan import layout_tensors
@@ -159,9 +159,9 @@ def _sweep(args, log) -> None:
             record = {"shape": name, "next_n": next_n, "layout": layout.value, "config": config.__dict__,
                       "default": config == default}
             try:
-                err, mask_ok = relative_error(paged_mqa_logits(*sets[0], config=config), ref)
+                err, mask_ok = relative_error(triton_paged_mqa_logits(*sets[0], config=config), ref)
                 if args.profile:
-                    paged_mqa_logits(*sets[1], config=config)
+                    triton_paged_mqa_logits(*sets[1], config=config)
                     torch.cuda.synchronize()
                     print(f"{name} {config}: err {err:.1e} mask {'ok' if mask_ok else 'BAD'}; launched for the profiler")
                     continue
@@ -191,7 +191,7 @@ def _sweep(args, log) -> None:
 def _rotating(sets: list[tuple], config: LaunchConfig):
     """A call that takes the next input set each time, so no set stays in L2 between calls."""
     turn = iter(range(1 << 62))
-    return lambda: paged_mqa_logits(*sets[next(turn) % len(sets)], config=config)
+    return lambda: triton_paged_mqa_logits(*sets[next(turn) % len(sets)], config=config)
 
 
 def _row(r: dict) -> str:

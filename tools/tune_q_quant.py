@@ -1,6 +1,6 @@
 """Check, then time, the fused indexer Q quantisation on a GPU against the device's copy bandwidth.
 
-    PYTHONPATH=. python backends/triton/tune_q_quant.py [--out DIR] [--tokens 16384]
+    PYTHONPATH=. python tools/tune_q_quant.py [--out DIR] [--tokens 16384]
 
 Every launch config is compared byte for byte with the torch reference run on the CPU (the CUDA-run
 reference picked twice the scale for some amax exactly on FP8_MAX * 2^k; this run prints how often),
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.testing
 
-from backends.reference.q_quant import indexer_q_quant as reference
+from backends.reference.q_quant import reference_indexer_q_quant as reference
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.q_quant import launch, launch_config
 from dispatch.key import Fp8Dtype

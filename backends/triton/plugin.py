@@ -13,7 +13,7 @@ from backends.triton.availability import (
 )
 from backends.triton.fp8_mode import Fp8Mode
 from dispatch.backend import PAGED_MODES, Backend, Support
-from dispatch.checks import check_logits_inputs
+from dispatch.input_checks import check_logits_inputs
 from dispatch.hookspecs import hookimpl
 from dispatch.key import Fp8Dtype, Op
 from dispatch.layout import Layout
@@ -27,9 +27,9 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
 
     def run(plan, q, kv_cache, weights):
         check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
-        from backends.triton.paged_mqa_logits import paged_mqa_logits
+        from backends.triton.paged_mqa_logits import triton_paged_mqa_logits
 
-        return paged_mqa_logits(
+        return triton_paged_mqa_logits(
             q,
             kv_cache,
             weights,
@@ -89,11 +89,9 @@ def logits_backends() -> list[Backend]:
 
 
 def run_q_quant(*args, **kwargs):
-    from backends.triton.q_quant import (
-        indexer_q_quant,  # imports triton, which the probe found
-    )
+    from backends.triton.q_quant import triton_indexer_q_quant  # imports triton, which the probe found
 
-    return indexer_q_quant(*args, **kwargs)
+    return triton_indexer_q_quant(*args, **kwargs)
 
 
 def q_quant_backends() -> list[Backend]:

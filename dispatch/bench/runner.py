@@ -88,7 +88,7 @@ def bench_logits(
     wanted: set[str] | None,
 ) -> list[Row]:
     mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
-    key = DispatchKey(dispatcher.host_arch, mode, shape.next_n, fp8_dtype)
+    key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
     first = logits_inputs(shape, fp8_dtype, device, seed=0)
     data_bytes = first.kv_cache.numel()
     sets = [first] + [logits_inputs(shape, fp8_dtype, device, seed=s) for s in range(1, 3 if data_bytes < 3 * L2_BYTES else 1)]
@@ -159,7 +159,7 @@ def bench_quant(
     repeats: int,
     wanted: set[str] | None,
 ) -> list[Row]:
-    key = DispatchKey(dispatcher.host_arch, ForwardMode.DECODE, 1, fp8_dtype)
+    key = DispatchKey(dispatcher.target_arch, ForwardMode.DECODE, 1, fp8_dtype)
     inputs = quant_inputs(shape, device, seed=0)
     bytes_ = quant_floor_bytes(shape)
     floor = _floor(bytes_, 0.0, ceilings)
@@ -185,8 +185,8 @@ def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 
     """Host cost of a cached decide, and of building a B=128 plan, in microseconds."""
     from dispatch.detect import platform_fp8_dtype
 
-    fp8 = platform_fp8_dtype(dispatcher.host_arch)
-    key = DispatchKey(dispatcher.host_arch, ForwardMode.TARGET_VERIFY, next_n, fp8)
+    fp8 = platform_fp8_dtype(dispatcher.target_arch)
+    key = DispatchKey(dispatcher.target_arch, ForwardMode.TARGET_VERIFY, next_n, fp8)
     dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
     loops = 10000
     decide_s = time_host(lambda: [dispatcher.decide(Op.PAGED_MQA_LOGITS, key) for _ in range(loops)], repeats=5) / loops

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dispatch.backend import ALL_ARCHS, PAGED_MODES, Backend, Support
-from dispatch.checks import check_logits_inputs
+from dispatch.input_checks import check_logits_inputs
 from dispatch.fp8 import torch_dtype
 from dispatch.hookspecs import hookimpl
 from dispatch.key import Op
