@@ -12,11 +12,7 @@ from backends.triton.availability import (
     triton_version,
 )
 from backends.triton.fp8_mode import Fp8Mode
-from dispatch.backend import PAGED_MODES, Backend, Support
-from dispatch.input_checks import check_logits_inputs
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Fp8Dtype, Op
-from dispatch.layout import Layout
+from dispatch.contract import PAGED_MODES, Backend, Fp8Dtype, Layout, Op, Support, check_logits_inputs, hookimpl
 
 # The native kernel holds a row's tokens x heads in one program's tile; past 8 tokens it is untested.
 NATIVE_NEXT_N_MAX = 8
