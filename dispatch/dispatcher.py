@@ -84,6 +84,14 @@ class Dispatcher:
             raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
         return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), ())
 
+    def eligible(self, op: Op | str, key: DispatchKey, *, respect_disabled: bool = True) -> list[Backend]:
+        """Every registered backend of `op` that could serve `key` here (what a benchmark compares),
+        by the same test the decision uses; `respect_disabled=False` includes disabled ones."""
+        op = Op(op)
+        return [
+            b for b in self.catalog.for_op(op) if not self._why_ineligible(b, key, respect_disabled=respect_disabled)
+        ]
+
     def _decide(self, op: Op, key: DispatchKey) -> Decision:
         candidates = self.catalog.for_op(op)
         ineligible = {b.name: reason for b in candidates if (reason := self._why_ineligible(b, key))}
