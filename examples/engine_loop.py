@@ -18,10 +18,11 @@ import torch
 from dispatch import load_dispatcher
 from dispatch.indexer import IndexerStep
 from dispatch.key import ForwardMode
+from dispatch.kv_cache import BLOCK_KV
 from dispatch.plan import ForwardBatch
 from dispatch.rope import RopeSpec
 
-HEADS, HEAD_DIM, ROT_DIM, BLOCK_KV = 64, 128, 64, 64
+HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
 # (forward mode, tokens scored per request): plain decode, MTP verification of 3 drafts, draft extension.
 SCHEDULE = [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 2)]
 

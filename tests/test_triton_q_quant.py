@@ -18,6 +18,7 @@ from backends.reference.q_quant import apply_rope, reference_indexer_q_quant as 
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.q_quant import triton_indexer_q_quant
 from backends.triton.plugin import q_quant_backends
+from dispatch.detect import rocm_gcn_arch
 from dispatch.errors import LayoutError
 from dispatch.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.rope import RopeSpec
@@ -31,9 +32,7 @@ ROPE_IDS = ["neox-head", "neox-tail", "gptj-head", "gptj-tail"]
 def _native_fnuz_compiles() -> bool:
     if DEVICE == "cpu":
         return True  # the interpreter runs tl.float8e4b8 casts
-    return bool(getattr(torch.version, "hip", None)) and torch.cuda.get_device_properties(0).gcnArchName.startswith(
-        "gfx94"
-    )
+    return rocm_gcn_arch().startswith("gfx94")
 
 
 NATIVE_SKIP = pytest.mark.skipif(
