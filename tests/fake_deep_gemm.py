@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
-from backends.reference.ragged_mqa_logits import ragged_mqa_logits as reference_ragged_logits
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
+from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
 
 # The real kernels split KV into 256-token chunks and allocate the logits row stride to match.
 SPLIT_KV = 256
@@ -143,7 +143,7 @@ class FakeDeepGemm(types.ModuleType):
             _require(tuple(bound.shape) == (rows,) and bound.dtype == torch.int32, "ks / ke int32 [M]")
             _require(bound.is_contiguous(), "contiguous ks / ke")
         _require(isinstance(clean_logits, bool), "clean_logits a bool")
-        exact = reference_ragged_logits(q, k, scales, weights, ks, ke)
+        exact = reference_ragged_mqa_logits(q, k, scales, weights, ks, ke)
         keys = k.shape[0]
         stride = math.ceil((keys + SPLIT_KV) / RAGGED_ROW_ALIGN) * RAGGED_ROW_ALIGN
         if clean_logits:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.reference.kv_cache import build_paged_kv_cache
-from backends.reference.kv_gather import gather_keys
+from dispatch.bench.paged_cache import build_paged_kv_cache
+from backends.reference.kv_gather import reference_gather_keys
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Fp8Dtype
 from dispatch.prefill import ExtendBatch, RaggedMetadata, build_ragged_metadata
@@ -29,7 +29,7 @@ class PrefillCase:
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k [S, D], scales [S]) gathered by the reference."""
-        return gather_keys(self.kv_cache, self.metadata.gather_slots, self.fp8_dtype,
+        return reference_gather_keys(self.kv_cache, self.metadata.gather_slots, self.fp8_dtype,
                            key_offsets=self.metadata.key_offsets)
 
 

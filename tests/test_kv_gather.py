@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.reference.kv_cache import quantize_keys
-from backends.reference.kv_gather import gather_keys as reference_gather
-from backends.triton.kv_gather import gather_keys
+from dispatch.kv_cache import quantize_keys
+from backends.reference.kv_gather import reference_gather_keys as reference_gather
+from backends.triton.kv_gather import triton_gather_keys
 from dispatch.errors import LayoutError
 from dispatch.key import Fp8Dtype
 from tests.prefill_batch import prefill_case
@@ -37,7 +37,7 @@ def test_reference_returns_each_requests_keys_in_order(prefix_lens, extend_lens,
 def test_kernel_matches_reference_bytes(prefix_lens, extend_lens, fp8_dtype):
     case = prefill_case(prefix_lens, extend_lens, fp8_dtype=fp8_dtype, device=DEVICE, seed=2)
     error = flag()
-    k, scales = gather_keys(case.kv_cache, case.metadata.gather_slots, error, fp8_dtype)
+    k, scales = triton_gather_keys(case.kv_cache, case.metadata.gather_slots, error, fp8_dtype)
     ref_k, ref_scales = case.gathered()
     assert k.dtype == ref_k.dtype
     assert torch.equal(k.view(torch.uint8), ref_k.view(torch.uint8))
@@ -51,7 +51,7 @@ def test_any_slot_order_and_preallocated_outputs():
     slots = torch.randint(0, num_slots, (300,), dtype=torch.int32).to(DEVICE)
     k_out = torch.empty(300, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
     scales_out = torch.empty(300, device=DEVICE)
-    k, scales = gather_keys(case.kv_cache, slots, flag(), k_out=k_out, scales_out=scales_out)
+    k, scales = triton_gather_keys(case.kv_cache, slots, flag(), k_out=k_out, scales_out=scales_out)
     assert k is k_out and scales is scales_out
     ref_k, ref_scales = reference_gather(case.kv_cache, slots)
     assert torch.equal(k.view(torch.uint8), ref_k.view(torch.uint8))
@@ -66,7 +66,7 @@ def test_bad_slot_is_poisoned_and_flagged_never_read(bad):
     position = 40  # request 1's key 6
     slots[position] = num_slots if bad == "num_slots" else bad
     error = flag()
-    k, scales = gather_keys(case.kv_cache, slots, error)
+    k, scales = triton_gather_keys(case.kv_cache, slots, error)
     assert int(error) == 1
     assert torch.isnan(scales[position]) and (k[position].view(torch.uint8) == 0).all()
     ref_k, ref_scales = case.gathered()
@@ -83,9 +83,9 @@ def test_flag_is_only_ever_set():
     slots = case.metadata.gather_slots.clone()
     slots[::50] = -7
     error = flag()
-    gather_keys(case.kv_cache, slots, error)
+    triton_gather_keys(case.kv_cache, slots, error)
     assert int(error) == 1
-    gather_keys(case.kv_cache, case.metadata.gather_slots, error)
+    triton_gather_keys(case.kv_cache, case.metadata.gather_slots, error)
     assert int(error) == 1
 
 
@@ -99,7 +99,7 @@ def test_page_table_too_short_is_a_bad_slot():
     slots = build_ragged_metadata(narrow).gather_slots
     assert (slots[64:] == -1).all() and (slots[:64] >= 0).all()
     error = flag()
-    _, scales = gather_keys(case.kv_cache, slots, error)
+    _, scales = triton_gather_keys(case.kv_cache, slots, error)
     assert int(error) == 1 and torch.isnan(scales[64:]).all() and not torch.isnan(scales[:64]).any()
     with pytest.raises(LayoutError, match="request 0, its key 64"):
         reference_gather(case.kv_cache, slots, key_offsets=build_ragged_metadata(narrow).key_offsets)
@@ -109,18 +109,18 @@ def test_wrapper_rejects_bad_tensors():
     case = prefill_case([10], [5], device=DEVICE, seed=7)
     slots = case.metadata.gather_slots
     with pytest.raises(LayoutError, match="slots"):
-        gather_keys(case.kv_cache, slots.long(), flag())
+        triton_gather_keys(case.kv_cache, slots.long(), flag())
     with pytest.raises(LayoutError, match="error_flag"):
-        gather_keys(case.kv_cache, slots, torch.zeros(1, device=DEVICE))
+        triton_gather_keys(case.kv_cache, slots, torch.zeros(1, device=DEVICE))
     with pytest.raises(LayoutError, match="kv_cache"):
-        gather_keys(case.kv_cache.view(torch.int8), slots, flag())
+        triton_gather_keys(case.kv_cache.view(torch.int8), slots, flag())
     with pytest.raises(LayoutError, match="k_out"):
-        gather_keys(case.kv_cache, slots, flag(), k_out=torch.empty(15, 128, dtype=torch.float8_e4m3fnuz, device=DEVICE))
+        triton_gather_keys(case.kv_cache, slots, flag(), k_out=torch.empty(15, 128, dtype=torch.float8_e4m3fnuz, device=DEVICE))
 
 
 def test_empty_gather():
     case = prefill_case([10], [5], device=DEVICE, seed=8)
-    k, scales = gather_keys(case.kv_cache, torch.zeros(0, dtype=torch.int32, device=DEVICE), flag())
+    k, scales = triton_gather_keys(case.kv_cache, torch.zeros(0, dtype=torch.int32, device=DEVICE), flag())
     assert k.shape == (0, 128) and scales.shape == (0,)
 
 
@@ -128,7 +128,7 @@ def test_empty_gather():
 def test_prefill_shape_on_gpu():
     case = prefill_case([15000, 30000, 0], [1024, 4096, 2048], device="cuda", seed=9)
     error = flag()
-    k, scales = gather_keys(case.kv_cache, case.metadata.gather_slots, error)
+    k, scales = triton_gather_keys(case.kv_cache, case.metadata.gather_slots, error)
     ref_k, ref_scales = case.gathered()
     assert int(error) == 0 and torch.equal(k.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(scales, ref_scales)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.reference.ragged_mqa_logits import ragged_mqa_logits as reference_logits
+from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
 from backends.triton.fp8_mode import Fp8Mode
-from backends.triton.ragged_mqa_logits import LaunchConfig, ragged_mqa_logits
+from backends.triton.ragged_mqa_logits import LaunchConfig, triton_ragged_mqa_logits
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.key import Fp8Dtype
 from tests.prefill_batch import prefill_case
@@ -50,7 +50,7 @@ def second_opinion(q, k, scales, weights, ks, ke):
 def run_case(case, **kwargs):
     k, scales = case.gathered()
     m = case.metadata
-    return ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, **kwargs), (k, scales)
+    return triton_ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, **kwargs), (k, scales)
 
 
 # (prefix_lens, extend_lens): no prefix; a prefix; one-token extends; very different lengths; a request
@@ -104,7 +104,7 @@ def test_deepgemm_test_patterns(pattern):
     args = [t.to(DEVICE) for t in (q, k, scales, weights, ks, ke)]
     ref = reference_logits(*args)
     assert_close(ref, second_opinion(*args), tolerance=1e-5)
-    assert_close(ragged_mqa_logits(*args), ref)
+    assert_close(triton_ragged_mqa_logits(*args), ref)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +136,7 @@ def test_any_ranges_are_clipped_to_the_buffer():
     ks = torch.randint(-50, 200, (rows,), generator=gen, dtype=torch.int32)
     ke = torch.randint(-50, 220, (rows,), generator=gen, dtype=torch.int32)
     args = [t.to(DEVICE) for t in (q, k, scales, weights, ks, ke)]
-    assert_close(ragged_mqa_logits(*args, config=LaunchConfig(rows=4, keys=32, fill=64)), reference_logits(*args))
+    assert_close(triton_ragged_mqa_logits(*args, config=LaunchConfig(rows=4, keys=32, fill=64)), reference_logits(*args))
 
 
 def test_every_element_is_written():
@@ -144,7 +144,7 @@ def test_every_element_is_written():
     k, scales = case.gathered()
     m = case.metadata
     out = torch.full((m.total_tokens, m.total_keys + 5), float("nan"), device=DEVICE)[:, : m.total_keys]
-    ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, out=out)
+    triton_ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, out=out)
     assert_close(out, reference_logits(case.q, k, scales, case.weights, m.ks, m.ke))
 
 
@@ -154,7 +154,7 @@ def test_without_clean_logits_only_scored_blocks_are_written():
     k, scales = case.gathered()
     m = case.metadata
     out = torch.full((m.total_tokens, m.total_keys), float("nan"), device=DEVICE)
-    ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, clean_logits=False, out=out,
+    triton_ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, clean_logits=False, out=out,
                       config=LaunchConfig(rows=4, keys=32))
     ref = reference_logits(case.q, k, scales, case.weights, m.ks, m.ke)
     visible = torch.isfinite(ref)
@@ -173,7 +173,7 @@ def test_nan_keys_of_another_request_stay_hidden():
     k.view(torch.uint8)[:13] = 0x7F  # e4m3fn NaN
     scales[:13] = float("nan")
     m = case.metadata
-    out = ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, config=LaunchConfig(rows=8, keys=16))
+    out = triton_ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke, config=LaunchConfig(rows=8, keys=16))
     ref = reference_logits(case.q, k, scales, case.weights, m.ks, m.ke)
     # Request 0's own rows are NaN inside their ranges (the poison shows) and -inf outside.
     inside = torch.isfinite(reference_logits(case.q, *case.gathered(), case.weights, m.ks, m.ke))[:3]
@@ -205,12 +205,12 @@ def test_chunks_reproduce_the_whole_batch():
     case = prefill_case([100, 20, 0], [30, 50, 40], device=DEVICE, seed=8)
     k, scales = case.gathered()
     m = case.metadata
-    whole = ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke)
+    whole = triton_ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke)
     chunks = m.chunks(byte_budget=60 * 4 * 64)
     assert len(chunks) > 2
     for chunk in chunks:
         ks, ke = m.chunk_ranges(chunk)
-        part = ragged_mqa_logits(case.q[chunk.rows], k[chunk.keys], scales[chunk.keys], case.weights[chunk.rows],
+        part = triton_ragged_mqa_logits(case.q[chunk.rows], k[chunk.keys], scales[chunk.keys], case.weights[chunk.rows],
                                  ks, ke)
         assert torch.equal(part, whole[chunk.rows, chunk.keys])
         outside = torch.ones(m.total_keys, dtype=torch.bool, device=DEVICE)
@@ -224,28 +224,28 @@ def test_wrapper_rejects_bad_tensors():
     m = case.metadata
     q, w = case.q, case.weights
     with pytest.raises(DtypeMismatchError, match="k has dtype"):
-        ragged_mqa_logits(q, k.view(torch.float8_e4m3fnuz), scales, w, m.ks, m.ke)
+        triton_ragged_mqa_logits(q, k.view(torch.float8_e4m3fnuz), scales, w, m.ks, m.ke)
     with pytest.raises(DtypeMismatchError, match="q has dtype"):
-        ragged_mqa_logits(q.view(torch.int8), k.view(torch.int8), scales, w, m.ks, m.ke)
+        triton_ragged_mqa_logits(q.view(torch.int8), k.view(torch.int8), scales, w, m.ks, m.ke)
     with pytest.raises(LayoutError, match="weights"):
-        ragged_mqa_logits(q, k, scales, w.double(), m.ks, m.ke)
+        triton_ragged_mqa_logits(q, k, scales, w.double(), m.ks, m.ke)
     with pytest.raises(LayoutError, match="scales"):
-        ragged_mqa_logits(q, k, scales[:-1], w, m.ks, m.ke)
+        triton_ragged_mqa_logits(q, k, scales[:-1], w, m.ks, m.ke)
     with pytest.raises(LayoutError, match="ke"):
-        ragged_mqa_logits(q, k, scales, w, m.ks, m.ke.long())
+        triton_ragged_mqa_logits(q, k, scales, w, m.ks, m.ke.long())
     with pytest.raises(LayoutError, match="k must be"):
-        ragged_mqa_logits(q, k[:, :64], scales, w, m.ks, m.ke)
+        triton_ragged_mqa_logits(q, k[:, :64], scales, w, m.ks, m.ke)
     with pytest.raises(LayoutError, match="q must be"):
-        ragged_mqa_logits(q[None], k, scales, w, m.ks, m.ke)
+        triton_ragged_mqa_logits(q[None], k, scales, w, m.ks, m.ke)
     with pytest.raises(LayoutError, match="out must be"):
-        ragged_mqa_logits(q, k, scales, w, m.ks, m.ke, out=torch.empty(3, 3, device=DEVICE))
+        triton_ragged_mqa_logits(q, k, scales, w, m.ks, m.ke, out=torch.empty(3, 3, device=DEVICE))
 
 
 def test_empty_sides():
     q = torch.zeros(0, 16, 32, dtype=torch.float8_e4m3fn, device=DEVICE)
     k = torch.zeros(5, 32, dtype=torch.float8_e4m3fn, device=DEVICE)
     none = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    out = ragged_mqa_logits(q, k, torch.ones(5, device=DEVICE), torch.zeros(0, 16, device=DEVICE), none, none)
+    out = triton_ragged_mqa_logits(q, k, torch.ones(5, device=DEVICE), torch.zeros(0, 16, device=DEVICE), none, none)
     assert out.shape == (0, 5)
 
 

@@ -27,14 +27,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends.reference.kv_cache import quantize_keys  # noqa: E402
-from backends.reference.kv_gather import gather_keys as reference_gather  # noqa: E402
-from backends.reference.ragged_mqa_logits import ragged_mqa_logits as reference_logits  # noqa: E402
+from backends.reference.kv_gather import reference_gather_keys as reference_gather  # noqa: E402
+from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits  # noqa: E402
 from backends.triton.ragged_mqa_logits import LaunchConfig, default_config  # noqa: E402
+from dispatch.bench.ceilings import measure_ceilings  # noqa: E402
+from dispatch.bench.compare import compare_logits  # noqa: E402
 from dispatch.key import Fp8Dtype  # noqa: E402
+from dispatch.kv_cache import BLOCK_KV, quantize_keys  # noqa: E402
 from dispatch.prefill import ExtendBatch, build_ragged_metadata  # noqa: E402
 
-HEADS, HEAD_DIM, BLOCK_KV = 64, 128, 64
+HEADS, HEAD_DIM = 64, 128
+TOLERANCE = 1e-3  # fp8 dot on the GPU
 DEVICE = "cuda"  # tests/test_probe_prefill.py builds inputs on the CPU
 C = LaunchConfig
 CONFIGS = [C(4, 64, 1024, 4, 3), C(4, 64, 1024, 4, 4), C(2, 64, 1024, 4, 3), C(2, 128, 1024, 4, 3),
@@ -46,21 +49,6 @@ SHAPES = {
     "M16K_4req_S64K": ([12288] * 4, [4096] * 4),
     "M16K_7req_ragged": ([0, 16384, 4096, 0, 12288, 1024, 6000], [8192, 4096, 2048, 1024, 512, 256, 256]),
 }
-
-
-def measure_ceilings() -> dict[str, float]:
-    from triton.testing import do_bench
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy_s = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median") * 1e-3
-    n = 8192
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    mm_s = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=25, rep=200,
-                    return_mode="median") * 1e-3
-    return {"copy_GBps": 2 * (1 << 30) / copy_s / 1e9, "fp8_TFLOPs": 2 * n**3 / mm_s / 1e12}
 
 
 def build(prefix_lens, extend_lens, seed=0):
@@ -86,21 +74,19 @@ def build(prefix_lens, extend_lens, seed=0):
     return cache.view(num_blocks, BLOCK_KV, 1, HEAD_DIM + 4), batch, build_ragged_metadata(batch), q, weights
 
 
-def check(out, ref, clean: bool = True) -> tuple[float, bool]:
-    """(relative error over visible positions, mask ok). Unclean outputs are only judged where visible."""
-    visible = torch.isfinite(ref)
-    if clean:
-        mask_ok = bool(torch.equal(torch.isneginf(out), torch.isneginf(ref))) and not bool(torch.isnan(out).any())
-    else:
-        mask_ok = bool(torch.isfinite(out[visible]).all())
-    return ((out[visible] - ref[visible]).norm() / ref[visible].norm()).item(), mask_ok
+def check(out: torch.Tensor, ref: torch.Tensor, clean: bool = True) -> tuple[float | None, str]:
+    """(relative error over visible positions, verdict) through the bench's comparison. An unclean
+    output is judged where it is defined only: its other positions are set to the reference's -inf."""
+    if not clean:
+        out = torch.where(torch.isfinite(ref), out, float("-inf"))
+    return compare_logits(out, ref, TOLERANCE)
 
 
 def probe(args) -> None:
     from triton.testing import do_bench
 
-    from backends.triton.kv_gather import gather_keys
-    from backends.triton.ragged_mqa_logits import ragged_mqa_logits
+    from backends.triton.kv_gather import triton_gather_keys
+    from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
 
     started = time.time()
     out_dir = os.environ.get("OUT")
@@ -112,14 +98,14 @@ def probe(args) -> None:
             log.flush()
 
     props = torch.cuda.get_device_properties(0)
-    ceilings = measure_ceilings()
+    ceilings = measure_ceilings().as_dict()
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; ceilings "
           f"copy {ceilings['copy_GBps']:.0f} GB/s, fp8 _scaled_mm {ceilings['fp8_TFLOPs']:.0f} TFLOP/s", flush=True)
     record({"device": props.name, **ceilings, "date": time.strftime("%Y-%m-%d %H:%M")})
     try:
         import deep_gemm
 
-        from backends.deepgemm.ragged_logits import ragged_mqa_logits as deepgemm_logits
+        from backends.deepgemm.ragged_logits import launch_ragged_mqa_logits as deepgemm_logits
         dg_version = getattr(deep_gemm, "__version__", "?")
         print(f"deep_gemm {dg_version}: fp8_fp4_mqa_logits={hasattr(deep_gemm, 'fp8_fp4_mqa_logits')}, "
               f"fp8_mqa_logits={hasattr(deep_gemm, 'fp8_mqa_logits')}", flush=True)
@@ -138,11 +124,11 @@ def probe(args) -> None:
         floor_s = flops / (ceilings["fp8_TFLOPs"] * 1e12)
         write_s = m_rows * s_keys * 4 / (ceilings["copy_GBps"] * 1e9)
         flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        k, scales = gather_keys(cache, meta.gather_slots, flag)
+        k, scales = triton_gather_keys(cache, meta.gather_slots, flag)
         ref_k, ref_scales = reference_gather(cache, meta.gather_slots)
         gather_ok = (torch.equal(k.view(torch.uint8), ref_k.view(torch.uint8))
                      and torch.equal(scales, ref_scales) and int(flag) == 0)
-        gather_s = do_bench(lambda: gather_keys(cache, meta.gather_slots, flag, k_out=k, scales_out=scales),
+        gather_s = do_bench(lambda: triton_gather_keys(cache, meta.gather_slots, flag, k_out=k, scales_out=scales),
                             warmup=10, rep=50, return_mode="median") * 1e-3
         gather_bytes = 2 * s_keys * (HEAD_DIM + 4)
         ref = reference_logits(q, k, scales, weights, meta.ks, meta.ke)
@@ -171,18 +157,18 @@ def probe(args) -> None:
                         return deepgemm_logits(deep_gemm, q, k, scales, weights, meta.ks, meta.ke, clean_logits=clean)
                 else:
                     def call(config=config, clean=clean):
-                        return ragged_mqa_logits(q, k, scales, weights, meta.ks, meta.ke, config=config, out=out,
+                        return triton_ragged_mqa_logits(q, k, scales, weights, meta.ks, meta.ke, config=config, out=out,
                                                  clean_logits=clean)
-                err, mask_ok = check(call(), ref, clean)
+                err, verdict = check(call(), ref, clean)
                 seconds = do_bench(call, warmup=25, rep=args.rep_ms, return_mode="median") * 1e-3
-                entry.update(us=seconds * 1e6, err=err, mask_ok=mask_ok, TFLOPs=flops / seconds / 1e12,
+                entry.update(us=seconds * 1e6, err=err, verdict=verdict, TFLOPs=flops / seconds / 1e12,
                              x_floor=seconds / floor_s)
                 timed.append(entry)
             except Exception as error:
                 entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             record(entry)
             print("  " + _line(entry), flush=True)
-        ok = [e for e in timed if e["mask_ok"] and e["err"] < 1e-3]
+        ok = [e for e in timed if e["verdict"] == "ok"]
         dg = next((e for e in ok if e["impl"] == "deepgemm" and e["clean"]), None)
         dg_raw = next((e for e in ok if e["impl"] == "deepgemm" and not e["clean"]), None)
         good = [e for e in ok if e["impl"] == "triton" and e["clean"]]
@@ -216,8 +202,9 @@ def _line(e: dict) -> str:
     cfg += "" if e["clean"] else " unclean"
     if "error" in e:
         return f"{e['impl']:8s} {cfg:22s} ERROR {e['error'][:200]}"
+    err = f"{e['err']:.1e}" if e["err"] is not None else "-"
     return (f"{e['impl']:8s} {cfg:22s} {e['us']:9.1f} us  {e['TFLOPs']:6.0f} TFLOP/s  x{e['x_floor']:.2f} floor  "
-            f"err {e['err']:.1e}  mask {'ok' if e['mask_ok'] else 'BAD'}")
+            f"err {err}  {e['verdict']}")
 
 
 def resources() -> None:

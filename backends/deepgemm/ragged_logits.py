@@ -28,14 +28,14 @@ HEAD_COUNTS = (32, 64)
 HEAD_DIMS = (32, 64, 128)
 
 
-def missing_symbols(module: ModuleType) -> list[str]:
+def missing_ragged_symbols(module: ModuleType) -> list[str]:
     """The ragged API names this adapter needs and `module` lacks, as they would read in a message."""
     if hasattr(module, LOGITS_FP8_FP4) or hasattr(module, LOGITS_FP8):
         return []
     return [f"`{LOGITS_FP8_FP4}` or `{LOGITS_FP8}`"]
 
 
-def ragged_mqa_logits(
+def launch_ragged_mqa_logits(
     module: ModuleType,
     q: torch.Tensor,
     k: torch.Tensor,

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from backends.reference.kv_cache import split_kv_cache
+from dispatch.kv_cache import split_kv_cache
 from dispatch.errors import LayoutError
 from dispatch.key import Fp8Dtype
 
 
-def gather_keys(
+def reference_gather_keys(
     kv_cache: torch.Tensor,
     slots: torch.Tensor,
     fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN,

@@ -19,7 +19,7 @@ from dispatch.errors import DtypeMismatchError
 _ROWS_PER_STEP = 64
 
 
-def ragged_mqa_logits(
+def reference_ragged_mqa_logits(
     q: torch.Tensor,
     k: torch.Tensor,
     scales: torch.Tensor,

@@ -52,7 +52,7 @@ def _gather_keys_kernel(
     tl.atomic_max(flag_ptr + tl.zeros_like(index), tl.full((BLOCK_S,), 1, tl.int32), mask=bad)
 
 
-def gather_keys(
+def triton_gather_keys(
     kv_cache: torch.Tensor,
     slots: torch.Tensor,
     error_flag: torch.Tensor,

@@ -123,7 +123,7 @@ def default_config(device: torch.device) -> LaunchConfig:
     return LaunchConfig(rows=4, keys=64, fill=1024, num_warps=4, num_stages=3)
 
 
-def ragged_mqa_logits(
+def triton_ragged_mqa_logits(
     q: torch.Tensor,
     k: torch.Tensor,
     scales: torch.Tensor,
