@@ -231,7 +231,7 @@ def test_emulated_fnuz_equals_torch_fnuz_cast():
         fnuz_mode=Fp8Mode.FNUZ_EMULATED,
     )
     scale = w_out / weights.float()
-    values = apply_rope(q.float(), positions, cache, rope) / scale[..., None]
+    values = apply_rope(q.float(), positions, cache, rope, rotary_dtype=torch.bfloat16) / scale[..., None]
     assert_same_bytes(q_fp8, values.clamp(-224, 224).to(torch.float8_e4m3fnuz))
 
 

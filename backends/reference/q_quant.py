@@ -20,9 +20,16 @@ from dispatch.key import FP8_MAX, Fp8Dtype
 from dispatch.rope import RopeSpec
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
-    """RoPE on fp32 x [T, H, D], its output rounded to bf16 as the engines store it. cos_sin_cache
-    [max_pos, rot_dim] holds cos in its first half, sin in its second."""
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rope: RopeSpec,
+    *,
+    rotary_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """RoPE on fp32 x [T, H, D]. cos_sin_cache [max_pos, rot_dim] holds cos in its first half, sin in
+    its second. `rotary_dtype` rounds the rotated dims to that dtype and back (the engines: bf16)."""
     rot_dim = cos_sin_cache.shape[-1]
     half = rot_dim // 2
     cos_sin = cos_sin_cache[positions.long()].float()
@@ -36,7 +43,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     out1 = x1 * cos - x2 * sin
     out2 = x2 * cos + x1 * sin
     rotated = torch.stack((out1, out2), dim=-1).flatten(-2) if rope.interleaved else torch.cat((out1, out2), dim=-1)
-    rotated = rotated.to(torch.bfloat16).float()  # the engines keep their RoPE output in bf16
+    if rotary_dtype is not None:
+        rotated = rotated.to(rotary_dtype).float()
     result = x.clone()
     result[..., start : start + rot_dim] = rotated
     return result
@@ -69,7 +77,8 @@ def indexer_q_quant(
     """q [T, H, D] (any float dtype), weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H])."""
     check_positions(positions, cos_sin_cache.shape[0])
     fp8_max = FP8_MAX[Fp8Dtype(fp8_dtype)]
-    rotated = apply_rope(q.float(), positions, cos_sin_cache, rope)
+    # The engines keep their RoPE output in the activation dtype, bf16, before the amax and the division.
+    rotated = apply_rope(q.float(), positions, cos_sin_cache, rope, rotary_dtype=torch.bfloat16)
     poisoned = ~torch.isfinite(rotated).all(dim=-1)  # [T, H]
     scale = power_of_two_scale(rotated.abs().amax(dim=-1), fp8_max).masked_fill(poisoned, float("nan"))
     # Clamp before the cast: torch casts out-of-range values to fnuz NaN instead of saturating.
