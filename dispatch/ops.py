@@ -6,8 +6,14 @@ paged_mqa_logits:  run(plan, q, kv_cache, weights) -> fp32 logits [B*N, plan.max
     dispatch.checks.check_logits_inputs and writes -inf at every position past a token's length.
 
 indexer_q_quant:   run(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_scale,
-                       head_scale) -> (q fp8 [T, H, D], fp32 weights [T, H])
-    fp8_dtype comes from the decision's key, never from the backend.
+                       head_scale, error_flags) -> (q fp8 [T, H, D], fp32 weights [T, H])
+    fp8_dtype comes from the decision's key, never from the backend; error_flags is the plan's int32 [1]
+    flag word (dispatch/bounds.py). The RoPE output is rounded to bf16 before the amax, as the engines do.
+
+Bounds and NaN (dispatch/bounds.py): a backend never follows an out-of-range page or position; it makes
+the affected token's logits row NaN and sets the plan's error flag (a torch reference raises
+IndexBoundsError instead). A NaN or inf in a q head vector makes its folded weight NaN; a NaN key, or a
+non-finite key scale, makes that key's logit NaN.
 
 A backend that raises (a kernel launch failure, a missing symbol) surfaces as BackendError naming the
 backend, op, key and rule, chained to the original. The project's own errors (LayoutError and
@@ -48,6 +54,7 @@ def quantize_q(
         rope=rope,
         softmax_scale=softmax_scale,
         head_scale=head_scale,
+        error_flags=plan.error_flags,
     )
 
 

@@ -251,7 +251,7 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
     from dispatch.ops import quantize_q
     from tests.plans import decision_for
 
-    plan = SimpleNamespace(q_quant=decision_for(serving[0], key))  # quantize_q reads only this decision
+    plan = SimpleNamespace(q_quant=decision_for(serving[0], key), error_flags=torch.zeros(1, dtype=torch.int32))
     q, weights, positions, cache = make_inputs(8, 64, seed=9)
     q_fp8, _ = quantize_q(plan, q, weights, positions, cache, rope=RopeSpec.gptj_tail(), softmax_scale=1.0,
                           head_scale=1.0)

@@ -73,8 +73,11 @@ def indexer_q_quant(
     rope: RopeSpec,
     softmax_scale: float,
     head_scale: float,
+    error_flags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] (any float dtype), weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H])."""
+    """q [T, H, D] (any float dtype), weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H]).
+
+    `error_flags` is accepted for the op's call convention and never written: a bad position raises."""
     check_positions(positions, cos_sin_cache.shape[0])
     fp8_max = FP8_MAX[Fp8Dtype(fp8_dtype)]
     # The engines keep their RoPE output in the activation dtype, bf16, before the amax and the division.
