@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 
 
-def mask_past_lengths(logits: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """Write -inf in row r at every position >= context_lens.flatten()[r], in place; returns `logits`."""
+def mask_past_lengths(logits: torch.Tensor, context_lens: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """Write -inf in row r at every position >= context_lens.flatten()[r], in place; returns `logits`.
+
+    `fill` (fp32, one value per row) replaces -inf: the page guard gives a poisoned row length 0 and
+    fill NaN, so the same single pass makes that whole row NaN."""
     positions = torch.arange(logits.shape[1], device=logits.device, dtype=context_lens.dtype)
-    return logits.masked_fill_(positions[None, :] >= context_lens.reshape(-1, 1), float("-inf"))
+    visible = positions[None, :] < context_lens.reshape(-1, 1)
+    if fill is None:
+        return logits.masked_fill_(~visible, float("-inf"))
+    return torch.where(visible, logits, fill.reshape(-1, 1), out=logits)
