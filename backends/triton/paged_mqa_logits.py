@@ -17,8 +17,8 @@ every column of its row in every split, and the plan's error flag gets BAD_PAGE 
 No out-of-range block is ever dereferenced: its loads are masked off.
 
 NaN: the relu keeps NaN (max.NaN), so a NaN q, key or weight makes the logit NaN rather than vanishing
-in relu; a non-finite key scale is made NaN; under fnuz emulation the fnuz NaN byte 0x80 (e4m3fn -0)
-is turned back into NaN for keys and q.
+in relu; a non-finite key scale is made NaN; where the dot cannot see an fp8 NaN byte (fnuz emulation,
+the interpreter) the kernel finds it itself (NAN_BY_HARDWARE below).
 """
 
 from __future__ import annotations
@@ -31,9 +31,38 @@ import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND, check_pages, debug_bounds_on, new_error_flags
+from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
 from dispatch.key import Fp8Dtype
+
+
+# Where the dot reads an fp8 NaN byte as a number, the kernel finds NaN bytes itself (q once per program,
+# keys once per step): fnuz emulated through e4m3fn anywhere (fnuz NaN 0x80 reads as -0), and the
+# interpreter, whose fp8 decoding has no NaN (e4m3fn 0x7F reads as 480, fnuz 0x80 as -0). GPUs decode
+# e4m3fn NaN (and gfx94x fnuz NaN) in the dot itself, so their hot path pays nothing.
+NAN_BY_HARDWARE: tl.constexpr = tl.constexpr(0)
+NAN_E4M3FN_BYTES: tl.constexpr = tl.constexpr(1)
+NAN_FNUZ_BYTE: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _is_nan_byte(x, NAN_BYTES: tl.constexpr):
+    bits = x.to(tl.uint8, bitcast=True)
+    if NAN_BYTES == NAN_E4M3FN_BYTES:
+        nan = (bits & 0x7F) == 0x7F
+    else:
+        nan = bits == 0x80
+    return nan.to(tl.int32)
+
+
+def nan_bytes_mode(mode: Fp8Mode) -> int:
+    """Which NaN-byte check the kernel needs for `mode` here (see NAN_BY_HARDWARE)."""
+    if mode is Fp8Mode.FNUZ_EMULATED:
+        return 2
+    if not triton_interpreter_on():
+        return 0
+    return 1 if mode is Fp8Mode.E4M3FN else 2
 
 
 @triton.jit
@@ -63,7 +92,7 @@ def _paged_mqa_logits_kernel(
     BLOCK_KV: tl.constexpr,
     PAGES: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
-    FNUZ_EMULATED: tl.constexpr,  # fnuz bytes read as e4m3fn: 0x80 (fnuz NaN) must be made NaN by hand
+    NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
     SCAN_PAGES: tl.constexpr,  # table entries checked per step of the bounds scan
     BAD_PAGE: tl.constexpr,
     LENGTH_PAST_BOUND: tl.constexpr,
@@ -116,9 +145,8 @@ def _paged_mqa_logits_kernel(
         other=0.0,
     )
     w = tl.load(w_ptr + (row * N + q_tok) * stride_w_row + q_head, mask=q_tok < N, other=0.0) * PRODUCT_SCALE
-    if FNUZ_EMULATED:
-        q_nan = tl.max((q.to(tl.uint8, bitcast=True) == 0x80).to(tl.int32), axis=1)
-        w = tl.where(q_nan > 0, float("nan"), w)
+    if NAN_BYTES != NAN_BY_HARDWARE:
+        w = tl.where(tl.max(_is_nan_byte(q, NAN_BYTES), axis=1) > 0, float("nan"), w)
     # Transposed outside the loop: Triton then stores q^T to shared memory once per program; a
     # tl.trans inside the loop re-stores the whole tile every step.
     q_t = tl.trans(q)
@@ -142,9 +170,8 @@ def _paged_mqa_logits_kernel(
         scores = tl.dot(keys, q_t)  # [T, TG * H], fp32 accumulation
         scores = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
         logits = tl.sum(tl.reshape(scores, (T, TG, H)), axis=2) * scale[:, None]
-        if FNUZ_EMULATED:
-            key_nan = tl.max((keys.to(tl.uint8, bitcast=True) == 0x80).to(tl.int32), axis=1)
-            logits = tl.where(key_nan[:, None] > 0, float("nan"), logits)
+        if NAN_BYTES != NAN_BY_HARDWARE:
+            logits = tl.where(tl.max(_is_nan_byte(keys, NAN_BYTES), axis=1)[:, None] > 0, float("nan"), logits)
         col = page * BLOCK_KV + t
         # A select, not a multiply: bytes past a length are garbage and may decode to NaN.
         logits = tl.where(col[:, None] < ctx[None, :], logits, float("-inf"))
@@ -263,7 +290,7 @@ def paged_mqa_logits(
         BLOCK_KV=block_kv,
         PAGES=cfg.pages,
         PRODUCT_SCALE=mode.product_scale,
-        FNUZ_EMULATED=mode is Fp8Mode.FNUZ_EMULATED,
+        NAN_BYTES=nan_bytes_mode(mode),
         SCAN_PAGES=SCAN_PAGES,
         BAD_PAGE=BAD_PAGE,
         LENGTH_PAST_BOUND=LENGTH_PAST_BOUND,
