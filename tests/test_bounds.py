@@ -195,3 +195,60 @@ def test_positions_in_range_leave_the_flag_clear():
     flags = torch.zeros(1, dtype=torch.int32)
     triton_quant(q, weights, torch.arange(6) * 40, cache, fp8_dtype=Fp8Dtype.E4M3FN, error_flags=flags, **QUANT)
     assert int(flags) == 0
+
+
+# --- DeepGEMM (through its recording stand-in) and the engine-facing step -------------------------
+
+
+@pytest.mark.parametrize("name", ["deepgemm.sm90", "deepgemm.sm90.flatten"])
+def test_deepgemm_gets_a_safe_table_and_poisons_the_rows(name):
+    from backends.deepgemm.plugin import deepgemm_backends
+    from dispatch.key import Arch
+    from tests.fake_deep_gemm import FakeDeepGemm
+
+    fake = FakeDeepGemm(num_sms=8)
+    backend = next(b for b in deepgemm_backends(load=lambda: fake) if b.name == name)
+    seq_lens, next_n = [70, 5, 130], 2
+    batch = paged_batch(seq_lens, next_n, seed=6)
+    num_blocks = batch.kv_cache.shape[0]
+    table = batch.page_table.clone()
+    table[2, 1] = num_blocks  # request 2 needs page 1 (keys 64..129) for both tokens
+    table[1, 1] = -5  # padding: request 1 has one page
+    plan = plan_for(backend, batch.seq_lens, table, next_n, arch=Arch.SM90)
+    out = backend.run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
+    (call,) = fake.calls_to("fp8_fp4_paged_mqa_logits")
+    passed = call.args[4]
+    assert ((passed >= 0) & (passed < num_blocks)).all(), "deep_gemm was handed an out-of-range entry"
+    poisoned = poisoned_tokens(table, seq_lens, next_n, num_blocks, max(seq_lens))
+    assert poisoned == [False, False, False, False, True, True]
+    in_range = torch.where((table >= 0) & (table < num_blocks), table, 0)
+    assert_poisoned_and_rest_exact(out, expected_good_rows(plan, batch, in_range, max(seq_lens)), poisoned)
+    with pytest.raises(IndexBoundsError, match="page-table entry outside"):
+        plan.check_errors()
+
+
+def test_indexer_step_on_the_reference_raises_naming_the_entry():
+    from dispatch import load_dispatcher
+    from dispatch.indexer import IndexerStep
+    from dispatch.key import ForwardMode
+    from dispatch.plan import ForwardBatch
+
+    seq_lens, next_n = [100, 20], 2
+    batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=8)
+    step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
+                       softmax_scale=32**-0.5, head_scale=16**-0.5, topk=8)
+    table = batch.page_table.clone()
+    table[0, 1] = 2**31 - 1
+    plan = step.plan(ForwardBatch(batch.seq_lens, table, 100, ForwardMode.TARGET_VERIFY, next_n=next_n))
+    tokens = len(seq_lens) * next_n
+    q = torch.randn(tokens, 16, 32, dtype=torch.bfloat16)
+    angles = torch.arange(128, dtype=torch.float64)[:, None] * torch.ones(8)
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    positions = torch.tensor([98, 99, 18, 19])
+    if plan.logits.backend.startswith("torch.reference"):
+        with pytest.raises(IndexBoundsError, match=r"page-table entry \[0, 1\] = 2147483647"):
+            step.select(plan, q, torch.randn(tokens, 16), positions, cache, batch.kv_cache)
+    else:  # a Triton path: the rows are poisoned and the flag says why
+        step.select(plan, q, torch.randn(tokens, 16), positions, cache, batch.kv_cache)
+        with pytest.raises(IndexBoundsError, match="page-table entry outside"):
+            plan.check_errors()
