@@ -252,3 +252,27 @@ def test_indexer_step_on_the_reference_raises_naming_the_entry():
         step.select(plan, q, torch.randn(tokens, 16), positions, cache, batch.kv_cache)
         with pytest.raises(IndexBoundsError, match="page-table entry outside"):
             plan.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [Layout.NATIVE, Layout.FLATTEN])
+def test_out_of_range_pages_on_gpu(layout):
+    """Serving-like shape on the GPU: entries of 2**31 - 1, -1 and num_blocks in needed and padding pages."""
+    seq_lens, next_n = [3000, 64, 700, 1], 4
+    batch = paged_batch(seq_lens, next_n, heads=64, head_dim=128, seed=9, device="cuda")
+    num_blocks = batch.kv_cache.shape[0]
+    table = batch.page_table.clone()
+    table[0, 30], table[1, 5], table[2, 10] = 2**31 - 1, -1, num_blocks  # needed, padding, needed by a few
+    max_len = max(seq_lens)
+    poisoned = poisoned_tokens(table.cpu(), seq_lens, next_n, num_blocks, max_len)
+    plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
+    in_range = torch.where((table >= 0) & (table < num_blocks), table, 0)
+    expected = expected_good_rows(plan, batch, in_range, max_len)
+    for row, bad in enumerate(poisoned):
+        assert torch.isnan(out[row]).all() if bad else not torch.isnan(out[row]).any()
+    good = ~torch.tensor(poisoned, device=out.device)
+    visible = torch.isfinite(expected[good])
+    error = (out[good][visible] - expected[good][visible]).norm() / expected[good][visible].norm()
+    assert error < 1e-3
+    with pytest.raises(IndexBoundsError, match="page-table entry outside"):
+        plan.check_errors()

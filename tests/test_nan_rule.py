@@ -133,3 +133,28 @@ def test_logits_nan_rule_is_the_same_on_every_backend(fp8_dtype, layout, mode):
     finite = torch.isfinite(want)
     error = (out[finite] - want[finite]).norm() / want[finite].norm()
     assert error < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [Layout.NATIVE, Layout.FLATTEN])
+def test_logits_nan_rule_on_gpu(layout):
+    """On the GPU the e4m3fn dot itself must turn a NaN byte into NaN (the kernel does not look)."""
+    q, cache, weights, lens, table = logits_case(Fp8Dtype.E4M3FN, layout)
+    want = reference_logits(q, cache, weights, lens, table, max(SEQ_LENS), Fp8Dtype.E4M3FN)
+    out = triton_logits(*(t.cuda() for t in (q, cache, weights, lens, table)), max(SEQ_LENS), Fp8Dtype.E4M3FN).cpu()
+    assert torch.equal(torch.isnan(out), expected_nan(lens))
+    assert torch.equal(torch.isneginf(out), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    assert (out[finite] - want[finite]).norm() / want[finite].norm() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rope", [RopeSpec.neox_head(), RopeSpec.gptj_tail()], ids=["neox-head", "gptj-tail"])
+def test_q_quant_nan_rule_on_gpu(rope):
+    q, weights, positions, cache = quant_inputs()
+    q_fp8, folded = triton_quant(q.cuda(), weights.cuda(), positions.cuda(), cache.cuda(), fp8_dtype=Fp8Dtype.E4M3FN,
+                                 rope=rope, **SETTINGS)
+    want_q, want_w = reference_quant(q, weights, positions, cache, fp8_dtype=Fp8Dtype.E4M3FN, rope=rope, **SETTINGS)
+    assert torch.equal(q_fp8.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(torch.isnan(folded.cpu()), torch.isnan(want_w))
+    assert torch.equal(folded.cpu().nan_to_num(), want_w.nan_to_num())

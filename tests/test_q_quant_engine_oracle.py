@@ -16,8 +16,6 @@ rounding of an integer unless it is one (amax is a bf16 value or an fp32 from th
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -51,15 +49,12 @@ def engine_oracle(q, weights, positions, cos_sin_cache, rope: RopeSpec, fp8_dtyp
         x[..., start : start + rot : 2], x[..., start + 1 : start + rot : 2] = first, second
     else:
         x[..., start : start + half], x[..., start + half : start + rot] = first, second
-    q_out = torch.empty(tokens, heads, dim, dtype=torch_dtype(fp8_dtype))
-    w_out = torch.empty(tokens, heads, dtype=torch.float32)
+    # float64 on the CPU: log2 there is exact at powers of two, and amax / FP8_MAX is exact in float64.
+    amax = x.abs().amax(dim=-1).clamp(min=1e-4).double().cpu()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / fp8_max))).float().to(x.device)
+    q_out = (x / scale[..., None]).clamp(-fp8_max, fp8_max).to(torch_dtype(fp8_dtype))
     one = lambda value: torch.tensor(value, dtype=torch.float32)  # noqa: E731
-    for t in range(tokens):
-        for h in range(heads):
-            amax = max(float(x[t, h].abs().max()), 1e-4)
-            scale = 2.0 ** math.ceil(math.log2(amax / fp8_max))
-            q_out[t, h] = (x[t, h] / scale).clamp(-fp8_max, fp8_max).to(torch_dtype(fp8_dtype))
-            w_out[t, h] = weights[t, h].float() * one(scale) * one(SOFTMAX_SCALE) * one(HEAD_SCALE)
+    w_out = weights.float() * scale * one(SOFTMAX_SCALE) * one(HEAD_SCALE)
     return q_out, w_out
 
 
@@ -97,6 +92,19 @@ def test_bytes_and_weights_equal_the_engines(fp8_dtype, backend, mode, rope, see
     differ = q_fp8.view(torch.uint8) != want_q.view(torch.uint8)
     assert not differ.any(), f"{int(differ.sum())} of {differ.numel()} fp8 bytes differ from the engines'"
     assert torch.equal(folded, want_w), "folded weights (so the power-of-two scales) differ from the engines'"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype, mode", [(Fp8Dtype.E4M3FN, None), (Fp8Dtype.E4M3FNUZ, Fp8Mode.FNUZ_EMULATED)])
+@pytest.mark.parametrize("rope", [RopeSpec.neox_head(), RopeSpec.gptj_tail()], ids=["neox-head", "gptj-tail"])
+def test_bytes_and_weights_equal_the_engines_on_gpu(fp8_dtype, mode, rope):
+    q, weights, positions, cache = inputs(11, tokens=4096, heads=64)
+    q_fp8, folded = triton_quant(q.cuda(), weights.cuda(), positions.cuda(), cache.cuda(), fp8_dtype=fp8_dtype,
+                                 rope=rope, softmax_scale=SOFTMAX_SCALE, head_scale=HEAD_SCALE, fnuz_mode=mode)
+    want_q, want_w = engine_oracle(q, weights, positions, cache, rope, fp8_dtype)
+    differ = q_fp8.cpu().view(torch.uint8) != want_q.view(torch.uint8)
+    assert not differ.any(), f"{int(differ.sum())} of {differ.numel()} fp8 bytes differ from the engines'"
+    assert torch.equal(folded.cpu(), want_w)
 
 
 def test_the_fp32_rope_output_would_differ_from_the_engines():
