@@ -47,15 +47,15 @@ def _page_guard_kernel(
     tok_ok = tok < N
     ctx = tl.load(ctx_ptr + row * stride_ctx_row + tok, mask=tok_ok, other=0)
     needed = tl.minimum(tl.cdiv(tl.maximum(ctx, 0), BLOCK_KV), pages)
-    page_fault = tl.zeros((N_BLOCK,), tl.int32)
+    first_bad = tl.full((SCAN_PAGES,), 2**30, tl.int32)  # per lane, the lowest out-of-range page seen
     for first in range(0, pages, SCAN_PAGES):
         page = first + tl.arange(0, SCAN_PAGES)
         in_width = page < pages
         entry = tl.load(table_ptr + row * stride_table_row + page, mask=in_width, other=0)
         out_of_range = (entry < 0) | (entry >= num_blocks)
         tl.store(safe_table_ptr + row * pages + page, tl.where(out_of_range, 0, entry), mask=in_width)
-        hit = out_of_range[:, None] & (page[:, None] < needed[None, :])
-        page_fault = tl.maximum(page_fault, tl.max(hit.to(tl.int32), axis=0))
+        first_bad = tl.minimum(first_bad, tl.where(out_of_range, page, 2**30))
+    page_fault = (needed > tl.min(first_bad, axis=0)).to(tl.int32)  # [N_BLOCK]: the token needs a bad page
     past_bound = tok_ok & (ctx > max_context_len)
     poisoned = tok_ok & ((page_fault > 0) | past_bound)
     tl.store(mask_lens_ptr + row * N + tok, tl.where(poisoned, 0, ctx), mask=tok_ok)

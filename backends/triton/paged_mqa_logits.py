@@ -119,15 +119,15 @@ def _paged_mqa_logits_kernel(
     col_end = tl.minimum(page_end * BLOCK_KV, max_context_len)
     compute_end = tl.minimum(page_end, valid_pages)
 
-    # Bounds, for the whole row (other splits' pages included, so the row is NaN in every split).
+    # Bounds, for the whole row (other splits' pages included, so the row is NaN in every split). The
+    # loop keeps, per lane, the lowest out-of-range page it saw: elementwise, no reduction per step.
     needed = tl.minimum(tl.cdiv(tl.maximum(ctx, 0), BLOCK_KV), num_pages)  # [TG]: pages each token reads
-    page_fault = tl.zeros((TG,), tl.int32)
+    first_bad = tl.full((SCAN_PAGES,), 2**30, tl.int32)
     for first in range(0, valid_pages, SCAN_PAGES):
         pages = first + tl.arange(0, SCAN_PAGES)
         entry = tl.load(table_ptr + row * stride_table_row + pages, mask=pages < valid_pages, other=0)
-        out_of_range = (entry < 0) | (entry >= num_blocks)
-        hit = out_of_range[:, None] & (pages[:, None] < needed[None, :])
-        page_fault = tl.maximum(page_fault, tl.max(hit.to(tl.int32), axis=0))
+        first_bad = tl.minimum(first_bad, tl.where((entry < 0) | (entry >= num_blocks), pages, 2**30))
+    page_fault = (needed > tl.min(first_bad, axis=0)).to(tl.int32)  # [TG]: the token needs a bad page
     past_bound = tok_ok & (ctx > max_context_len)
     poisoned = tok_ok & ((page_fault > 0) | past_bound)  # [TG]
     flags = tl.where(tl.max(page_fault, axis=0) > 0, BAD_PAGE, 0)
@@ -186,9 +186,9 @@ def _paged_mqa_logits_kernel(
         tl.store(out_rows[:, None] + col[None, :], fill, mask=tok_ok[:, None] & (col < col_end)[None, :])
 
 
-# Table entries per step of the bounds scan: 128 pages (8K keys) cover a row of up to 8K tokens in one
-# 512-byte load; longer rows take a step per 8K.
-SCAN_PAGES = 128
+# Table entries per step of the bounds scan: 256 pages (16K keys) in one 1 KB load (two int32 a thread
+# at 4 warps); a 32K row takes two steps, 128K eight.
+SCAN_PAGES = 256
 
 
 @dataclasses.dataclass(frozen=True)
