@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
-from backends.reference.q_quant import indexer_q_quant as reference_quant
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
+from backends.reference.q_quant import reference_indexer_q_quant as reference_quant
 from backends.triton import plugin as triton_plugin
-from backends.triton.q_quant import indexer_q_quant as triton_quant
+from backends.triton.q_quant import triton_indexer_q_quant as triton_quant
 from backends.triton.fp8_mode import Fp8Mode
 from dispatch.bounds import BAD_PAGE, BAD_POSITION, LENGTH_PAST_BOUND
 from dispatch.errors import IndexBoundsError

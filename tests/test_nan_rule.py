@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.reference.kv_cache import build_paged_kv_cache
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
-from backends.reference.q_quant import NAN_BYTE, indexer_q_quant as reference_quant
+from dispatch.bench.paged_cache import build_paged_kv_cache
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
+from backends.reference.q_quant import NAN_BYTE, reference_indexer_q_quant as reference_quant
 from backends.triton.fp8_mode import Fp8Mode
-from backends.triton.paged_mqa_logits import paged_mqa_logits as triton_logits
-from backends.triton.q_quant import indexer_q_quant as triton_quant
+from backends.triton.paged_mqa_logits import triton_paged_mqa_logits as triton_logits
+from backends.triton.q_quant import triton_indexer_q_quant as triton_quant
 from dispatch.fp8 import torch_dtype
 from dispatch.key import Fp8Dtype
 from dispatch.plan import layout_tensors

@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.reference.q_quant import indexer_q_quant as reference_quant
+from backends.reference.q_quant import reference_indexer_q_quant as reference_quant
 from backends.triton.fp8_mode import Fp8Mode
-from backends.triton.q_quant import indexer_q_quant as triton_quant
+from backends.triton.q_quant import triton_indexer_q_quant as triton_quant
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Fp8Dtype
 from dispatch.rope import RopeSpec

@@ -218,7 +218,7 @@ def _indexer_q_quant_kernel(
     tl.store(weights_out_ptr + vectors, w.to(tl.float32) * scale * softmax_scale * head_scale, mask=w_ok)
 
 
-def indexer_q_quant(
+def triton_indexer_q_quant(
     q: torch.Tensor,
     weights: torch.Tensor,
     positions: torch.Tensor,
