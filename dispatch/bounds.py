@@ -13,6 +13,7 @@ Which pages a token needs: token j of row r sees keys [0, ctx[r, j]), so it read
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,6 +41,13 @@ def new_error_flags(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def scratch_error_flags(device: torch.device) -> torch.Tensor:
+    """A per-device flag word for kernels called without a plan (tuners, direct calls): allocated once,
+    so a call costs no allocation or memset; nothing reads it."""
+    return new_error_flags(device)
+
+
 def describe(bits: int) -> list[str]:
     """One line per bit set in `bits`; bits this version does not know are named too."""
     lines = [meaning for bit, meaning in _MEANINGS.items() if bits & bit]
@@ -52,7 +60,8 @@ def describe(bits: int) -> list[str]:
 def raise_for_flags(bits: int, where: str) -> None:
     """Raise IndexBoundsError listing what `bits` say; return if none is set."""
     if bits:
-        raise IndexBoundsError(f"{where}: a backend saw out-of-range input (flags {bits:#x}): " + "; ".join(describe(bits)))
+        found = "; ".join(describe(bits))
+        raise IndexBoundsError(f"{where}: a backend saw out-of-range input (flags {bits:#x}): {found}")
 
 
 def token_faults(

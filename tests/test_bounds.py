@@ -186,7 +186,8 @@ def test_position_outside_the_cos_sin_cache_is_never_read(fp8_dtype, mode, bad, 
     want_q, want_w = reference_quant(q, weights, good, cache, fp8_dtype=fp8_dtype, **QUANT)
     assert torch.equal(q_fp8.view(torch.uint8)[~bad_tokens], want_q.view(torch.uint8)[~bad_tokens])
     assert torch.equal(folded[~bad_tokens], want_w[~bad_tokens])
-    with pytest.raises(IndexBoundsError, match=rf"token 1: position {bad} is outside the cos/sin cache's \[0, {MAX_POS}\)"):
+    message = rf"token 1: position {bad} is outside the cos/sin cache's \[0, {MAX_POS}\)"
+    with pytest.raises(IndexBoundsError, match=message):
         reference_quant(q, weights, positions, cache, fp8_dtype=fp8_dtype, **QUANT)
 
 

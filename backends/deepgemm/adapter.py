@@ -138,7 +138,9 @@ def check_kernel_inputs(
         raise LayoutError(f"deep_gemm needs an int32 block_table with unit column stride; got {block_table.dtype}")
 
 
-def mask_past_lengths(logits: torch.Tensor, context_lens: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+def mask_past_lengths(
+    logits: torch.Tensor, context_lens: torch.Tensor, fill: torch.Tensor | None = None
+) -> torch.Tensor:
     """Write -inf in row r at every position >= context_lens.flatten()[r], in place; returns `logits`.
     `fill` (fp32, one value per row) replaces -inf: the page guard gives a poisoned row length 0 and
     fill NaN, so the same single pass makes that whole row NaN.

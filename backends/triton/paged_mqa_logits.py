@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
-from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND, check_pages, debug_bounds_on, new_error_flags
+from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND, check_pages, debug_bounds_on, scratch_error_flags
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
@@ -234,7 +234,7 @@ def triton_paged_mqa_logits(
 
     A token whose length passes max_context_len, or that needs a page-table entry outside
     [0, num_blocks), gets an all-NaN row, and BAD_PAGE / LENGTH_PAST_BOUND is ORed into `error_flags`
-    (int32 [1], the plan's; a scratch tensor when None). `fnuz_mode` overrides fnuz_mode_for_here() for
+    (int32 [1], the plan's; a per-device scratch word when None). `fnuz_mode` overrides fnuz_mode_for_here() for
     an e4m3fnuz cache; `config` overrides default_config; `out` is a preallocated result (every element
     is written, so it needs no initialisation).
     """
@@ -248,7 +248,7 @@ def triton_paged_mqa_logits(
         raise LayoutError(f"out must be fp32 {list(shape)} contiguous along columns on {q.device}; got "
                           f"{out.dtype} {list(out.shape)}, strides {out.stride()} on {out.device}")
     if error_flags is None:
-        error_flags = new_error_flags(q.device)
+        error_flags = scratch_error_flags(q.device)
     elif error_flags.dtype != torch.int32 or error_flags.numel() < 1 or error_flags.device != q.device:
         raise LayoutError(f"error_flags must be int32 with one element on {q.device}; got {error_flags.dtype} "
                           f"{list(error_flags.shape)} on {error_flags.device}")

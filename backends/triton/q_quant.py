@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
-from dispatch.bounds import BAD_POSITION, check_positions, debug_bounds_on
+from dispatch.bounds import BAD_POSITION, check_positions, debug_bounds_on, scratch_error_flags
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
@@ -235,7 +235,7 @@ def triton_indexer_q_quant(
 
     A head vector with NaN or inf (after RoPE), or whose token's position is outside the cos/sin cache,
     gets NaN fp8 bytes and a NaN folded weight; a bad position also sets BAD_POSITION in `error_flags`
-    (int32 [1], the plan's; a scratch tensor when None). `fnuz_mode` (fnuz_native / fnuz_emulated)
+    (int32 [1], the plan's; a per-device scratch word when None). `fnuz_mode` (fnuz_native / fnuz_emulated)
     overrides the machine's choice for e4m3fnuz: native on ROCm gfx94x only."""
     block_t, block_h, num_warps = launch_config(*q.shape[:2]) if q.dim() == 3 else (1, 1, 1)
     return launch(
@@ -262,7 +262,7 @@ def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_sca
     calls this directly)."""
     _check(q, weights, positions, cos_sin_cache, error_flags)
     if error_flags is None:
-        error_flags = torch.zeros(1, dtype=torch.int32, device=q.device)
+        error_flags = scratch_error_flags(q.device)
     fp8_dtype = Fp8Dtype(fp8_dtype)
     tokens, heads, head_dim = q.shape
     rot_dim = cos_sin_cache.shape[-1]
@@ -339,7 +339,9 @@ def _check(q, weights, positions, cos_sin_cache, error_flags) -> None:
     if positions.dtype not in (torch.int32, torch.int64):
         raise LayoutError(f"indexer_q_quant expects int32 or int64 positions; got {positions.dtype}")
     if error_flags is not None and (error_flags.dtype != torch.int32 or error_flags.numel() < 1):
-        raise LayoutError(f"error_flags must be an int32 tensor of one element; got {error_flags.dtype} {list(error_flags.shape)}")
+        raise LayoutError(
+            f"error_flags must be an int32 tensor of one element; got {error_flags.dtype} {list(error_flags.shape)}"
+        )
     named = [("weights", weights), ("positions", positions), ("cos_sin_cache", cos_sin_cache)]
     for name, tensor in named + ([("error_flags", error_flags)] if error_flags is not None else []):
         if tensor.device != q.device:
