@@ -58,6 +58,19 @@ def run_triton(layout, seq_lens, next_n, table, batch, max_len):
     return plan, out
 
 
+def run_deepgemm_flatten(table, batch, next_n, max_len):
+    """deepgemm.sm90.flatten against the recording stand-in (it computes with the torch reference, which
+    raises on an out-of-range entry it is handed: so the guard's table must be safe)."""
+    from backends.deepgemm.plugin import deepgemm_backends
+    from dispatch.key import Arch
+    from tests.fake_deep_gemm import FakeDeepGemm
+
+    fake = FakeDeepGemm(num_sms=8)
+    backend = next(b for b in deepgemm_backends(load=lambda: fake) if b.name == "deepgemm.sm90.flatten")
+    plan = plan_for(backend, batch.seq_lens, table, next_n, arch=Arch.SM90, max_seq_len=max_len)
+    return plan, backend.run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
+
+
 def expected_good_rows(plan, batch, table_in_range, max_len):
     """The reference on a table whose bad entries point at block 0: right for every unpoisoned token."""
     lens = plan.context_lens.clamp(max=max_len)
@@ -80,13 +93,14 @@ def assert_poisoned_and_rest_exact(out, expected, poisoned):
                 assert error < 1e-5
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_out_of_range_pages_poison_exactly_the_tokens_that_need_them(data):
     next_n = data.draw(st.integers(1, 4), label="next_n")
     seq_lens = data.draw(st.lists(st.integers(next_n, 200), min_size=1, max_size=3), label="seq_lens")
-    layout = data.draw(st.sampled_from([Layout.NATIVE, Layout.FLATTEN]), label="layout")
-    batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=len(seq_lens) * 10 + next_n)
+    backend = data.draw(st.sampled_from(["triton", "triton.flatten", "deepgemm.sm90.flatten"]), label="backend")
+    batch = paged_batch(seq_lens, next_n, heads=32 if "deepgemm" in backend else 16, head_dim=32,
+                        seed=len(seq_lens) * 10 + next_n)
     num_blocks = batch.kv_cache.shape[0]
     table = batch.page_table.clone()
     cells = [(r, p) for r in range(table.shape[0]) for p in range(table.shape[1])]
@@ -95,7 +109,11 @@ def test_out_of_range_pages_poison_exactly_the_tokens_that_need_them(data):
     max_len = max(seq_lens)
     poisoned = poisoned_tokens(table, seq_lens, next_n, num_blocks, max_len)
 
-    plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
+    if backend == "deepgemm.sm90.flatten":
+        plan, out = run_deepgemm_flatten(table, batch, next_n, max_len)
+    else:
+        layout = Layout.NATIVE if backend == "triton" else Layout.FLATTEN
+        plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
     in_range = torch.where((table >= 0) & (table < num_blocks), table, 0)
     assert_poisoned_and_rest_exact(out, expected_good_rows(plan, batch, in_range, max_len), poisoned)
     assert int(plan.error_flags) == (BAD_PAGE if any(poisoned) else 0)
@@ -266,7 +284,11 @@ def test_out_of_range_pages_on_gpu(layout):
     table[0, 30], table[1, 5], table[2, 10] = 2**31 - 1, -1, num_blocks  # needed, padding, needed by a few
     max_len = max(seq_lens)
     poisoned = poisoned_tokens(table.cpu(), seq_lens, next_n, num_blocks, max_len)
-    plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
+    if backend == "deepgemm.sm90.flatten":
+        plan, out = run_deepgemm_flatten(table, batch, next_n, max_len)
+    else:
+        layout = Layout.NATIVE if backend == "triton" else Layout.FLATTEN
+        plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
     in_range = torch.where((table >= 0) & (table < num_blocks), table, 0)
     expected = expected_good_rows(plan, batch, in_range, max_len)
     for row, bad in enumerate(poisoned):
