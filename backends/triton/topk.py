@@ -1,0 +1,328 @@
+"""Top-k of the indexer's logits as one Triton kernel: a lengths-aware histogram select.
+
+One program owns one row and reads only its visible columns [start, start + length):
+- fast path, length <= k (or at most k non-NaN keys): the non-NaN positions in order, then -1;
+- pass 1 (the one HBM read): a histogram of every visible non-NaN logit over BINS linear bins whose
+  window comes from a strided sample of the row (its mean and max), so the bin holding the k-th
+  largest value is narrow whatever the row's scale; the bin mapping is monotone, so every key in a
+  higher bin is strictly larger;
+- pass 2 (the row again, now in L2): keys in bins above the threshold bin go straight to the
+  output (slot = running count + in-tile cumsum); the threshold bin's keys are appended, as
+  (position, order-preserving int32 key), to a per-row candidate list;
+- refine: four 8-bit radix rounds over the candidates' keys find the exact k-th key T and how many
+  keys equal to T are still needed; a last scan writes candidates above T and the first of those
+  equal to T (ties: any index is fine).
+NaN never enters a histogram or a list, so it is never selected; -inf is an ordinary (lowest) key.
+With a page table the written value is the physical KV slot, computed at the store.
+sorted=True orders the result afterwards with torch (descending value, -1 last). Design notes and
+the numbers behind them: NOTES.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dispatch.detect import triton_interpreter_on
+from dispatch.errors import LayoutError
+
+
+@triton.jit
+def _ordered_key(x):
+    # fp32 bits -> int32 whose signed order is the float order (-inf lowest, +inf highest): negative
+    # floats get their magnitude bits flipped. Signed keys keep every shift and compare in int32,
+    # where Triton and its interpreter agree.
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _linear_bin(x, lo, inv_width, BINS: tl.constexpr):
+    # Monotone non-decreasing in x: a subtraction of and a multiplication by finite constants, then
+    # a clamp. Out-of-window values pile into the end bins, which only costs speed. inv_width is
+    # finite and > 0 (the host of this function guarantees it), so t is never NaN for a non-NaN x.
+    t = (x - lo) * inv_width
+    return tl.where(t > 0, tl.where(t < BINS - 1, t, BINS - 1), 0.0).to(tl.int32)
+
+
+@triton.jit
+def _slot_value(pos, pt_row_ptr, pages, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, mask):
+    # What is written for relative position pos: pos itself, or its physical KV slot.
+    # One return statement: the compiler types every return, pruned branches included.
+    value = pos
+    if HAS_PAGES:
+        page = pos // BLOCK_SIZE
+        ok = mask & (page < pages)
+        phys = tl.load(pt_row_ptr + page, mask=ok, other=-1)
+        value = tl.where(ok & (phys >= 0), phys * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+    return value
+
+
+@triton.jit
+def _threshold_bin(hist, need, NB: tl.constexpr):
+    # The highest bin b with (keys in bins >= b) >= need, the count of keys above it, and its size.
+    bins = tl.arange(0, NB)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    b = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
+    in_bin = tl.sum(tl.where(bins == b, hist, 0), axis=0)
+    above = tl.sum(tl.where(bins > b, hist, 0), axis=0)
+    return b, above, in_bin
+
+
+@triton.jit
+def _topk_kernel(
+    logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start,
+    out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
+    width, num_pt_rows, pages, k,
+    HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr, BINS: tl.constexpr, SAMPLE_CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    # Visible columns [start, start + n), clamped to the tensor: nothing outside it is ever read.
+    start = 0
+    if HAS_STARTS:
+        start = tl.minimum(tl.maximum(tl.load(starts_ptr + row64 * stride_start), 0), width)
+    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row64 * stride_len), 0), width - start)
+    src = logits_ptr + row64 * stride_row + start
+    out_row = out_ptr + row64 * k
+    pos_list = cand_ptr + row64 * stride_cand
+    key_list = pos_list + width
+    pt_row = pt_ptr
+    if HAS_PAGES:
+        page_row = tl.load(page_rows_ptr + row64 * stride_page_rows)
+        # An out-of-table page row maps every position to -1 rather than reading outside the table.
+        pages = tl.where((page_row >= 0) & (page_row < num_pt_rows), pages, 0)
+        pt_row = pt_ptr + tl.minimum(tl.maximum(page_row, 0), num_pt_rows - 1).to(tl.int64) * stride_pt
+    offs = tl.arange(0, BLOCK)
+
+    # Pass 1, only when the row has more than k keys: the window from a sample, then the histogram.
+    hist = tl.zeros((BINS,), dtype=tl.int32)
+    lo = 0.0
+    inv_width = 1.0
+    if n > k:
+        # The sample: SAMPLE_CHUNKS runs of 8 adjacent keys spread over the row (few sectors).
+        chunk = tl.arange(0, SAMPLE_CHUNKS)[:, None] * (n // SAMPLE_CHUNKS) + tl.arange(0, 8)[None, :]
+        sample = tl.load(src + chunk, mask=chunk < n, other=float("nan"))
+        finite = tl.abs(sample) < float("inf")  # NaN compares false too
+        # Clamped so that the sum cannot overflow; a window that far out only costs speed.
+        sample = tl.where(finite, tl.minimum(tl.maximum(sample, -1e30), 1e30), 0.0)
+        count = tl.sum(tl.sum(finite.to(tl.int32), axis=1), axis=0)
+        top = tl.max(tl.max(tl.where(finite, sample, -float("inf")), axis=1), axis=0)
+        mean = tl.sum(tl.sum(sample, axis=1), axis=0) / tl.maximum(count, 1).to(tl.float32)
+        spread = top - mean
+        # The k-th largest lies between the mean and the top for the widths served (k << length);
+        # the window reaches a little past both.
+        lo = tl.where(count > 0, mean - 0.5 * spread, 0.0)
+        inv_width = BINS / tl.where(spread > 0, 1.75 * spread, 1.0)
+        ok_window = (count > 0) & (inv_width > 0.0) & (inv_width < 1e30) & (tl.abs(lo) < 1e30)
+        lo = tl.where(ok_window, lo, 0.0)
+        inv_width = tl.where(ok_window, inv_width, 1.0)
+        for t in range(0, n, BLOCK):
+            idx = t + offs
+            x = tl.load(src + idx, mask=idx < n, other=float("nan"))
+            valid = x == x
+            b = tl.where(valid, _linear_bin(x, lo, inv_width, BINS), 0)
+            hist += tl.histogram(b, BINS)
+            # Padding and NaN were counted in bin 0: take them out again.
+            hist -= tl.where(tl.arange(0, BINS) == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)
+    selectable = tl.sum(hist, axis=0)
+
+    if (n <= k) | (selectable <= k):
+        # Every non-NaN key is selected: positions in order, then -1.
+        written = 0
+        for t in range(0, n, BLOCK):
+            idx = t + offs
+            x = tl.load(src + idx, mask=idx < n, other=float("nan"))
+            valid = x == x
+            slot = written + tl.cumsum(valid.to(tl.int32), axis=0) - 1
+            tl.store(out_row + slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=valid)
+            written += tl.sum(valid.to(tl.int32), axis=0)
+        for t in range(written, k, BLOCK):
+            idx = t + offs
+            tl.store(out_row + idx, tl.full((BLOCK,), -1, tl.int32), mask=idx < k)
+    else:
+        tb, above, in_bin = _threshold_bin(hist, k, BINS)
+        # Pass 2: above the threshold bin -> output; in it -> the candidate list. One scan of the
+        # packed flags gives both running slots (tiles are far below 2^16 keys).
+        out_next = 0
+        cand_next = 0
+        for t in range(0, n, BLOCK):
+            idx = t + offs
+            x = tl.load(src + idx, mask=idx < n, other=float("nan"))
+            valid = x == x
+            b = _linear_bin(x, lo, inv_width, BINS)
+            hi = valid & (b > tb)
+            eq = valid & (b == tb)
+            packed = tl.cumsum(hi.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+            out_slot = out_next + (packed & 0xFFFF) - 1
+            cand_slot = cand_next + (packed >> 16) - 1
+            tl.store(out_row + out_slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, hi), mask=hi)
+            tl.store(pos_list + cand_slot, idx, mask=eq)
+            tl.store(key_list + cand_slot, _ordered_key(x), mask=eq)
+            total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
+            out_next += total & 0xFFFF
+            cand_next += total >> 16
+        # The candidate list was written by other threads of this program.
+        tl.debug_barrier()
+
+        # Refine: radix rounds over the candidates' keys, 8 bits at a time from the top (the top
+        # digit of a signed key is biased by 128 so that digit order is key order).
+        need = k - above
+        prefix = 0
+        for r in tl.static_range(4):
+            digits = tl.zeros((256,), dtype=tl.int32)
+            for t in range(0, in_bin, BLOCK):
+                idx = t + offs
+                live = idx < in_bin
+                key = tl.load(key_list + idx, mask=live, other=0)
+                if r == 0:
+                    d = (key >> 24) + 128
+                else:
+                    live = live & ((key >> (32 - 8 * r)) == (prefix >> (32 - 8 * r)))
+                    d = (key >> (24 - 8 * r)) & 255
+                digits += tl.histogram(tl.where(live, d, 0), 256)
+                digits -= tl.where(tl.arange(0, 256) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
+            db, d_above, _ = _threshold_bin(digits, need, 256)
+            need -= d_above
+            if r == 0:
+                prefix = (db - 128) << 24
+            else:
+                prefix = prefix | (db << (24 - 8 * r))
+
+        # Last scan: candidates above T, then the first `need` equal to T.
+        gt_next = above
+        eq_next = k - need
+        for t in range(0, in_bin, BLOCK):
+            idx = t + offs
+            live = idx < in_bin
+            key = tl.load(key_list + idx, mask=live, other=0)
+            gt = live & (key > prefix)
+            eq = live & (key == prefix)
+            packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+            eq_rank = eq_next + (packed >> 16) - 1
+            take_eq = eq & (eq_rank < k)
+            slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
+            take = gt | take_eq
+            pos = tl.load(pos_list + idx, mask=take, other=0)
+            tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
+            total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
+            gt_next += total & 0xFFFF
+            eq_next += total >> 16
+
+
+def topk_indices(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    starts: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_rows: torch.Tensor | None = None,
+    block_size: int = 64,
+    sorted: bool = False,
+) -> torch.Tensor:
+    """int32 [rows, k]: positions (relative to starts) of each row's k largest visible non-NaN logits,
+    -1 past the selectable count; physical KV slots with page_table. Never syncs the device."""
+    config = launch_config(logits.shape[1] if logits.dim() == 2 else 0)
+    return launch(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
+                  block_size=block_size, sorted=sorted, **config)
+
+
+def launch_config(width: int) -> dict:
+    """BLOCK (keys per tile), BINS (pass-1 bins), num_warps. The interpreter pays per operation, not
+    per element, so there tiles are as large as the row allows."""
+    if triton_interpreter_on():
+        return {"block": min(4096, max(256, triton.next_power_of_2(max(width, 1)))), "bins": 64, "num_warps": 1}
+    # Reasoned, not yet swept (tools/probe_topk.py sweeps these on the H200).
+    return {"block": 4096, "bins": 64, "num_warps": 16}
+
+
+def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
+           block, bins, num_warps):
+    """Check the inputs, then run the kernel with an explicit config (the probe calls this directly)."""
+    rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
+    out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
+    if rows == 0:
+        return out
+    # Per-row candidate lists (positions, keys): never initialised, only the written prefix is read.
+    cand = torch.empty((rows, 2 * max(width, 1)), dtype=torch.int32, device=logits.device)
+    fuse_pages = page_table is not None and not sorted
+    dummy = out  # stands in for absent optional tensors; never dereferenced (constexpr flags)
+    _topk_kernel[(rows,)](
+        logits, logits.stride(0), lengths, lengths.stride(0),
+        starts if starts is not None else dummy, starts.stride(0) if starts is not None else 0,
+        out, cand, cand.stride(0),
+        page_table if fuse_pages else dummy, page_table.stride(0) if fuse_pages else 0,
+        page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0,
+        width, page_table.shape[0] if fuse_pages else 1, page_table.shape[1] if fuse_pages else 0, k,
+        HAS_STARTS=starts is not None, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
+        BLOCK=block, BINS=bins, SAMPLE_CHUNKS=128, num_warps=num_warps,
+    )
+    if sorted:
+        out = _sort_descending(logits, out, starts)
+        if page_table is not None:
+            out = _page_transform(out, page_table, page_rows, block_size)
+    return out
+
+
+def _sort_descending(logits, out, starts):
+    # Descending by value, -1 slots last: a stable sort by value, then a stable sort by validity.
+    valid = out >= 0
+    cols = out.clamp(min=0).long()
+    if starts is not None:
+        cols = cols + starts.long()[:, None]
+    values = torch.where(valid, logits.gather(1, cols.clamp(max=max(logits.shape[1] - 1, 0))), float("-inf"))
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices
+    out = out.gather(1, order)
+    order = torch.sort((out >= 0).to(torch.int8), dim=1, descending=True, stable=True).indices
+    return out.gather(1, order)
+
+
+def _page_transform(out, page_table, page_rows, block_size):
+    valid = out >= 0
+    pos = out.clamp(min=0).long()
+    table_rows = page_table[page_rows.long()]
+    slots = table_rows.gather(1, (pos // block_size).clamp(max=page_table.shape[1] - 1)) * block_size + pos % block_size
+    return torch.where(valid, slots, -1).to(torch.int32)
+
+
+def _check(logits, lengths, k, starts, page_table, page_rows, block_size) -> tuple[int, int]:
+    """Shapes, dtypes, strides and devices from metadata; values only where they are on the host."""
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise LayoutError(f"logits must be fp32 [rows, W]; got {logits.dtype} {list(logits.shape)}")
+    rows, width = logits.shape
+    if width > 1 and logits.stride(1) != 1:
+        raise LayoutError(f"logits must be contiguous along W; got strides {logits.stride()}")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be a host int >= 1; got {k!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a host int >= 1; got {block_size!r}")
+    _check_per_row("lengths", lengths, rows)
+    if starts is not None:
+        _check_per_row("starts", starts, rows)
+    if (page_table is None) != (page_rows is None):
+        raise LayoutError("page_table and page_rows come together; got only "
+                          + ("page_table" if page_rows is None else "page_rows"))
+    if page_table is not None:
+        if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+            raise LayoutError(f"page_table must be int32 [P, M] contiguous along M; got {page_table.dtype} "
+                              f"{list(page_table.shape)}, strides {page_table.stride()}")
+        if page_table.shape[1] * block_size < width:
+            raise LayoutError(f"page_table has {page_table.shape[1]} pages of {block_size}, fewer than logits' "
+                              f"width W={width} needs")
+        _check_per_row("page_rows", page_rows, rows)
+    tensors = [t for t in (logits, lengths, starts, page_table, page_rows) if t is not None]
+    if len({t.device for t in tensors}) != 1:
+        raise LayoutError(f"all tensors must be on one device; got {sorted(str(t.device) for t in tensors)}")
+    if lengths.device.type == "cpu":  # checkable without a device sync only here
+        ends = lengths.long() + (starts.long() if starts is not None else 0)
+        if rows and (int(ends.max()) > width or (starts is not None and int(starts.min()) < 0)):
+            raise LayoutError(f"lengths (plus starts) reach past logits' width W={width}")
+    return rows, width
+
+
+def _check_per_row(name, tensor, rows):
+    if tensor.dtype != torch.int32 or tensor.dim() != 1 or tensor.shape[0] != rows:
+        raise LayoutError(f"{name} must be int32 [rows={rows}]; got {tensor.dtype} {list(tensor.shape)}")
