@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.triton.topk import topk_indices
+from backends.triton.topk import launch, launch_config, topk_indices
 from dispatch.errors import LayoutError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,6 +63,23 @@ def test_random_ragged_batches(rows, width, k, seed):
     logits = random_logits(rows, width, gen)
     lengths = ragged_lengths(rows, width, k, gen)
     out = topk_indices(logits.to(DEVICE), lengths.to(DEVICE), k)
+    check(logits, lengths, k, out)
+
+
+# z = 4: the sampled bracket, as served. z = 1e9: every key a candidate (the radix rounds do all
+# the work). z = -1e9: the bracket is the top bin alone, so the exact-histogram fallback runs.
+@pytest.mark.parametrize("z", [4.0, 1e9, -1e9], ids=["sampled", "all-candidates", "fallback"])
+def test_every_path_of_the_select(z):
+    gen = torch.Generator().manual_seed(11)
+    width, k = 2500, 64
+    logits = random_logits(10, width, gen).clone()
+    logits[0] = 2.0
+    logits[1, ::2] = NAN
+    logits[2, 64:] = NAN
+    lengths = ragged_lengths(10, width, k, gen)
+    lengths[:3] = width
+    config = {**launch_config(width), "z": z}
+    out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, **config)
     check(logits, lengths, k, out)
 
 

@@ -71,12 +71,160 @@ def _threshold_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
+def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr):
+    """From SAMPLE keys in runs of 8 spread over the row (few sectors): a linear bin window (lo,
+    inv_width) from the sample's mean and top, and the bins [b_lo, b_hi] that hold the k-th largest
+    key with high probability (Z standard deviations of the sample count either side)."""
+    s = tl.arange(0, SAMPLE)
+    at = (s // 8) * (n // (SAMPLE // 8)) + s % 8
+    in_row = at < n
+    sample = tl.load(src + at, mask=in_row, other=float("nan"))
+    valid = sample == sample
+    finite = tl.abs(sample) < float("inf")  # NaN compares false too
+    # Clamped so that the sum cannot overflow; a window that far out only costs speed.
+    clamped = tl.where(finite, tl.minimum(tl.maximum(sample, -1e30), 1e30), 0.0)
+    count = tl.sum(finite.to(tl.int32), axis=0)
+    top = tl.max(tl.where(finite, clamped, -float("inf")), axis=0)
+    mean = tl.sum(clamped, axis=0) / tl.maximum(count, 1).to(tl.float32)
+    spread = top - mean
+    # For k well below the length the k-th largest lies between the mean and the top; the window
+    # reaches a little past both. Anything outside piles into an end bin, which costs only speed.
+    lo = mean - 0.5 * spread
+    inv_width = BINS / tl.where(spread > 0, 1.75 * spread, 1.0)
+    ok_window = (count > 0) & (inv_width > 0.0) & (inv_width < 1e30) & (tl.abs(lo) < 1e30)
+    lo = tl.where(ok_window, lo, 0.0)
+    inv_width = tl.where(ok_window, inv_width, 1.0)
+
+    bins = tl.where(valid, _linear_bin(sample, lo, inv_width, BINS), 0)
+    hist = tl.histogram(bins, BINS)
+    hist -= tl.where(tl.arange(0, BINS) == 0, SAMPLE - tl.sum(valid.to(tl.int32), axis=0), 0)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    expect = k * tl.sum(in_row.to(tl.float32), axis=0) / n
+    margin = Z * tl.sqrt(expect) + 1.0
+    b_hi = tl.sum((at_or_above.to(tl.float32) > expect - margin).to(tl.int32), axis=0) - 1
+    b_lo = tl.maximum(tl.sum((at_or_above.to(tl.float32) >= expect + margin).to(tl.int32), axis=0) - 1, 0)
+    return lo, inv_width, b_lo, tl.maximum(b_hi, b_lo)
+
+
+@triton.jit
+def _histogram_pass(src, n, lo, inv_width, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Exact bin counts of the row's non-NaN keys."""
+    offs = tl.arange(0, BLOCK)
+    hist = tl.zeros((BINS,), dtype=tl.int32)
+    for t in range(0, n, BLOCK):
+        idx = t + offs
+        x = tl.load(src + idx, mask=idx < n, other=float("nan"))
+        valid = x == x
+        hist += tl.histogram(tl.where(valid, _linear_bin(x, lo, inv_width, BINS), 0), BINS)
+        # Padding and NaN were counted in bin 0: take them out again.
+        hist -= tl.where(tl.arange(0, BINS) == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)
+    return hist
+
+
+@triton.jit
+def _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, pos_list, key_list, k, pt_row, pages,
+                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Keys in bins above b_hi go to the output (slots past k are dropped: the caller then knows the
+    bins were wrong); keys in [b_lo, b_hi] go to the candidate list. Returns both full counts. One
+    scan of the packed flags gives both running slots (a tile has far fewer than 2^16 keys)."""
+    offs = tl.arange(0, BLOCK)
+    out_next = 0
+    cand_next = 0
+    for t in range(0, n, BLOCK):
+        idx = t + offs
+        x = tl.load(src + idx, mask=idx < n, other=float("nan"))
+        valid = x == x
+        b = _linear_bin(x, lo, inv_width, BINS)
+        hi = valid & (b > b_hi)
+        mid = valid & (b >= b_lo) & (b <= b_hi)
+        packed = tl.cumsum(hi.to(tl.int32) + (mid.to(tl.int32) << 16), axis=0)
+        out_slot = out_next + (packed & 0xFFFF) - 1
+        cand_slot = cand_next + (packed >> 16) - 1
+        emit = hi & (out_slot < k)
+        tl.store(out_row + out_slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, emit), mask=emit)
+        tl.store(pos_list + cand_slot, idx, mask=mid)
+        tl.store(key_list + cand_slot, _ordered_key(x), mask=mid)
+        total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
+        out_next += total & 0xFFFF
+        cand_next += total >> 16
+    return out_next, cand_next
+
+
+@triton.jit
+def _write_all(src, n, out_row, k, pt_row, pages,
+               HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Every non-NaN key is selected: its positions in order, then -1 up to k."""
+    offs = tl.arange(0, BLOCK)
+    written = 0
+    for t in range(0, n, BLOCK):
+        idx = t + offs
+        x = tl.load(src + idx, mask=idx < n, other=float("nan"))
+        valid = x == x
+        slot = written + tl.cumsum(valid.to(tl.int32), axis=0) - 1
+        tl.store(out_row + slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=valid)
+        written += tl.sum(valid.to(tl.int32), axis=0)
+    for t in range(written, k, BLOCK):
+        idx = t + offs
+        tl.store(out_row + idx, tl.full((BLOCK,), -1, tl.int32), mask=idx < k)
+
+
+@triton.jit
+def _finish_from_candidates(pos_list, key_list, in_bin, above, out_row, k, pt_row, pages,
+                            HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """The output holds `above` keys; the k - above largest of the candidates fill the rest."""
+    offs = tl.arange(0, BLOCK)
+    # Radix rounds over the candidates' keys, 8 bits at a time from the top (the top digit of a
+    # signed key is biased by 128 so that digit order is key order): T, the k-th largest key, and
+    # how many keys equal to T are still needed.
+    need = k - above
+    prefix = 0
+    for r in tl.static_range(4):
+        digits = tl.zeros((256,), dtype=tl.int32)
+        for t in range(0, in_bin, BLOCK):
+            idx = t + offs
+            live = idx < in_bin
+            key = tl.load(key_list + idx, mask=live, other=0)
+            if r == 0:
+                d = (key >> 24) + 128
+            else:
+                live = live & ((key >> (32 - 8 * r)) == (prefix >> (32 - 8 * r)))
+                d = (key >> (24 - 8 * r)) & 255
+            digits += tl.histogram(tl.where(live, d, 0), 256)
+            digits -= tl.where(tl.arange(0, 256) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
+        db, d_above, _ = _threshold_bin(digits, need, 256)
+        need -= d_above
+        if r == 0:
+            prefix = (db - 128) << 24
+        else:
+            prefix = prefix | (db << (24 - 8 * r))
+
+    # Last scan: candidates above T, then the first `need` equal to T (ties: any index will do).
+    gt_next = above
+    eq_next = k - need
+    for t in range(0, in_bin, BLOCK):
+        idx = t + offs
+        live = idx < in_bin
+        key = tl.load(key_list + idx, mask=live, other=0)
+        gt = live & (key > prefix)
+        eq = live & (key == prefix)
+        packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+        eq_rank = eq_next + (packed >> 16) - 1
+        slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
+        take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
+        pos = tl.load(pos_list + idx, mask=take, other=0)
+        tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
+        total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
+        gt_next += total & 0xFFFF
+        eq_next += total >> 16
+
+
+@triton.jit
 def _topk_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start,
     out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
     width, num_pt_rows, pages, k,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr, BINS: tl.constexpr, SAMPLE_CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -95,121 +243,30 @@ def _topk_kernel(
         # An out-of-table page row maps every position to -1 rather than reading outside the table.
         pages = tl.where((page_row >= 0) & (page_row < num_pt_rows), pages, 0)
         pt_row = pt_ptr + tl.minimum(tl.maximum(page_row, 0), num_pt_rows - 1).to(tl.int64) * stride_pt
-    offs = tl.arange(0, BLOCK)
 
-    # Pass 1, only when the row has more than k keys: the window from a sample, then the histogram.
-    hist = tl.zeros((BINS,), dtype=tl.int32)
-    lo = 0.0
-    inv_width = 1.0
+    take_all = n <= k
+    above = n * 0
+    in_bin = n * 0
     if n > k:
-        # The sample: SAMPLE_CHUNKS runs of 8 adjacent keys spread over the row (few sectors).
-        chunk = tl.arange(0, SAMPLE_CHUNKS)[:, None] * (n // SAMPLE_CHUNKS) + tl.arange(0, 8)[None, :]
-        sample = tl.load(src + chunk, mask=chunk < n, other=float("nan"))
-        finite = tl.abs(sample) < float("inf")  # NaN compares false too
-        # Clamped so that the sum cannot overflow; a window that far out only costs speed.
-        sample = tl.where(finite, tl.minimum(tl.maximum(sample, -1e30), 1e30), 0.0)
-        count = tl.sum(tl.sum(finite.to(tl.int32), axis=1), axis=0)
-        top = tl.max(tl.max(tl.where(finite, sample, -float("inf")), axis=1), axis=0)
-        mean = tl.sum(tl.sum(sample, axis=1), axis=0) / tl.maximum(count, 1).to(tl.float32)
-        spread = top - mean
-        # The k-th largest lies between the mean and the top for the widths served (k << length);
-        # the window reaches a little past both.
-        lo = tl.where(count > 0, mean - 0.5 * spread, 0.0)
-        inv_width = BINS / tl.where(spread > 0, 1.75 * spread, 1.0)
-        ok_window = (count > 0) & (inv_width > 0.0) & (inv_width < 1e30) & (tl.abs(lo) < 1e30)
-        lo = tl.where(ok_window, lo, 0.0)
-        inv_width = tl.where(ok_window, inv_width, 1.0)
-        for t in range(0, n, BLOCK):
-            idx = t + offs
-            x = tl.load(src + idx, mask=idx < n, other=float("nan"))
-            valid = x == x
-            b = tl.where(valid, _linear_bin(x, lo, inv_width, BINS), 0)
-            hist += tl.histogram(b, BINS)
-            # Padding and NaN were counted in bin 0: take them out again.
-            hist -= tl.where(tl.arange(0, BINS) == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)
-    selectable = tl.sum(hist, axis=0)
-
-    if (n <= k) | (selectable <= k):
-        # Every non-NaN key is selected: positions in order, then -1.
-        written = 0
-        for t in range(0, n, BLOCK):
-            idx = t + offs
-            x = tl.load(src + idx, mask=idx < n, other=float("nan"))
-            valid = x == x
-            slot = written + tl.cumsum(valid.to(tl.int32), axis=0) - 1
-            tl.store(out_row + slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=valid)
-            written += tl.sum(valid.to(tl.int32), axis=0)
-        for t in range(written, k, BLOCK):
-            idx = t + offs
-            tl.store(out_row + idx, tl.full((BLOCK,), -1, tl.int32), mask=idx < k)
+        # Optimistic: bins from a sample, one pass over the row.
+        lo, inv_width, b_lo, b_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
+        above, in_bin = _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, pos_list, key_list, k,
+                                    pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS)
+        if (above > k) | (above + in_bin < k):
+            # The sample misjudged the row (or NaN hides keys): exact counts, then split again.
+            tl.debug_barrier()  # the second split rewrites slots other threads wrote
+            hist = _histogram_pass(src, n, lo, inv_width, BLOCK, BINS)
+            take_all = tl.sum(hist, axis=0) <= k
+            if tl.sum(hist, axis=0) > k:
+                tb, _, _ = _threshold_bin(hist, k, BINS)
+                above, in_bin = _split_pass(src, n, lo, inv_width, tb, tb, out_row, pos_list, key_list, k,
+                                            pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS)
+    if take_all:
+        _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
     else:
-        tb, above, in_bin = _threshold_bin(hist, k, BINS)
-        # Pass 2: above the threshold bin -> output; in it -> the candidate list. One scan of the
-        # packed flags gives both running slots (tiles are far below 2^16 keys).
-        out_next = 0
-        cand_next = 0
-        for t in range(0, n, BLOCK):
-            idx = t + offs
-            x = tl.load(src + idx, mask=idx < n, other=float("nan"))
-            valid = x == x
-            b = _linear_bin(x, lo, inv_width, BINS)
-            hi = valid & (b > tb)
-            eq = valid & (b == tb)
-            packed = tl.cumsum(hi.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
-            out_slot = out_next + (packed & 0xFFFF) - 1
-            cand_slot = cand_next + (packed >> 16) - 1
-            tl.store(out_row + out_slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, hi), mask=hi)
-            tl.store(pos_list + cand_slot, idx, mask=eq)
-            tl.store(key_list + cand_slot, _ordered_key(x), mask=eq)
-            total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
-            out_next += total & 0xFFFF
-            cand_next += total >> 16
-        # The candidate list was written by other threads of this program.
-        tl.debug_barrier()
-
-        # Refine: radix rounds over the candidates' keys, 8 bits at a time from the top (the top
-        # digit of a signed key is biased by 128 so that digit order is key order).
-        need = k - above
-        prefix = 0
-        for r in tl.static_range(4):
-            digits = tl.zeros((256,), dtype=tl.int32)
-            for t in range(0, in_bin, BLOCK):
-                idx = t + offs
-                live = idx < in_bin
-                key = tl.load(key_list + idx, mask=live, other=0)
-                if r == 0:
-                    d = (key >> 24) + 128
-                else:
-                    live = live & ((key >> (32 - 8 * r)) == (prefix >> (32 - 8 * r)))
-                    d = (key >> (24 - 8 * r)) & 255
-                digits += tl.histogram(tl.where(live, d, 0), 256)
-                digits -= tl.where(tl.arange(0, 256) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
-            db, d_above, _ = _threshold_bin(digits, need, 256)
-            need -= d_above
-            if r == 0:
-                prefix = (db - 128) << 24
-            else:
-                prefix = prefix | (db << (24 - 8 * r))
-
-        # Last scan: candidates above T, then the first `need` equal to T.
-        gt_next = above
-        eq_next = k - need
-        for t in range(0, in_bin, BLOCK):
-            idx = t + offs
-            live = idx < in_bin
-            key = tl.load(key_list + idx, mask=live, other=0)
-            gt = live & (key > prefix)
-            eq = live & (key == prefix)
-            packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
-            eq_rank = eq_next + (packed >> 16) - 1
-            take_eq = eq & (eq_rank < k)
-            slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
-            take = gt | take_eq
-            pos = tl.load(pos_list + idx, mask=take, other=0)
-            tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
-            total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
-            gt_next += total & 0xFFFF
-            eq_next += total >> 16
+        tl.debug_barrier()  # the candidate list was written by other threads of this program
+        _finish_from_candidates(pos_list, key_list, in_bin, above, out_row, k, pt_row, pages,
+                                HAS_PAGES, BLOCK_SIZE, BLOCK)
 
 
 def topk_indices(
@@ -234,14 +291,23 @@ def launch_config(width: int) -> dict:
     """BLOCK (keys per tile), BINS (pass-1 bins), num_warps. The interpreter pays per operation, not
     per element, so there tiles are as large as the row allows."""
     if triton_interpreter_on():
-        return {"block": min(4096, max(256, triton.next_power_of_2(max(width, 1)))), "bins": 64, "num_warps": 1}
+        return {"block": min(4096, max(256, triton.next_power_of_2(max(width, 1)))), "bins": 64, "sample": 1024,
+                "z": 4.0, "num_warps": 1}
     # Reasoned, not yet swept (tools/probe_topk.py sweeps these on the H200).
-    return {"block": 4096, "bins": 64, "num_warps": 16}
+    return {"block": 4096, "bins": 64, "sample": 4096, "z": 4.0, "num_warps": 16}
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
-           block, bins, num_warps):
-    """Check the inputs, then run the kernel with an explicit config (the probe calls this directly)."""
+           block, bins, sample, z, num_warps):
+    """Check the inputs, then run the kernel with an explicit config (the probe calls this directly).
+
+    block: keys per tile (a power of two, at most 2^15: the packed scan holds two 16-bit counts);
+    bins: pass-1 bins (a power of two >= 32); sample: keys sampled for the window (a power of two
+    >= 8); z: the sampled bracket's half-width in standard deviations (huge: every key a
+    candidate; very negative: the sample is always wrong and the exact histogram runs)."""
+    if not (_pow2(block) and block <= 1 << 15 and _pow2(bins) and bins >= 32 and _pow2(sample) and sample >= 8):
+        raise ValueError(f"block={block}, bins={bins}, sample={sample}: powers of two, block <= 32768, "
+                         "bins >= 32, sample >= 8")
     rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
@@ -258,7 +324,7 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
         page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0,
         width, page_table.shape[0] if fuse_pages else 1, page_table.shape[1] if fuse_pages else 0, k,
         HAS_STARTS=starts is not None, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
-        BLOCK=block, BINS=bins, SAMPLE_CHUNKS=128, num_warps=num_warps,
+        BLOCK=block, BINS=bins, SAMPLE=sample, Z=z, num_warps=num_warps,
     )
     if sorted:
         out = _sort_descending(logits, out, starts)
@@ -326,3 +392,7 @@ def _check(logits, lengths, k, starts, page_table, page_rows, block_size) -> tup
 def _check_per_row(name, tensor, rows):
     if tensor.dtype != torch.int32 or tensor.dim() != 1 or tensor.shape[0] != rows:
         raise LayoutError(f"{name} must be int32 [rows={rows}]; got {tensor.dtype} {list(tensor.shape)}")
+
+
+def _pow2(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
