@@ -8,7 +8,7 @@ One program owns one row and reads only its visible columns [start, start + leng
   higher bin is strictly larger;
 - pass 2 (the row again, now in L2): keys in bins above the threshold bin go straight to the
   output (slot = running count + in-tile cumsum); the threshold bin's keys are appended, as
-  (position, order-preserving int32 key), to a per-row candidate list;
+  one int64 (order-preserving int32 key, position), to a per-row candidate list;
 - refine: four 8-bit radix rounds over the candidates' keys find the exact k-th key T and how many
   keys equal to T are still needed; a last scan writes candidates above T and the first of those
   equal to T (ties: any index is fine).
@@ -35,6 +35,13 @@ def _ordered_key(x):
     # where Triton and its interpreter agree.
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _candidate(key, pos):
+    # One int64 per candidate, key in the high half and position in the low, so a single store
+    # writes both.
+    return (key.to(tl.int64) << 32) | pos.to(tl.int64)
 
 
 @triton.jit
@@ -122,29 +129,35 @@ def _histogram_pass(src, n, lo, inv_width, BLOCK: tl.constexpr, BINS: tl.constex
 
 
 @triton.jit
-def _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, pos_list, key_list, k, pt_row, pages,
-                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+def _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, cand_list, k, pt_row, pages,
+                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                LANES: tl.constexpr):
     """Keys in bins above b_hi go to the output (slots past k are dropped: the caller then knows the
     bins were wrong); keys in [b_lo, b_hi] go to the candidate list. Returns both full counts. One
     scan of the packed flags gives both running slots (a tile has far fewer than 2^16 keys)."""
-    offs = tl.arange(0, BLOCK)
+    # A tile is [LANES, BLOCK / LANES]: rows of adjacent keys (coalesced loads along axis 1), and the
+    # LANES keys of a column held by one thread. Slots need only be distinct (the output order is
+    # free), so a key's slot is its column's offset (a scan over BLOCK / LANES column totals, the
+    # only cross-thread work) plus its rank inside the column (in-thread adds).
+    idx0 = tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
     out_next = 0
     cand_next = 0
     for t in range(0, n, BLOCK):
-        idx = t + offs
+        idx = t + idx0
         x = tl.load(src + idx, mask=idx < n, other=float("nan"))
         valid = x == x
         b = _linear_bin(x, lo, inv_width, BINS)
         hi = valid & (b > b_hi)
         mid = valid & (b >= b_lo) & (b <= b_hi)
-        packed = tl.cumsum(hi.to(tl.int32) + (mid.to(tl.int32) << 16), axis=0)
+        flags = hi.to(tl.int32) + (mid.to(tl.int32) << 16)
+        column = tl.sum(flags, axis=0)
+        packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
         out_slot = out_next + (packed & 0xFFFF) - 1
         cand_slot = cand_next + (packed >> 16) - 1
         emit = hi & (out_slot < k)
         tl.store(out_row + out_slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, emit), mask=emit)
-        tl.store(pos_list + cand_slot, idx, mask=mid)
-        tl.store(key_list + cand_slot, _ordered_key(x), mask=mid)
-        total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
+        tl.store(cand_list + cand_slot, _candidate(_ordered_key(x), idx), mask=mid)
+        total = tl.sum(column, axis=0)
         out_next += total & 0xFFFF
         cand_next += total >> 16
     return out_next, cand_next
@@ -169,7 +182,7 @@ def _write_all(src, n, out_row, k, pt_row, pages,
 
 
 @triton.jit
-def _finish_from_candidates(pos_list, key_list, in_bin, above, out_row, k, pt_row, pages,
+def _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
                             HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     """The output holds `above` keys; the k - above largest of the candidates fill the rest."""
     offs = tl.arange(0, BLOCK)
@@ -183,7 +196,7 @@ def _finish_from_candidates(pos_list, key_list, in_bin, above, out_row, k, pt_ro
         for t in range(0, in_bin, BLOCK):
             idx = t + offs
             live = idx < in_bin
-            key = tl.load(key_list + idx, mask=live, other=0)
+            key = (tl.load(cand_list + idx, mask=live, other=0) >> 32).to(tl.int32)
             if r == 0:
                 d = (key >> 24) + 128
             else:
@@ -204,14 +217,15 @@ def _finish_from_candidates(pos_list, key_list, in_bin, above, out_row, k, pt_ro
     for t in range(0, in_bin, BLOCK):
         idx = t + offs
         live = idx < in_bin
-        key = tl.load(key_list + idx, mask=live, other=0)
+        entry = tl.load(cand_list + idx, mask=live, other=0)
+        key = (entry >> 32).to(tl.int32)
         gt = live & (key > prefix)
         eq = live & (key == prefix)
         packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
         eq_rank = eq_next + (packed >> 16) - 1
         slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
         take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
-        pos = tl.load(pos_list + idx, mask=take, other=0)
+        pos = entry.to(tl.int32)  # the low half
         tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
         total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
         gt_next += total & 0xFFFF
@@ -224,7 +238,7 @@ def _topk_kernel(
     out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
     width, num_pt_rows, pages, k,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr,
+    BLOCK: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr, LANES: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -235,8 +249,7 @@ def _topk_kernel(
     n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row64 * stride_len), 0), width - start)
     src = logits_ptr + row64 * stride_row + start
     out_row = out_ptr + row64 * k
-    pos_list = cand_ptr + row64 * stride_cand
-    key_list = pos_list + width
+    cand_list = cand_ptr + row64 * stride_cand
     pt_row = pt_ptr
     if HAS_PAGES:
         page_row = tl.load(page_rows_ptr + row64 * stride_page_rows)
@@ -250,8 +263,8 @@ def _topk_kernel(
     if n > k:
         # Optimistic: bins from a sample, one pass over the row.
         lo, inv_width, b_lo, b_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
-        above, in_bin = _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, pos_list, key_list, k,
-                                    pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS)
+        above, in_bin = _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, cand_list, k,
+                                    pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES)
         if (above > k) | (above + in_bin < k):
             # The sample misjudged the row (or NaN hides keys): exact counts, then split again.
             tl.debug_barrier()  # the second split rewrites slots other threads wrote
@@ -259,13 +272,13 @@ def _topk_kernel(
             take_all = tl.sum(hist, axis=0) <= k
             if tl.sum(hist, axis=0) > k:
                 tb, _, _ = _threshold_bin(hist, k, BINS)
-                above, in_bin = _split_pass(src, n, lo, inv_width, tb, tb, out_row, pos_list, key_list, k,
-                                            pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS)
+                above, in_bin = _split_pass(src, n, lo, inv_width, tb, tb, out_row, cand_list, k,
+                                            pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES)
     if take_all:
         _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
     else:
         tl.debug_barrier()  # the candidate list was written by other threads of this program
-        _finish_from_candidates(pos_list, key_list, in_bin, above, out_row, k, pt_row, pages,
+        _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
                                 HAS_PAGES, BLOCK_SIZE, BLOCK)
 
 
@@ -292,28 +305,30 @@ def launch_config(width: int) -> dict:
     per element, so there tiles are as large as the row allows."""
     if triton_interpreter_on():
         return {"block": min(4096, max(256, triton.next_power_of_2(max(width, 1)))), "bins": 64, "sample": 1024,
-                "z": 4.0, "num_warps": 1}
+                "z": 4.0, "lanes": 8, "num_warps": 1}
     # Reasoned, not yet swept (tools/probe_topk.py sweeps these on the H200).
-    return {"block": 4096, "bins": 64, "sample": 4096, "z": 4.0, "num_warps": 16}
+    return {"block": 4096, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "num_warps": 16}
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
-           block, bins, sample, z, num_warps):
+           block, bins, sample, z, lanes, num_warps):
     """Check the inputs, then run the kernel with an explicit config (the probe calls this directly).
 
     block: keys per tile (a power of two, at most 2^15: the packed scan holds two 16-bit counts);
-    bins: pass-1 bins (a power of two >= 32); sample: keys sampled for the window (a power of two
+    bins: pass-1 bins (a power of two >= 32); lanes: keys per thread-column of a tile (a power of
+    two dividing block); sample: keys sampled for the window (a power of two
     >= 8); z: the sampled bracket's half-width in standard deviations (huge: every key a
     candidate; very negative: the sample is always wrong and the exact histogram runs)."""
-    if not (_pow2(block) and block <= 1 << 15 and _pow2(bins) and bins >= 32 and _pow2(sample) and sample >= 8):
-        raise ValueError(f"block={block}, bins={bins}, sample={sample}: powers of two, block <= 32768, "
-                         "bins >= 32, sample >= 8")
+    if not (_pow2(block) and block <= 1 << 15 and _pow2(bins) and bins >= 32 and _pow2(sample) and sample >= 8
+            and _pow2(lanes) and lanes < block):
+        raise ValueError(f"block={block}, bins={bins}, sample={sample}, lanes={lanes}: powers of two, "
+                         "block <= 32768, bins >= 32, sample >= 8, lanes < block")
     rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
-    # Per-row candidate lists (positions, keys): never initialised, only the written prefix is read.
-    cand = torch.empty((rows, 2 * max(width, 1)), dtype=torch.int32, device=logits.device)
+    # Per-row candidate lists: never initialised, only the written prefix is read.
+    cand = torch.empty((rows, max(width, 1)), dtype=torch.int64, device=logits.device)
     fuse_pages = page_table is not None and not sorted
     dummy = out  # stands in for absent optional tensors; never dereferenced (constexpr flags)
     _topk_kernel[(rows,)](
@@ -324,7 +339,7 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
         page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0,
         width, page_table.shape[0] if fuse_pages else 1, page_table.shape[1] if fuse_pages else 0, k,
         HAS_STARTS=starts is not None, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
-        BLOCK=block, BINS=bins, SAMPLE=sample, Z=z, num_warps=num_warps,
+        BLOCK=block, BINS=bins, SAMPLE=sample, Z=z, LANES=lanes, num_warps=num_warps,
     )
     if sorted:
         out = _sort_descending(logits, out, starts)
