@@ -78,7 +78,7 @@ def test_every_path_of_the_select(z):
     logits[2, 64:] = NAN
     lengths = ragged_lengths(10, width, k, gen)
     lengths[:3] = width
-    config = {**launch_config(width), "z": z}
+    config = {**launch_config(10, width), "z": z}
     out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, **config)
     check(logits, lengths, k, out)
 

@@ -142,9 +142,12 @@ def _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, cand_list, k, pt_row
     idx0 = tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
     out_next = 0
     cand_next = 0
+    # The next tile is loaded before this one is worked on, so its latency hides behind the work.
+    x_next = tl.load(src + idx0, mask=idx0 < n, other=float("nan"))
     for t in range(0, n, BLOCK):
         idx = t + idx0
-        x = tl.load(src + idx, mask=idx < n, other=float("nan"))
+        x = x_next
+        x_next = tl.load(src + (idx + BLOCK), mask=idx + BLOCK < n, other=float("nan"))
         valid = x == x
         b = _linear_bin(x, lo, inv_width, BINS)
         hi = valid & (b > b_hi)
@@ -295,18 +298,23 @@ def topk_indices(
 ) -> torch.Tensor:
     """int32 [rows, k]: positions (relative to starts) of each row's k largest visible non-NaN logits,
     -1 past the selectable count; physical KV slots with page_table. Never syncs the device."""
-    config = launch_config(logits.shape[1] if logits.dim() == 2 else 0)
+    config = launch_config(*logits.shape) if logits.dim() == 2 else launch_config(0, 0)
     return launch(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                   block_size=block_size, sorted=sorted, **config)
 
 
-def launch_config(width: int) -> dict:
-    """BLOCK (keys per tile), BINS (pass-1 bins), num_warps. The interpreter pays per operation, not
-    per element, so there tiles are as large as the row allows."""
+def launch_config(rows: int, width: int) -> dict:
+    """Tile and window parameters (see `launch`) and num_warps. One program serves one row, so many
+    rows want small programs (several per SM hide each other's latency) and few rows want large
+    ones. The interpreter pays per operation, not per element: there tiles are as large as the row
+    allows."""
     if triton_interpreter_on():
-        return {"block": min(4096, max(256, triton.next_power_of_2(max(width, 1)))), "bins": 64, "sample": 1024,
-                "z": 4.0, "lanes": 8, "num_warps": 1}
-    # Reasoned, not yet swept (tools/probe_topk.py sweeps these on the H200).
+        block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
+        return {"block": block, "bins": 64, "sample": 1024, "z": 4.0, "lanes": 8, "num_warps": 1}
+    # Reasoned from sm_90 SASS (about 50 instructions per key per thread in the split pass; 80 and
+    # 83 registers), not yet measured: tools/probe_topk.py sweeps these on the H200.
+    if rows >= 256:
+        return {"block": 2048, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "num_warps": 8}
     return {"block": 4096, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "num_warps": 16}
 
 
