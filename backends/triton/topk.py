@@ -1,18 +1,21 @@
-"""Top-k of the indexer's logits as one Triton kernel: a lengths-aware histogram select.
+"""Top-k of the indexer's logits as one Triton kernel: a lengths-aware sampled bracket select with
+an exact histogram fallback.
 
 One program owns one row and reads only its visible columns [start, start + length):
 - fast path, length <= k (or at most k non-NaN keys): the non-NaN positions in order, then -1;
-- pass 1 (the one HBM read): a histogram of every visible non-NaN logit over BINS linear bins whose
-  window comes from a strided sample of the row (its mean and max), so the bin holding the k-th
-  largest value is narrow whatever the row's scale; the bin mapping is monotone, so every key in a
-  higher bin is strictly larger;
-- pass 2 (the row again, now in L2): keys in bins above the threshold bin go straight to the
-  output (slot = running count + in-tile cumsum); the threshold bin's keys are appended, as
-  one int64 (order-preserving int32 key, position), to a per-row candidate list;
+- sample: SAMPLE keys in runs of 8 spread over the row give a linear bin window (mean and top of
+  the sample) and, from the sample's histogram, a value bracket [t_lo, t_hi] that holds the k-th
+  largest key with high probability (Z standard deviations of the sample count either side);
+- split, the one pass over the row: keys above t_hi go straight to the output, keys inside the
+  bracket are appended to a per-row candidate list as one int64 (order-preserving int32 key,
+  position). A key's slot is a running count plus its rank in the tile (distinct slots; the order
+  is free). If the counts show the bracket missed (more than k above, or fewer than k up to t_lo),
+  the row falls back to an exact histogram of all keys over the window's bins, then splits again
+  on the threshold bin: correct whatever the data, one more pass when the sample misjudged;
 - refine: four 8-bit radix rounds over the candidates' keys find the exact k-th key T and how many
   keys equal to T are still needed; a last scan writes candidates above T and the first of those
   equal to T (ties: any index is fine).
-NaN never enters a histogram or a list, so it is never selected; -inf is an ordinary (lowest) key.
+NaN is in no bracket, bin count or list, so it is never selected; -inf is an ordinary (lowest) key.
 With a page table the written value is the physical KV slot, computed at the store.
 sorted=True orders the result afterwards with torch (descending value, -1 last). Design notes and
 the numbers behind them: NOTES.md.
@@ -80,8 +83,9 @@ def _threshold_bin(hist, need, NB: tl.constexpr):
 @triton.jit
 def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr):
     """From SAMPLE keys in runs of 8 spread over the row (few sectors): a linear bin window (lo,
-    inv_width) from the sample's mean and top, and the bins [b_lo, b_hi] that hold the k-th largest
-    key with high probability (Z standard deviations of the sample count either side)."""
+    inv_width) from the sample's mean and top, and values t_lo <= t_hi such that [t_lo, t_hi] holds
+    the k-th largest key with high probability (Z standard deviations of the sample count either
+    side, resolved to the window's bin edges)."""
     s = tl.arange(0, SAMPLE)
     at = (s // 8) * (n // (SAMPLE // 8)) + s % 8
     in_row = at < n
@@ -110,7 +114,11 @@ def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.co
     margin = Z * tl.sqrt(expect) + 1.0
     b_hi = tl.sum((at_or_above.to(tl.float32) > expect - margin).to(tl.int32), axis=0) - 1
     b_lo = tl.maximum(tl.sum((at_or_above.to(tl.float32) >= expect + margin).to(tl.int32), axis=0) - 1, 0)
-    return lo, inv_width, b_lo, tl.maximum(b_hi, b_lo)
+    b_hi = tl.maximum(b_hi, b_lo)
+    # Bin edges as values; the end bins reach to -inf and +inf (NaN is outside any bracket).
+    t_lo = tl.where(b_lo > 0, lo + b_lo.to(tl.float32) / inv_width, -float("inf"))
+    t_hi = tl.where(b_hi < BINS - 1, lo + (b_hi + 1).to(tl.float32) / inv_width, float("inf"))
+    return lo, inv_width, t_lo, t_hi
 
 
 @triton.jit
@@ -129,12 +137,13 @@ def _histogram_pass(src, n, lo, inv_width, BLOCK: tl.constexpr, BINS: tl.constex
 
 
 @triton.jit
-def _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, cand_list, k, pt_row, pages,
+def _split_pass(src, n, lo, inv_width, c_lo, c_hi, out_row, cand_list, k, pt_row, pages,
                 HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                LANES: tl.constexpr):
-    """Keys in bins above b_hi go to the output (slots past k are dropped: the caller then knows the
-    bins were wrong); keys in [b_lo, b_hi] go to the candidate list. Returns both full counts. One
-    scan of the packed flags gives both running slots (a tile has far fewer than 2^16 keys)."""
+                LANES: tl.constexpr, BY_VALUE: tl.constexpr):
+    """Keys above the bracket go to the output (slots past k are dropped: the caller then knows the
+    bracket was wrong); keys inside it go to the candidate list. Returns both full counts. The
+    bracket is [c_lo, c_hi] in values (BY_VALUE) or in bins of the (lo, inv_width) window. One scan
+    of the packed flags gives both running slots (a tile has far fewer than 2^16 keys)."""
     # A tile is [LANES, BLOCK / LANES]: rows of adjacent keys (coalesced loads along axis 1), and the
     # LANES keys of a column held by one thread. Slots need only be distinct (the output order is
     # free), so a key's slot is its column's offset (a scan over BLOCK / LANES column totals, the
@@ -148,10 +157,16 @@ def _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, cand_list, k, pt_row
         idx = t + idx0
         x = x_next
         x_next = tl.load(src + (idx + BLOCK), mask=idx + BLOCK < n, other=float("nan"))
-        valid = x == x
-        b = _linear_bin(x, lo, inv_width, BINS)
-        hi = valid & (b > b_hi)
-        mid = valid & (b >= b_lo) & (b <= b_hi)
+        if BY_VALUE:
+            # Value bounds: NaN fails every comparison, so it is in neither set.
+            hi = x > c_hi
+            mid = (x >= c_lo) & (x <= c_hi)
+        else:
+            # Bins, exactly as the histogram pass counted them.
+            valid = x == x
+            b = _linear_bin(x, lo, inv_width, BINS)
+            hi = valid & (b > c_hi)
+            mid = valid & (b >= c_lo) & (b <= c_hi)
         flags = hi.to(tl.int32) + (mid.to(tl.int32) << 16)
         column = tl.sum(flags, axis=0)
         packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
@@ -265,9 +280,9 @@ def _topk_kernel(
     in_bin = n * 0
     if n > k:
         # Optimistic: bins from a sample, one pass over the row.
-        lo, inv_width, b_lo, b_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
-        above, in_bin = _split_pass(src, n, lo, inv_width, b_lo, b_hi, out_row, cand_list, k,
-                                    pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES)
+        lo, inv_width, t_lo, t_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
+        above, in_bin = _split_pass(src, n, lo, inv_width, t_lo, t_hi, out_row, cand_list, k,
+                                    pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES, True)
         if (above > k) | (above + in_bin < k):
             # The sample misjudged the row (or NaN hides keys): exact counts, then split again.
             tl.debug_barrier()  # the second split rewrites slots other threads wrote
@@ -276,7 +291,7 @@ def _topk_kernel(
             if tl.sum(hist, axis=0) > k:
                 tb, _, _ = _threshold_bin(hist, k, BINS)
                 above, in_bin = _split_pass(src, n, lo, inv_width, tb, tb, out_row, cand_list, k,
-                                            pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES)
+                                            pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES, False)
     if take_all:
         _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
     else:
