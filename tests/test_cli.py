@@ -131,13 +131,13 @@ def test_explain_this_machine(capsys):
 @needs_cpu_host
 def test_explain_all_ops(capsys):
     payload = explain_json(capsys, "--op", "all", "--forward-mode", "target_verify", "--next-n", "3")
-    assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant"]
-    assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference"]
+    assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant", "topk"]
+    assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference", "torch.reference"]
     for decision in payload:
         assert LOGITS_KEYS <= set(decision)
         assert decision["key"] == payload[0]["key"]
     code, out, _ = run(capsys, "explain", "--op", "all")
-    assert code == 0 and "paged_mqa_logits for" in out and "indexer_q_quant for" in out
+    assert code == 0 and "paged_mqa_logits for" in out and "indexer_q_quant for" in out and "topk for" in out
 
 
 def write_registry(tmp_path, text: str):
@@ -305,7 +305,7 @@ def test_explain_a_whole_batch_plan_as_json(capsys):
                         "--seq-lens", "130,64,2")
     assert plan["context_lens"] == [[128, 129, 130], [62, 63, 64], [0, 1, 2]]
     assert plan["block_table"] == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
-    assert set(plan["decisions"]) == {"paged_mqa_logits", "indexer_q_quant"}
+    assert set(plan["decisions"]) == {"paged_mqa_logits", "indexer_q_quant", "topk"}
     assert plan["decisions"]["paged_mqa_logits"]["backend"] == "torch.reference"
     flatten = explain_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
                            "--seq-lens", "5,9", "--cluster", "reference-only")
