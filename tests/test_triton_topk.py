@@ -202,30 +202,31 @@ def test_sorted_is_descending_with_minus_ones_last():
     ("change", "message"),
     [
         (lambda a: a.update(logits=a["logits"].half()), "logits"),
-        (lambda a: a.update(logits=a["logits"].t().contiguous().t()), "contiguous along W"),
+        (lambda a: a.update(logits=a["logits"].t().contiguous().t()), "contiguous last dim"),
         (lambda a: a.update(lengths=a["lengths"].long()), "lengths"),
         (lambda a: a.update(lengths=a["lengths"][:-1]), "lengths"),
         (lambda a: a.update(starts=torch.zeros(3, dtype=torch.int64)), "starts"),
-        (lambda a: a.update(lengths=torch.tensor([1, 2, 65], dtype=torch.int32)), "width"),
+        (lambda a: a.update(lengths=torch.tensor([1, 2, 65], dtype=torch.int32)), "64 wide"),
         (lambda a: a.update(starts=torch.tensor([0, 0, 2], dtype=torch.int32),
-                            lengths=torch.tensor([1, 1, 63], dtype=torch.int32)), "width"),
+                            lengths=torch.tensor([1, 1, 63], dtype=torch.int32)), "64 wide"),
         (lambda a: a.update(page_table=torch.zeros(1, 4, dtype=torch.int32)), "page_rows"),
-        (lambda a: a.update(page_table=torch.zeros(1, 3, dtype=torch.int32),
-                            page_rows=torch.zeros(3, dtype=torch.int32)), "page_table has 3 pages"),
         (lambda a: a.update(page_table=torch.zeros(1, 4, dtype=torch.int64),
                             page_rows=torch.zeros(3, dtype=torch.int32)), "page_table"),
+        (lambda a: a.update(page_table=torch.zeros(4, 2, dtype=torch.int32).t(),
+                            page_rows=torch.zeros(3, dtype=torch.int32)), "page_table must be contiguous"),
+        (lambda a: a.update(k=0), "k an integer"),
     ],
 )
 def test_bad_inputs_name_the_tensor(change, message):
-    args = {"logits": torch.randn(3, 64), "lengths": torch.tensor([1, 2, 3], dtype=torch.int32)}
+    args = {"logits": torch.randn(3, 64), "lengths": torch.tensor([1, 2, 3], dtype=torch.int32), "k": 8}
     change(args)
     with pytest.raises(LayoutError, match=message):
-        topk_indices(args.pop("logits"), args.pop("lengths"), 8, block_size=16, **args)
+        topk_indices(args.pop("logits"), args.pop("lengths"), args.pop("k"), block_size=16, **args)
 
 
-def test_bad_k_is_rejected():
-    with pytest.raises(ValueError, match="k must be"):
-        topk_indices(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 0)
+def test_bad_launch_config_is_rejected():
+    with pytest.raises(ValueError, match="powers of two"):
+        launch(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 4, **{**launch_config(2, 8), "block": 3000})
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
+from dispatch.input_checks import check_topk_inputs
 
 
 @triton.jit
@@ -393,43 +394,16 @@ def _page_transform(out, page_table, page_rows, block_size):
 
 
 def _check(logits, lengths, k, starts, page_table, page_rows, block_size) -> tuple[int, int]:
-    """Shapes, dtypes, strides and devices from metadata; values only where they are on the host."""
-    if logits.dtype != torch.float32 or logits.dim() != 2:
-        raise LayoutError(f"logits must be fp32 [rows, W]; got {logits.dtype} {list(logits.shape)}")
-    rows, width = logits.shape
-    if width > 1 and logits.stride(1) != 1:
-        raise LayoutError(f"logits must be contiguous along W; got strides {logits.stride()}")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k must be a host int >= 1; got {k!r}")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be a host int >= 1; got {block_size!r}")
-    _check_per_row("lengths", lengths, rows)
-    if starts is not None:
-        _check_per_row("starts", starts, rows)
-    if (page_table is None) != (page_rows is None):
-        raise LayoutError("page_table and page_rows come together; got only "
-                          + ("page_table" if page_rows is None else "page_rows"))
-    if page_table is not None:
-        if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
-            raise LayoutError(f"page_table must be int32 [P, M] contiguous along M; got {page_table.dtype} "
-                              f"{list(page_table.shape)}, strides {page_table.stride()}")
-        if page_table.shape[1] * block_size < width:
-            raise LayoutError(f"page_table has {page_table.shape[1]} pages of {block_size}, fewer than logits' "
-                              f"width W={width} needs")
-        _check_per_row("page_rows", page_rows, rows)
+    """The contract's checks (shared by every top-k backend), then what this kernel adds: one device,
+    and a page table contiguous along its pages (a row is read as a flat array)."""
+    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
+                      block_size=block_size)
+    if page_table is not None and page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise LayoutError(f"page_table must be contiguous along its pages; got strides {list(page_table.stride())}")
     tensors = [t for t in (logits, lengths, starts, page_table, page_rows) if t is not None]
     if len({t.device for t in tensors}) != 1:
-        raise LayoutError(f"all tensors must be on one device; got {sorted(str(t.device) for t in tensors)}")
-    if lengths.device.type == "cpu":  # checkable without a device sync only here
-        ends = lengths.long() + (starts.long() if starts is not None else 0)
-        if rows and (int(ends.max()) > width or (starts is not None and int(starts.min()) < 0)):
-            raise LayoutError(f"lengths (plus starts) reach past logits' width W={width}")
-    return rows, width
-
-
-def _check_per_row(name, tensor, rows):
-    if tensor.dtype != torch.int32 or tensor.dim() != 1 or tensor.shape[0] != rows:
-        raise LayoutError(f"{name} must be int32 [rows={rows}]; got {tensor.dtype} {list(tensor.shape)}")
+        raise LayoutError(f"top-k tensors must be on one device; got {sorted(str(t.device) for t in tensors)}")
+    return logits.shape
 
 
 def _pow2(value: int) -> bool:
