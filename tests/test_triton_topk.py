@@ -68,8 +68,9 @@ def test_random_ragged_batches(rows, width, k, seed):
 
 # z = 4: the sampled bracket, as served. z = 1e9: every key a candidate (the radix rounds do all
 # the work). z = -1e9: the bracket is the top bin alone, so the exact-histogram fallback runs.
-@pytest.mark.parametrize("z", [4.0, 1e9, -1e9], ids=["sampled", "all-candidates", "fallback"])
-def test_every_path_of_the_select(z):
+@pytest.mark.parametrize(("z", "radix"), [(4.0, 8), (1e9, 8), (-1e9, 8), (4.0, 4), (1e9, 4)],
+                         ids=["sampled", "all-candidates", "fallback", "sampled-radix4", "all-candidates-radix4"])
+def test_every_path_of_the_select(z, radix):
     gen = torch.Generator().manual_seed(11)
     width, k = 2500, 64
     logits = random_logits(10, width, gen).clone()
@@ -78,7 +79,7 @@ def test_every_path_of_the_select(z):
     logits[2, 64:] = NAN
     lengths = ragged_lengths(10, width, k, gen)
     lengths[:3] = width
-    config = {**launch_config(10, width), "z": z}
+    config = {**launch_config(10, width), "z": z, "radix": radix}
     out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, **config)
     check(logits, lengths, k, out)
 

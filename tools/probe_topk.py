@@ -27,26 +27,28 @@ from backends.triton.topk import launch
 K = 2048
 BYTES_PER_S = 4.2e12
 SHAPES = [("B128 N4 L32K", 128, 4, 32768), ("B128 N1 L32K", 128, 1, 32768), ("B32 N2 L8K", 32, 2, 8192)]
-# (block, bins, sample, z, lanes, num_warps); launch_config's defaults are the first (>= 256 rows)
-# and the second (fewer rows).
+# (block, bins, sample, z, lanes, radix, num_warps); launch_config's defaults are the first
+# (>= 256 rows) and the second (fewer rows).
 CONFIGS = [
-    (2048, 64, 4096, 4.0, 8, 8),
-    (4096, 64, 4096, 4.0, 8, 16),
-    (1024, 64, 4096, 4.0, 8, 4),
-    (2048, 64, 4096, 4.0, 8, 4),
-    (4096, 64, 4096, 4.0, 16, 8),
-    (8192, 64, 4096, 4.0, 16, 16),
-    (2048, 64, 2048, 4.0, 8, 8),
-    (2048, 64, 4096, 3.0, 8, 8),
+    (2048, 64, 4096, 4.0, 8, 8, 8),
+    (4096, 64, 4096, 4.0, 8, 8, 16),
+    (2048, 64, 4096, 4.0, 8, 4, 8),
+    (4096, 64, 4096, 4.0, 8, 4, 16),
+    (1024, 64, 4096, 4.0, 8, 8, 4),
+    (2048, 64, 4096, 4.0, 8, 8, 4),
+    (4096, 64, 4096, 4.0, 16, 8, 8),
+    (8192, 64, 4096, 4.0, 16, 8, 16),
+    (2048, 64, 2048, 4.0, 8, 8, 8),
+    (2048, 64, 4096, 3.0, 8, 8, 8),
 ]
+FALLBACK = (2048, 64, 4096, -1e9, 8, 8, 8)  # forces the exact two-pass path: what a misjudged sample costs
 TIME_BUDGET_S = 200  # the lead's call is limited: configs past this are reported as skipped
-FALLBACK = (2048, 64, 4096, -1e9, 8, 8)  # forces the exact two-pass path: what a misjudged sample costs
 
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # the script's own check, under the interpreter: tiny shapes, one config, wall-clock timing
     K, SHAPES, CONFIGS = 64, [("smoke N2", 3, 2, 1024)], CONFIGS[:1]
-    FALLBACK = (1024, 64, 1024, -1e9, 8, 1)
+    FALLBACK = (1024, 64, 1024, -1e9, 8, 8, 1)
 DEVICE = "cpu" if SMOKE else "cuda"
 
 
@@ -111,8 +113,8 @@ def main() -> None:
             except Exception as exc:  # a config that fails to compile or run is reported, not fatal
                 results.append({"impl": impl, "config": config, "error": f"{type(exc).__name__}: {exc}"[:300]})
 
-        for block, bins, sample, z, lanes, warps in CONFIGS + [FALLBACK]:
-            cfg = dict(block=block, bins=bins, sample=sample, z=z, lanes=lanes, num_warps=warps)
+        for block, bins, sample, z, lanes, radix, warps in CONFIGS + [FALLBACK]:
+            cfg = dict(block=block, bins=bins, sample=sample, z=z, lanes=lanes, radix=radix, num_warps=warps)
             impl = "triton" if z > -1 else "triton two-pass"
             if time.time() - started > TIME_BUDGET_S:
                 results.append({"impl": impl, "config": cfg, "error": "skipped: over the probe's time budget"})
@@ -146,10 +148,10 @@ def main() -> None:
         for r in results:
             cfg = ",".join(str(v) for v in r["config"].values()) if r["config"] else "-"
             if "error" in r:
-                table.append(f"{name:13s} {r['impl']:18s} {cfg:26s} ERROR {r['error'][:80]}")
+                table.append(f"{name:13s} {r['impl']:18s} {cfg:28s} ERROR {r['error'][:80]}")
                 continue
             fi_ratio = f"{r['flashinfer_over']:5.2f}x" if r["flashinfer_over"] else "   - "
-            table.append(f"{name:13s} {r['impl']:18s} {cfg:26s} {r['us']:8.1f} us  x{r['x_floor']:5.2f} floor  "
+            table.append(f"{name:13s} {r['impl']:18s} {cfg:28s} {r['us']:8.1f} us  x{r['x_floor']:5.2f} floor  "
                          f"FI/this {fi_ratio}  {'exact' if r['exact'] else 'WRONG'}")
         del logits, lengths, want
         if not SMOKE:
@@ -162,7 +164,7 @@ def main() -> None:
             json.dump({"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
                        "k": K, "results": rows_out}, f, indent=1)
     print(f"\n# top-k probe, {device_name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"k={K}, config = block,bins,sample,z,lanes,warps, {time.time() - started:.0f} s")
+          f"k={K}, config = block,bins,sample,z,lanes,radix,warps, {time.time() - started:.0f} s")
     print("\n".join(table))
 
 

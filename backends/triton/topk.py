@@ -202,33 +202,37 @@ def _write_all(src, n, out_row, k, pt_row, pages,
 
 @triton.jit
 def _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
-                            HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """The output holds `above` keys; the k - above largest of the candidates fill the rest."""
+                            HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                            RADIX: tl.constexpr, NB: tl.constexpr):
+    """The output holds `above` keys; the k - above largest of the candidates fill the rest. NB =
+    max(2^RADIX, 32) histogram bins (Triton's ballot lowering wants at least a warp's worth)."""
     offs = tl.arange(0, BLOCK)
-    # Radix rounds over the candidates' keys, 8 bits at a time from the top (the top digit of a
-    # signed key is biased by 128 so that digit order is key order): T, the k-th largest key, and
-    # how many keys equal to T are still needed.
+    # Radix rounds over the candidates' keys, RADIX bits at a time from the top (the top digit of a
+    # signed key is biased by 2^(RADIX-1) so that digit order is key order): T, the k-th largest
+    # key, and how many keys equal to T are still needed. Wider digits mean fewer rounds but a
+    # costlier histogram per key when tl.histogram lowers to warp ballots (Triton before 3.7).
     need = k - above
     prefix = 0
-    for r in tl.static_range(4):
-        digits = tl.zeros((256,), dtype=tl.int32)
+    for r in tl.static_range(32 // RADIX):
+        shift = 32 - RADIX * (r + 1)
+        digits = tl.zeros((NB,), dtype=tl.int32)
         for t in range(0, in_bin, BLOCK):
             idx = t + offs
             live = idx < in_bin
             key = (tl.load(cand_list + idx, mask=live, other=0) >> 32).to(tl.int32)
             if r == 0:
-                d = (key >> 24) + 128
+                d = (key >> shift) + (1 << (RADIX - 1))
             else:
-                live = live & ((key >> (32 - 8 * r)) == (prefix >> (32 - 8 * r)))
-                d = (key >> (24 - 8 * r)) & 255
-            digits += tl.histogram(tl.where(live, d, 0), 256)
-            digits -= tl.where(tl.arange(0, 256) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
-        db, d_above, _ = _threshold_bin(digits, need, 256)
+                live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
+                d = (key >> shift) & ((1 << RADIX) - 1)
+            digits += tl.histogram(tl.where(live, d, 0), NB)
+            digits -= tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
+        db, d_above, _ = _threshold_bin(digits, need, NB)
         need -= d_above
         if r == 0:
-            prefix = (db - 128) << 24
+            prefix = (db - (1 << (RADIX - 1))) << shift
         else:
-            prefix = prefix | (db << (24 - 8 * r))
+            prefix = prefix | (db << shift)
 
     # Last scan: candidates above T, then the first `need` equal to T (ties: any index will do).
     gt_next = above
@@ -258,6 +262,7 @@ def _topk_kernel(
     width, num_pt_rows, pages, k,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr, LANES: tl.constexpr,
+    RADIX: tl.constexpr, RADIX_BINS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -298,7 +303,7 @@ def _topk_kernel(
     else:
         tl.debug_barrier()  # the candidate list was written by other threads of this program
         _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
-                                HAS_PAGES, BLOCK_SIZE, BLOCK)
+                                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS)
 
 
 def topk_indices(
@@ -326,27 +331,28 @@ def launch_config(rows: int, width: int) -> dict:
     allows."""
     if triton_interpreter_on():
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
-        return {"block": block, "bins": 64, "sample": 1024, "z": 4.0, "lanes": 8, "num_warps": 1}
+        return {"block": block, "bins": 64, "sample": 1024, "z": 4.0, "lanes": 8, "radix": 8,
+                "num_warps": 1}
     # Reasoned from sm_90 SASS (about 50 instructions per key per thread in the split pass; 80 and
     # 83 registers), not yet measured: tools/probe_topk.py sweeps these on the H200.
     if rows >= 256:
-        return {"block": 2048, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "num_warps": 8}
-    return {"block": 4096, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "num_warps": 16}
+        return {"block": 2048, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "radix": 8, "num_warps": 8}
+    return {"block": 4096, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "radix": 8, "num_warps": 16}
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
-           block, bins, sample, z, lanes, num_warps):
+           block, bins, sample, z, lanes, radix, num_warps):
     """Check the inputs, then run the kernel with an explicit config (the probe calls this directly).
 
     block: keys per tile (a power of two, at most 2^15: the packed scan holds two 16-bit counts);
     bins: pass-1 bins (a power of two >= 32); lanes: keys per thread-column of a tile (a power of
-    two dividing block); sample: keys sampled for the window (a power of two
+    two dividing block); radix: bits per refine round (4 or 8); sample: keys sampled for the window (a power of two
     >= 8); z: the sampled bracket's half-width in standard deviations (huge: every key a
     candidate; very negative: the sample is always wrong and the exact histogram runs)."""
     if not (_pow2(block) and block <= 1 << 15 and _pow2(bins) and bins >= 32 and _pow2(sample) and sample >= 8
-            and _pow2(lanes) and lanes < block):
-        raise ValueError(f"block={block}, bins={bins}, sample={sample}, lanes={lanes}: powers of two, "
-                         "block <= 32768, bins >= 32, sample >= 8, lanes < block")
+            and _pow2(lanes) and lanes < block and radix in (4, 8)):
+        raise ValueError(f"block={block}, bins={bins}, sample={sample}, lanes={lanes}, radix={radix}: powers of "
+                         "two, block <= 32768, bins >= 32, sample >= 8, lanes < block, radix 4 or 8")
     rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
@@ -363,7 +369,8 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
         page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0,
         width, page_table.shape[0] if fuse_pages else 1, page_table.shape[1] if fuse_pages else 0, k,
         HAS_STARTS=starts is not None, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
-        BLOCK=block, BINS=bins, SAMPLE=sample, Z=z, LANES=lanes, num_warps=num_warps,
+        BLOCK=block, BINS=bins, SAMPLE=sample, Z=z, LANES=lanes, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
+        num_warps=num_warps,
     )
     if sorted:
         out = _sort_descending(logits, out, starts)
