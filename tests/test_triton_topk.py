@@ -94,7 +94,7 @@ def test_k_2048_at_a_few_thousand_keys():
 def test_ties_inf_and_nan_rows():
     gen = torch.Generator().manual_seed(4)
     width, k = 2000, 64
-    logits = random_logits(10, width, gen).clone()
+    logits = random_logits(12, width, gen).clone()
     logits[0] = 1.5  # all equal: any k positions
     logits[1] = -INF  # -inf is selectable
     logits[2] = NAN  # poisoned row: all -1
@@ -106,7 +106,10 @@ def test_ties_inf_and_nan_rows():
     logits[7] = torch.tensor([INF, -INF, 3e38, -3e38, 0.0, -0.0, 1e-45, -1e-45])[torch.randint(0, 8, (width,), generator=gen)]
     logits[8] = torch.arange(width, dtype=torch.float32)  # the sample's window misses the top
     logits[9] = -torch.arange(width, dtype=torch.float32) * 1e30
-    lengths = torch.tensor([width, 5, width, width, width, width, width, width, width, 1500], dtype=torch.int32)
+    logits[10] = -INF  # longer than k, nothing finite: the sample has no window to offer
+    logits[11] = INF
+    lengths = torch.tensor([width, 5, width, width, width, width, width, width, width, 1500, width, 700],
+                           dtype=torch.int32)
     out = topk_indices(logits.to(DEVICE), lengths.to(DEVICE), k)
     check(logits, lengths, k, out)
     assert (out[2].cpu() == -1).all()
