@@ -203,10 +203,20 @@ def _write_all(src, n, out_row, k, pt_row, pages,
 @triton.jit
 def _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
                             HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                            RADIX: tl.constexpr, NB: tl.constexpr):
+                            RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr):
     """The output holds `above` keys; the k - above largest of the candidates fill the rest. NB =
     max(2^RADIX, 32) histogram bins (Triton's ballot lowering wants at least a warp's worth)."""
     offs = tl.arange(0, BLOCK)
+    # The candidates' smallest and largest keys: the digits they all share need no histogram (a
+    # narrow bracket shares sign, exponent and often a few mantissa bits).
+    kmin = tl.full((), 2147483647, tl.int32)
+    kmax = tl.full((), -2147483648, tl.int32)
+    for t in range(0, in_bin, BLOCK):
+        idx = t + offs
+        live = idx < in_bin
+        key = (tl.load(cand_list + idx, mask=live, other=0) >> 32).to(tl.int32)
+        kmin = tl.minimum(kmin, tl.min(tl.where(live, key, 2147483647), axis=0))
+        kmax = tl.maximum(kmax, tl.max(tl.where(live, key, -2147483648), axis=0))
     # Radix rounds over the candidates' keys, RADIX bits at a time from the top (the top digit of a
     # signed key is biased by 2^(RADIX-1) so that digit order is key order): T, the k-th largest
     # key, and how many keys equal to T are still needed. Wider digits mean fewer rounds but a
@@ -215,42 +225,49 @@ def _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
     prefix = 0
     for r in tl.static_range(32 // RADIX):
         shift = 32 - RADIX * (r + 1)
-        digits = tl.zeros((NB,), dtype=tl.int32)
-        for t in range(0, in_bin, BLOCK):
-            idx = t + offs
-            live = idx < in_bin
-            key = (tl.load(cand_list + idx, mask=live, other=0) >> 32).to(tl.int32)
-            if r == 0:
-                d = (key >> shift) + (1 << (RADIX - 1))
-            else:
-                live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
-                d = (key >> shift) & ((1 << RADIX) - 1)
-            digits += tl.histogram(tl.where(live, d, 0), NB)
-            digits -= tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
-        db, d_above, _ = _threshold_bin(digits, need, NB)
-        need -= d_above
-        if r == 0:
-            prefix = (db - (1 << (RADIX - 1))) << shift
+        if (kmin >> shift) == (kmax >> shift):
+            prefix = (kmin >> shift) << shift  # every candidate has these digits; none is above
         else:
-            prefix = prefix | (db << shift)
+            digits = tl.zeros((NB,), dtype=tl.int32)
+            for t in range(0, in_bin, BLOCK):
+                idx = t + offs
+                live = idx < in_bin
+                key = (tl.load(cand_list + idx, mask=live, other=0) >> 32).to(tl.int32)
+                if r == 0:
+                    d = (key >> shift) + (1 << (RADIX - 1))
+                else:
+                    live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
+                    d = (key >> shift) & ((1 << RADIX) - 1)
+                digits += tl.histogram(tl.where(live, d, 0), NB)
+                digits -= tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
+            db, d_above, _ = _threshold_bin(digits, need, NB)
+            need -= d_above
+            if r == 0:
+                prefix = (db - (1 << (RADIX - 1))) << shift
+            else:
+                prefix = prefix | (db << shift)
 
     # Last scan: candidates above T, then the first `need` equal to T (ties: any index will do).
+    # Column-major tiles as in the split pass; slots need only be distinct.
+    idx0 = tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
     gt_next = above
     eq_next = k - need
     for t in range(0, in_bin, BLOCK):
-        idx = t + offs
+        idx = t + idx0
         live = idx < in_bin
         entry = tl.load(cand_list + idx, mask=live, other=0)
         key = (entry >> 32).to(tl.int32)
         gt = live & (key > prefix)
         eq = live & (key == prefix)
-        packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+        flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+        column = tl.sum(flags, axis=0)
+        packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
         eq_rank = eq_next + (packed >> 16) - 1
         slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
         take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
         pos = entry.to(tl.int32)  # the low half
         tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
-        total = tl.sum(packed * (offs == BLOCK - 1).to(tl.int32), axis=0)
+        total = tl.sum(column, axis=0)
         gt_next += total & 0xFFFF
         eq_next += total >> 16
 
@@ -303,7 +320,7 @@ def _topk_kernel(
     else:
         tl.debug_barrier()  # the candidate list was written by other threads of this program
         _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
-                                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS)
+                                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
 
 
 def topk_indices(
