@@ -66,11 +66,17 @@ def test_random_ragged_batches(rows, width, k, seed):
     check(logits, lengths, k, out)
 
 
-# z = 4: the sampled bracket, as served. z = 1e9: every key a candidate (the radix rounds do all
-# the work). z = -1e9: the bracket is the top bin alone, so the exact-histogram fallback runs.
-@pytest.mark.parametrize(("z", "radix"), [(4.0, 8), (1e9, 8), (-1e9, 8), (4.0, 4), (1e9, 4)],
-                         ids=["sampled", "all-candidates", "fallback", "sampled-radix4", "all-candidates-radix4"])
-def test_every_path_of_the_select(z, radix):
+# z = 4: the sampled bracket, as served. z = 1e9: every key a candidate, so the capped list
+# overflows and the exact radix select over the row runs. z = -1e9: the bracket is one bin, usually
+# wrong, same fallback. cap = 8 overflows the list on every long row. block 256 x tiles 2: each row
+# split over up to 5 programs sharing its counters; block 128 x tiles 1: 20.
+@pytest.mark.parametrize(("change"), [
+    {"z": 4.0, "radix": 8}, {"z": 1e9, "radix": 8}, {"z": -1e9, "radix": 8}, {"z": 4.0, "radix": 4},
+    {"z": 1e9, "radix": 4}, {"cap": 8}, {"block": 256, "tiles": 2}, {"block": 128, "tiles": 1, "lanes": 4},
+    {"block": 512, "tiles": 3, "cap": 300},
+], ids=["sampled", "all-candidates", "fallback", "sampled-radix4", "all-candidates-radix4", "list-overflow",
+        "chunks-of-two-tiles", "twenty-chunks", "three-tiles-small-cap"])
+def test_every_path_of_the_select(change):
     gen = torch.Generator().manual_seed(11)
     width, k = 2500, 64
     logits = random_logits(10, width, gen).clone()
@@ -79,7 +85,7 @@ def test_every_path_of_the_select(z, radix):
     logits[2, 64:] = NAN
     lengths = ragged_lengths(10, width, k, gen)
     lengths[:3] = width
-    config = {**launch_config(10, width), "z": z, "radix": radix}
+    config = {**launch_config(10, width, k), **change}
     out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, **config)
     check(logits, lengths, k, out)
 
@@ -231,6 +237,41 @@ def test_bad_inputs_name_the_tensor(change, message):
 def test_bad_launch_config_is_rejected():
     with pytest.raises(ValueError, match="powers of two"):
         launch(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 4, **{**launch_config(2, 8), "block": 3000})
+    with pytest.raises(ValueError, match="cap >= 1"):
+        launch(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 4, **{**launch_config(2, 8), "cap": 0})
+
+
+def test_default_chunks_give_every_sm_programs():
+    # Serving shapes outside the interpreter: a chunk in [1024, 8192] keys, one thread-column of
+    # `lanes` keys per thread, and at least a few split programs per SM wherever the rows allow it.
+    from backends.triton import topk as module
+
+    saved = module.triton_interpreter_on
+    module.triton_interpreter_on = lambda: False
+    try:
+        for rows, width in [(512, 49070), (128, 49070), (64, 11814), (1, 100)]:
+            c = module.launch_config(rows, width)
+            chunk = c["block"] * c["tiles"]
+            assert 1024 <= chunk <= 8192 and c["block"] // c["lanes"] == 32 * c["num_warps"]
+            programs = rows * -(-width // chunk)
+            assert programs >= module.PROGRAMS_PER_SM * module.SMS or chunk == 1024
+    finally:
+        module.triton_interpreter_on = saved
+
+
+def test_scratch_is_reused_across_calls():
+    # One workspace per (device, row bucket, cap): a second call at the same bucket allocates nothing
+    # (what lets a CUDA graph capture the call), and stale counters from a first call never leak.
+    from backends.triton.topk import _workspace
+
+    gen = torch.Generator().manual_seed(12)
+    a = _workspace(torch.device(DEVICE), 5, 1024)
+    b = _workspace(torch.device(DEVICE), 7, 1024)
+    assert a[2].data_ptr() == b[2].data_ptr() and a[0].shape == (5,) and b[2].shape == (7, 1024)
+    for rows in (7, 5):
+        logits = random_logits(rows, 900, gen)
+        lengths = torch.full((rows,), 900, dtype=torch.int32)
+        check(logits, lengths, 64, topk_indices(logits.to(DEVICE), lengths.to(DEVICE), 64))
 
 
 @pytest.mark.gpu

@@ -1,27 +1,35 @@
-"""Top-k of the indexer's logits as one Triton kernel: a lengths-aware sampled bracket select with
-an exact histogram fallback.
+"""Top-k of the indexer's logits in Triton: a lengths-aware sampled bracket select, split over many
+programs per row, with an exact radix fallback. Three launches, no host sync (four with sorted=True):
 
-One program owns one row and reads only its visible columns [start, start + length):
-- fast path, length <= k (or at most k non-NaN keys): the non-NaN positions in order, then -1;
-- sample: SAMPLE keys in runs of 8 spread over the row give a linear bin window (mean and top of
-  the sample) and, from the sample's histogram, a value bracket [t_lo, t_hi] that holds the k-th
-  largest key with high probability (Z standard deviations of the sample count either side);
-- split, the one pass over the row: keys above t_hi go straight to the output, keys inside the
-  bracket are appended to a per-row candidate list as one int64 (order-preserving int32 key,
-  position). A key's slot is a running count plus its rank in the tile (distinct slots; the order
-  is free). If the counts show the bracket missed (more than k above, or fewer than k up to t_lo),
-  the row falls back to an exact histogram of all keys over the window's bins, then splits again
-  on the threshold bin: correct whatever the data, one more pass when the sample misjudged;
-- refine: four 8-bit radix rounds over the candidates' keys find the exact k-th key T and how many
-  keys equal to T are still needed; a last scan writes candidates above T and the first of those
-  equal to T (ties: any index is fine).
-NaN is in no bracket, bin count or list, so it is never selected; -inf is an ordinary (lowest) key.
-With a page table the written value is the physical KV slot, computed at the store.
-sorted=True orders the result afterwards with torch (descending value, -1 last). Design notes and
-the numbers behind them: NOTES.md.
+1. bracket (one program per row): SAMPLE keys in runs of 8 spread over the row give a linear bin
+   window and, from the sample's histogram, a value bracket [t_lo, t_hi] that holds the k-th largest
+   key with high probability (Z standard deviations of the sample count either side). It also zeroes
+   the row's packed counter (above | candidates << 32).
+2. split (rows x chunks programs, the one pass over the logits): each program classifies its chunk of
+   BLOCK * TILES keys, tile by tile: keys above t_hi go straight to the output, keys inside the
+   bracket to the row's capped candidate list (one int64: order-preserving key << 32 | position).
+   A tile takes its slots with ONE 64-bit atomic add of both counts on the row's counter (the old
+   value is the base) plus each key's rank in the tile; slots at or past k (output) or CAP (list) are
+   counted but not written. Many independent programs per SM keep many loads in flight, which one
+   program walking a whole row could not.
+3. finish (one program per row): rows of length <= k write their non-NaN positions then -1. Else, if
+   the counts show the bracket held (above <= k <= above + candidates, candidates <= CAP): radix
+   rounds over the candidates find the exact k-th key T and how many keys equal to T are still
+   needed; a last scan writes the rest. If not (the sample misjudged the row, NaN hid keys, or the
+   list overflowed), the same radix rounds run over the row itself: exact whatever the data, a few
+   more passes over that row only. With a page table, the output prefix written by the split is
+   turned into KV slots here (and the finish's own stores go through the table).
+4. sort (sorted=True only, one program per row): the k chosen (key, position) pairs packed into int64
+   and sorted descending with tl.sort, -1s last, then the page transform.
+NaN fails every bracket compare and is no radix entry, so it is never selected; -inf is an ordinary
+(lowest) key. Scratch (counters, brackets, candidate lists) is a per-device workspace cached by
+(rows rounded up to a power of two, CAP) and never freed, so a CUDA graph captured after one eager
+call at its shape allocates nothing. Design notes and the numbers behind them: NOTES.md.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -122,64 +130,186 @@ def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.co
     return lo, inv_width, t_lo, t_hi
 
 
+
 @triton.jit
-def _histogram_pass(src, n, lo, inv_width, BLOCK: tl.constexpr, BINS: tl.constexpr):
-    """Exact bin counts of the row's non-NaN keys."""
+def _row_window(row64, lengths_ptr, stride_len, starts_ptr, stride_start, width, HAS_STARTS: tl.constexpr):
+    # Visible columns [start, start + n), clamped to the tensor: nothing outside it is ever read.
+    start = 0
+    if HAS_STARTS:
+        start = tl.minimum(tl.maximum(tl.load(starts_ptr + row64 * stride_start), 0), width)
+    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row64 * stride_len), 0), width - start)
+    return start, n
+
+
+@triton.jit
+def _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
+              HAS_PAGES: tl.constexpr):
+    # The row's page-table row and its page count; an out-of-table page row gets 0 pages, so every
+    # position maps to -1 rather than reading outside the table.
+    pt_row = pt_ptr
+    if HAS_PAGES:
+        page_row = tl.load(page_rows_ptr + row64 * stride_page_rows)
+        pages = tl.where((page_row >= 0) & (page_row < num_pt_rows), pages, 0)
+        pt_row = pt_ptr + tl.minimum(tl.maximum(page_row, 0), num_pt_rows - 1).to(tl.int64) * stride_pt
+    return pt_row, pages
+
+
+@triton.jit
+def _bracket_kernel(
+    logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
+    width, k,
+    HAS_STARTS: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    start, n = _row_window(row64, lengths_ptr, stride_len, starts_ptr, stride_start, width, HAS_STARTS)
+    tl.store(counts_ptr + row64, tl.zeros((), tl.int64))
+    if n > k:
+        src = logits_ptr + row64 * stride_row + start
+        _, _, t_lo, t_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
+        tl.store(bracket_ptr + 2 * row64, t_lo)
+        tl.store(bracket_ptr + 2 * row64 + 1, t_hi)
+
+
+@triton.jit
+def _split_kernel(
+    logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
+    out_ptr, cand_ptr, stride_cand, width, k, cap,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, LANES: tl.constexpr,
+):
+    """One chunk of BLOCK * TILES keys of one row: keys above the bracket to the output, keys inside
+    it to the candidate list, both at slots from the row's counter."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    first = tl.program_id(1) * (BLOCK * TILES)
+    start, n = _row_window(row64, lengths_ptr, stride_len, starts_ptr, stride_start, width, HAS_STARTS)
+    if (n > k) & (first < n):
+        src = logits_ptr + row64 * stride_row + start
+        t_lo = tl.load(bracket_ptr + 2 * row64)
+        t_hi = tl.load(bracket_ptr + 2 * row64 + 1)
+        out_row = out_ptr + row64 * k
+        cand_list = cand_ptr + row64 * stride_cand
+        # A tile is [LANES, BLOCK / LANES]: rows of adjacent keys (coalesced loads along axis 1), and
+        # the LANES keys of a column held by one thread. Slots need only be distinct (the output order
+        # is free), so a key's slot is its column's offset (a scan over BLOCK / LANES column totals,
+        # the only cross-thread work) plus its rank inside the column (in-thread adds).
+        idx0 = first + tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
+        x_next = tl.load(src + idx0, mask=idx0 < n, other=float("nan"))
+        for i in tl.static_range(TILES):
+            idx = idx0 + i * BLOCK
+            x = x_next
+            if i + 1 < TILES:
+                # The next tile is requested before this one is worked on: its latency hides behind
+                # the work and the atomic.
+                x_next = tl.load(src + (idx + BLOCK), mask=idx + BLOCK < n, other=float("nan"))
+            # Value bounds: NaN (and the padding past n) fails every comparison, so it is in neither set.
+            hi = x > t_hi
+            mid = (x >= t_lo) & (x <= t_hi)
+            # One scan of packed flags gives both ranks (a tile has far fewer than 2^16 keys).
+            flags = hi.to(tl.int32) + (mid.to(tl.int32) << 16)
+            column = tl.sum(flags, axis=0)
+            packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
+            total = tl.sum(column, axis=0)
+            # Both counts in one atomic: above in the low word, candidates in the high one (neither
+            # reaches 2^31, so the low word never carries).
+            add = (total & 0xFFFF).to(tl.int64) + ((total >> 16).to(tl.int64) << 32)
+            base = tl.atomic_add(counts_ptr + row64, add, sem="relaxed")
+            out_slot = (base & 0xFFFFFFFF).to(tl.int32) + (packed & 0xFFFF) - 1
+            cand_slot = (base >> 32).to(tl.int32) + (packed >> 16) - 1
+            tl.store(out_row + out_slot, idx, mask=hi & (out_slot < k))
+            tl.store(cand_list + cand_slot, _candidate(_ordered_key(x), idx), mask=mid & (cand_slot < cap))
+
+
+@triton.jit
+def _entries(base, idx, count, FROM_ROW: tl.constexpr):
+    """(key, position, live) of entries idx of a radix source: the row's logits themselves (NaN and
+    idx >= count not live) or a candidate list of count packed entries."""
+    live = idx < count
+    if FROM_ROW:
+        x = tl.load(base + idx, mask=live, other=float("nan"))
+        live = live & (x == x)
+        key = _ordered_key(x)
+        pos = idx
+    else:
+        entry = tl.load(base + idx, mask=live, other=0)
+        key = (entry >> 32).to(tl.int32)
+        pos = entry.to(tl.int32)  # the low half
+    return key, pos, live
+
+
+@triton.jit
+def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
+            HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+            RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr):
+    """The output holds `above` keys; the k - above largest live entries of the source fill the rest
+    (the caller guarantees there are at least that many). NB = max(2^RADIX, 32) histogram bins
+    (Triton's ballot lowering wants at least a warp's worth)."""
     offs = tl.arange(0, BLOCK)
-    hist = tl.zeros((BINS,), dtype=tl.int32)
-    for t in range(0, n, BLOCK):
-        idx = t + offs
-        x = tl.load(src + idx, mask=idx < n, other=float("nan"))
-        valid = x == x
-        hist += tl.histogram(tl.where(valid, _linear_bin(x, lo, inv_width, BINS), 0), BINS)
-        # Padding and NaN were counted in bin 0: take them out again.
-        hist -= tl.where(tl.arange(0, BINS) == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)
-    return hist
-
-
-@triton.jit
-def _split_pass(src, n, lo, inv_width, c_lo, c_hi, out_row, cand_list, k, pt_row, pages,
-                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                LANES: tl.constexpr, BY_VALUE: tl.constexpr):
-    """Keys above the bracket go to the output (slots past k are dropped: the caller then knows the
-    bracket was wrong); keys inside it go to the candidate list. Returns both full counts. The
-    bracket is [c_lo, c_hi] in values (BY_VALUE) or in bins of the (lo, inv_width) window. One scan
-    of the packed flags gives both running slots (a tile has far fewer than 2^16 keys)."""
-    # A tile is [LANES, BLOCK / LANES]: rows of adjacent keys (coalesced loads along axis 1), and the
-    # LANES keys of a column held by one thread. Slots need only be distinct (the output order is
-    # free), so a key's slot is its column's offset (a scan over BLOCK / LANES column totals, the
-    # only cross-thread work) plus its rank inside the column (in-thread adds).
-    idx0 = tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
-    out_next = 0
-    cand_next = 0
-    # The next tile is loaded before this one is worked on, so its latency hides behind the work.
-    x_next = tl.load(src + idx0, mask=idx0 < n, other=float("nan"))
-    for t in range(0, n, BLOCK):
-        idx = t + idx0
-        x = x_next
-        x_next = tl.load(src + (idx + BLOCK), mask=idx + BLOCK < n, other=float("nan"))
-        if BY_VALUE:
-            # Value bounds: NaN fails every comparison, so it is in neither set.
-            hi = x > c_hi
-            mid = (x >= c_lo) & (x <= c_hi)
+    # The entries' smallest and largest keys: the digits they all share need no histogram (a narrow
+    # bracket shares sign, exponent and often a few mantissa bits).
+    kmin = tl.full((), 2147483647, tl.int32)
+    kmax = tl.full((), -2147483648, tl.int32)
+    for t in range(0, count, BLOCK):
+        key, _, live = _entries(base, t + offs, count, FROM_ROW)
+        kmin = tl.minimum(kmin, tl.min(tl.where(live, key, 2147483647), axis=0))
+        kmax = tl.maximum(kmax, tl.max(tl.where(live, key, -2147483648), axis=0))
+    # Radix rounds RADIX bits at a time from the top (the top digit of a signed key is biased by
+    # 2^(RADIX-1) so that digit order is key order): T, the k-th largest key, and how many keys
+    # equal to T are still needed. Wider digits mean fewer rounds but a costlier histogram per key
+    # when tl.histogram lowers to warp ballots (Triton before 3.7).
+    need = k - above
+    prefix = 0
+    for r in tl.static_range(32 // RADIX):
+        shift = 32 - RADIX * (r + 1)
+        if (kmin >> shift) == (kmax >> shift):
+            prefix = (kmin >> shift) << shift  # every entry has these digits; none is above
         else:
-            # Bins, exactly as the histogram pass counted them.
-            valid = x == x
-            b = _linear_bin(x, lo, inv_width, BINS)
-            hi = valid & (b > c_hi)
-            mid = valid & (b >= c_lo) & (b <= c_hi)
-        flags = hi.to(tl.int32) + (mid.to(tl.int32) << 16)
+            digits = tl.zeros((NB,), dtype=tl.int32)
+            for t in range(0, count, BLOCK):
+                key, _, live = _entries(base, t + offs, count, FROM_ROW)
+                if r == 0:
+                    d = (key >> shift) + (1 << (RADIX - 1))
+                else:
+                    live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
+                    d = (key >> shift) & ((1 << RADIX) - 1)
+                digits += tl.histogram(tl.where(live, d, 0), NB)
+                digits -= tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
+            db, d_above, _ = _threshold_bin(digits, need, NB)
+            need -= d_above
+            if r == 0:
+                prefix = (db - (1 << (RADIX - 1))) << shift
+            else:
+                prefix = prefix | (db << shift)
+
+    # Last scan: entries above T, then the first `need` equal to T (ties: any index will do).
+    # Column-major tiles as in the split; slots need only be distinct.
+    idx0 = tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
+    gt_next = above
+    eq_next = k - need
+    for t in range(0, count, BLOCK):
+        key, pos, live = _entries(base, t + idx0, count, FROM_ROW)
+        gt = live & (key > prefix)
+        eq = live & (key == prefix)
+        flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
         column = tl.sum(flags, axis=0)
         packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
-        out_slot = out_next + (packed & 0xFFFF) - 1
-        cand_slot = cand_next + (packed >> 16) - 1
-        emit = hi & (out_slot < k)
-        tl.store(out_row + out_slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, emit), mask=emit)
-        tl.store(cand_list + cand_slot, _candidate(_ordered_key(x), idx), mask=mid)
+        eq_rank = eq_next + (packed >> 16) - 1
+        slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
+        take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
+        tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
         total = tl.sum(column, axis=0)
-        out_next += total & 0xFFFF
-        cand_next += total >> 16
-    return out_next, cand_next
+        gt_next += total & 0xFFFF
+        eq_next += total >> 16
+
+
+@triton.jit
+def _count_live(src, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    live = 0
+    for t in range(0, n, BLOCK):
+        x = tl.load(src + t + offs, mask=t + offs < n, other=float("nan"))
+        live += tl.sum((x == x).to(tl.int32), axis=0)
+    return live
 
 
 @triton.jit
@@ -201,126 +331,71 @@ def _write_all(src, n, out_row, k, pt_row, pages,
 
 
 @triton.jit
-def _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
-                            HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                            RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr):
-    """The output holds `above` keys; the k - above largest of the candidates fill the rest. NB =
-    max(2^RADIX, 32) histogram bins (Triton's ballot lowering wants at least a warp's worth)."""
-    offs = tl.arange(0, BLOCK)
-    # The candidates' smallest and largest keys: the digits they all share need no histogram (a
-    # narrow bracket shares sign, exponent and often a few mantissa bits).
-    kmin = tl.full((), 2147483647, tl.int32)
-    kmax = tl.full((), -2147483648, tl.int32)
-    for t in range(0, in_bin, BLOCK):
-        idx = t + offs
-        live = idx < in_bin
-        key = (tl.load(cand_list + idx, mask=live, other=0) >> 32).to(tl.int32)
-        kmin = tl.minimum(kmin, tl.min(tl.where(live, key, 2147483647), axis=0))
-        kmax = tl.maximum(kmax, tl.max(tl.where(live, key, -2147483648), axis=0))
-    # Radix rounds over the candidates' keys, RADIX bits at a time from the top (the top digit of a
-    # signed key is biased by 2^(RADIX-1) so that digit order is key order): T, the k-th largest
-    # key, and how many keys equal to T are still needed. Wider digits mean fewer rounds but a
-    # costlier histogram per key when tl.histogram lowers to warp ballots (Triton before 3.7).
-    need = k - above
-    prefix = 0
-    for r in tl.static_range(32 // RADIX):
-        shift = 32 - RADIX * (r + 1)
-        if (kmin >> shift) == (kmax >> shift):
-            prefix = (kmin >> shift) << shift  # every candidate has these digits; none is above
-        else:
-            digits = tl.zeros((NB,), dtype=tl.int32)
-            for t in range(0, in_bin, BLOCK):
-                idx = t + offs
-                live = idx < in_bin
-                key = (tl.load(cand_list + idx, mask=live, other=0) >> 32).to(tl.int32)
-                if r == 0:
-                    d = (key >> shift) + (1 << (RADIX - 1))
-                else:
-                    live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
-                    d = (key >> shift) & ((1 << RADIX) - 1)
-                digits += tl.histogram(tl.where(live, d, 0), NB)
-                digits -= tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
-            db, d_above, _ = _threshold_bin(digits, need, NB)
-            need -= d_above
-            if r == 0:
-                prefix = (db - (1 << (RADIX - 1))) << shift
-            else:
-                prefix = prefix | (db << shift)
-
-    # Last scan: candidates above T, then the first `need` equal to T (ties: any index will do).
-    # Column-major tiles as in the split pass; slots need only be distinct.
-    idx0 = tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
-    gt_next = above
-    eq_next = k - need
-    for t in range(0, in_bin, BLOCK):
-        idx = t + idx0
-        live = idx < in_bin
-        entry = tl.load(cand_list + idx, mask=live, other=0)
-        key = (entry >> 32).to(tl.int32)
-        gt = live & (key > prefix)
-        eq = live & (key == prefix)
-        flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-        column = tl.sum(flags, axis=0)
-        packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
-        eq_rank = eq_next + (packed >> 16) - 1
-        slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
-        take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
-        pos = entry.to(tl.int32)  # the low half
-        tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
-        total = tl.sum(column, axis=0)
-        gt_next += total & 0xFFFF
-        eq_next += total >> 16
-
-
-@triton.jit
-def _topk_kernel(
-    logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start,
+def _finish_kernel(
+    logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, counts_ptr,
     out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
-    width, num_pt_rows, pages, k,
+    width, num_pt_rows, pages, k, cap,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr, LANES: tl.constexpr,
-    RADIX: tl.constexpr, RADIX_BINS: tl.constexpr,
+    BLOCK: tl.constexpr, LANES: tl.constexpr, RADIX: tl.constexpr, RADIX_BINS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
-    # Visible columns [start, start + n), clamped to the tensor: nothing outside it is ever read.
+    start, n = _row_window(row64, lengths_ptr, stride_len, starts_ptr, stride_start, width, HAS_STARTS)
+    src = logits_ptr + row64 * stride_row + start
+    out_row = out_ptr + row64 * k
+    pt_row, pages = _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
+                              HAS_PAGES)
+    counts = tl.load(counts_ptr + row64)
+    above = (counts & 0xFFFFFFFF).to(tl.int32)
+    in_bracket = (counts >> 32).to(tl.int32)
+    if n <= k:
+        _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
+    elif (above <= k) & (above + in_bracket >= k) & (in_bracket <= cap):
+        _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages, False,
+                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
+        if HAS_PAGES:
+            # The split wrote positions into slots [0, above); the select wrote the rest as slots.
+            offs = tl.arange(0, BLOCK)
+            for t in range(0, above, BLOCK):
+                idx = t + offs
+                live = idx < above
+                pos = tl.load(out_row + idx, mask=live, other=0)
+                tl.store(out_row + idx, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, live), mask=live)
+    else:
+        # The sample misjudged the row, NaN hid keys, or the list overflowed: exact from the row.
+        if _count_live(src, n, BLOCK) <= k:
+            _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
+        else:
+            _select(src, n, 0, out_row, k, pt_row, pages, True,
+                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
+
+
+@triton.jit
+def _sort_kernel(
+    logits_ptr, stride_row, starts_ptr, stride_start, out_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
+    width, num_pt_rows, pages, k,
+    HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KP: tl.constexpr,
+):
+    """Orders one row's k positions by value, descending, -1s last; then the page transform."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
     start = 0
     if HAS_STARTS:
         start = tl.minimum(tl.maximum(tl.load(starts_ptr + row64 * stride_start), 0), width)
-    n = tl.minimum(tl.maximum(tl.load(lengths_ptr + row64 * stride_len), 0), width - start)
-    src = logits_ptr + row64 * stride_row + start
     out_row = out_ptr + row64 * k
-    cand_list = cand_ptr + row64 * stride_cand
-    pt_row = pt_ptr
-    if HAS_PAGES:
-        page_row = tl.load(page_rows_ptr + row64 * stride_page_rows)
-        # An out-of-table page row maps every position to -1 rather than reading outside the table.
-        pages = tl.where((page_row >= 0) & (page_row < num_pt_rows), pages, 0)
-        pt_row = pt_ptr + tl.minimum(tl.maximum(page_row, 0), num_pt_rows - 1).to(tl.int64) * stride_pt
-
-    take_all = n <= k
-    above = n * 0
-    in_bin = n * 0
-    if n > k:
-        # Optimistic: bins from a sample, one pass over the row.
-        lo, inv_width, t_lo, t_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
-        above, in_bin = _split_pass(src, n, lo, inv_width, t_lo, t_hi, out_row, cand_list, k,
-                                    pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES, True)
-        if (above > k) | (above + in_bin < k):
-            # The sample misjudged the row (or NaN hides keys): exact counts, then split again.
-            tl.debug_barrier()  # the second split rewrites slots other threads wrote
-            hist = _histogram_pass(src, n, lo, inv_width, BLOCK, BINS)
-            take_all = tl.sum(hist, axis=0) <= k
-            if tl.sum(hist, axis=0) > k:
-                tb, _, _ = _threshold_bin(hist, k, BINS)
-                above, in_bin = _split_pass(src, n, lo, inv_width, tb, tb, out_row, cand_list, k,
-                                            pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, BINS, LANES, False)
-    if take_all:
-        _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
-    else:
-        tl.debug_barrier()  # the candidate list was written by other threads of this program
-        _finish_from_candidates(cand_list, in_bin, above, out_row, k, pt_row, pages,
-                                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
+    pt_row, pages = _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
+                              HAS_PAGES)
+    offs = tl.arange(0, KP)
+    pos = tl.load(out_row + offs, mask=offs < k, other=-1)
+    valid = pos >= 0
+    x = tl.load(logits_ptr + row64 * stride_row + start + pos, mask=valid, other=0.0)
+    # An empty slot sorts below every selectable key (-inf's key is above INT32_MIN); the low half
+    # keeps the position (-1 included) through the sort.
+    key = tl.where(valid, _ordered_key(x), -2147483648)
+    packed = (key.to(tl.int64) << 32) | (pos.to(tl.int64) & 0xFFFFFFFF)
+    pos = tl.sort(packed, descending=True).to(tl.int32)
+    valid = pos >= 0
+    tl.store(out_row + offs, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=offs < k)
 
 
 def topk_indices(
@@ -336,85 +411,97 @@ def topk_indices(
 ) -> torch.Tensor:
     """int32 [rows, k]: positions (relative to starts) of each row's k largest visible non-NaN logits,
     -1 past the selectable count; physical KV slots with page_table. Never syncs the device."""
-    config = launch_config(*logits.shape) if logits.dim() == 2 else launch_config(0, 0)
+    config = launch_config(*logits.shape, k) if logits.dim() == 2 else launch_config(0, 0, k)
     return launch(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                   block_size=block_size, sorted=sorted, **config)
 
 
-def launch_config(rows: int, width: int) -> dict:
-    """Tile and window parameters (see `launch`) and num_warps. One program serves one row, so many
-    rows want small programs (several per SM hide each other's latency) and few rows want large
-    ones. The interpreter pays per operation, not per element: there tiles are as large as the row
-    allows."""
+# Programs the split should give each SM at least: enough independent loads in flight to cover the
+# memory latency (reasoned, NOTES.md; the probe sweeps the chunk).
+PROGRAMS_PER_SM = 4
+SMS = 132  # an H200's; only sizes the default chunk
+
+
+def launch_config(rows: int, width: int, k: int = 2048) -> dict:
+    """Launch parameters (see `launch`). The split's chunk (block * tiles keys) is the largest power
+    of two in [1024, 8192] that still gives every SM PROGRAMS_PER_SM programs; the interpreter pays
+    per operation, not per element, so there tiles are as large as the row allows."""
     if triton_interpreter_on():
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
-        return {"block": block, "bins": 64, "sample": 1024, "z": 4.0, "lanes": 8, "radix": 8,
-                "num_warps": 1}
-    # Reasoned from sm_90 SASS (about 50 instructions per key per thread in the split pass; 80 and
-    # 83 registers), not yet measured: tools/probe_topk.py sweeps these on the H200.
-    if rows >= 256:
-        return {"block": 2048, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "radix": 8, "num_warps": 8}
-    return {"block": 4096, "bins": 64, "sample": 4096, "z": 4.0, "lanes": 8, "radix": 8, "num_warps": 16}
+        return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 1024, "z": 4.0, "radix": 8,
+                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 1}
+    target = max(rows, 1) * max(width, 1) // (PROGRAMS_PER_SM * SMS)
+    chunk = min(8192, max(1024, 1 << max(target.bit_length() - 1, 0)))
+    block = min(chunk, 2048)
+    return {"block": block, "tiles": chunk // block, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
+            "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8}
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
-           block, bins, sample, z, lanes, radix, num_warps):
-    """Check the inputs, then run the kernel with an explicit config (the probe calls this directly).
+           block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps):
+    """Check the inputs, then run the kernels with an explicit config (the probe calls this directly).
 
-    block: keys per tile (a power of two, at most 2^15: the packed scan holds two 16-bit counts);
-    bins: pass-1 bins (a power of two >= 32); lanes: keys per thread-column of a tile (a power of
-    two dividing block); radix: bits per refine round (4 or 8); sample: keys sampled for the window (a power of two
-    >= 8); z: the sampled bracket's half-width in standard deviations (huge: every key a
-    candidate; very negative: the sample is always wrong and the exact histogram runs)."""
-    if not (_pow2(block) and block <= 1 << 15 and _pow2(bins) and bins >= 32 and _pow2(sample) and sample >= 8
-            and _pow2(lanes) and lanes < block and radix in (4, 8)):
-        raise ValueError(f"block={block}, bins={bins}, sample={sample}, lanes={lanes}, radix={radix}: powers of "
-                         "two, block <= 32768, bins >= 32, sample >= 8, lanes < block, radix 4 or 8")
+    block: keys per split tile and per finish tile (a power of two, at most 2^15: the packed scan
+    holds two 16-bit counts); tiles: tiles per split program (its chunk is block * tiles keys); lanes:
+    keys per thread-column of a tile (a power of two below block); bins: the sample's bins (a power of
+    two >= 32); sample: keys sampled for the bracket (a power of two >= 8); z: the bracket's
+    half-width in standard deviations (huge: every key a candidate, so the list overflows and the
+    exact path runs; very negative: the bracket is one bin, usually wrong, same); radix: bits per
+    refine round (4 or 8); cap: candidate list entries per row (>= 1); num_warps: the split's;
+    finish_warps: the finish's and the sort's."""
+    if not (_pow2(block) and block <= 1 << 15 and tiles >= 1 and _pow2(bins) and bins >= 32 and _pow2(sample)
+            and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1):
+        raise ValueError(f"block={block}, tiles={tiles}, bins={bins}, sample={sample}, lanes={lanes}, radix={radix}, "
+                         f"cap={cap}: powers of two, block <= 32768, tiles >= 1, bins >= 32, sample >= 8, "
+                         "lanes < block, radix 4 or 8, cap >= 1")
     rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
-    # Per-row candidate lists: never initialised, only the written prefix is read.
-    cand = torch.empty((rows, max(width, 1)), dtype=torch.int64, device=logits.device)
+    counts, bracket, cand = _workspace(logits.device, rows, cap)
     fuse_pages = page_table is not None and not sorted
     dummy = out  # stands in for absent optional tensors; never dereferenced (constexpr flags)
-    _topk_kernel[(rows,)](
-        logits, logits.stride(0), lengths, lengths.stride(0),
-        starts if starts is not None else dummy, starts.stride(0) if starts is not None else 0,
-        out, cand, cand.stride(0),
-        page_table if fuse_pages else dummy, page_table.stride(0) if fuse_pages else 0,
-        page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0,
-        width, page_table.shape[0] if fuse_pages else 1, page_table.shape[1] if fuse_pages else 0, k,
-        HAS_STARTS=starts is not None, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
-        BLOCK=block, BINS=bins, SAMPLE=sample, Z=z, LANES=lanes, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
-        num_warps=num_warps,
-    )
+    row_args = (logits, logits.stride(0), lengths, lengths.stride(0),
+                starts if starts is not None else dummy, starts.stride(0) if starts is not None else 0)
+    has_starts = starts is not None
+    _bracket_kernel[(rows,)](*row_args, bracket, counts, width, k, HAS_STARTS=has_starts, BINS=bins,
+                             SAMPLE=sample, Z=z, num_warps=finish_warps)
+    chunks = triton.cdiv(max(width, 1), block * tiles)
+    _split_kernel[(rows, chunks)](*row_args, bracket, counts, out, cand, cand.stride(0), width, k, cap,
+                                  HAS_STARTS=has_starts, BLOCK=block, TILES=tiles, LANES=lanes, num_warps=num_warps)
+    page_args = (page_table if fuse_pages else dummy, page_table.stride(0) if fuse_pages else 0,
+                 page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0)
+    table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if fuse_pages else (1, 0)
+    _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), *page_args, width, table_rows,
+                            table_pages, k, cap, HAS_STARTS=has_starts, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
+                            BLOCK=block, LANES=lanes, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
+                            num_warps=finish_warps)
     if sorted:
-        out = _sort_descending(logits, out, starts)
-        if page_table is not None:
-            out = _page_transform(out, page_table, page_rows, block_size)
+        with_pages = page_table is not None
+        page_args = (page_table if with_pages else dummy, page_table.stride(0) if with_pages else 0,
+                     page_rows if with_pages else dummy, page_rows.stride(0) if with_pages else 0)
+        table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if with_pages else (1, 0)
+        _sort_kernel[(rows,)](logits, logits.stride(0), row_args[4], row_args[5], out, *page_args, width,
+                              table_rows, table_pages, k, HAS_STARTS=has_starts, HAS_PAGES=with_pages,
+                              BLOCK_SIZE=block_size, KP=triton.next_power_of_2(k), num_warps=finish_warps)
     return out
 
 
-def _sort_descending(logits, out, starts):
-    # Descending by value, -1 slots last: a stable sort by value, then a stable sort by validity.
-    valid = out >= 0
-    cols = out.clamp(min=0).long()
-    if starts is not None:
-        cols = cols + starts.long()[:, None]
-    values = torch.where(valid, logits.gather(1, cols.clamp(max=max(logits.shape[1] - 1, 0))), float("-inf"))
-    order = torch.sort(values, dim=1, descending=True, stable=True).indices
-    out = out.gather(1, order)
-    order = torch.sort((out >= 0).to(torch.int8), dim=1, descending=True, stable=True).indices
-    return out.gather(1, order)
+def _workspace(device: torch.device, rows: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of the cached scratch for `rows` rows: packed counters int64 [rows], brackets fp32
+    [rows, 2], candidate lists int64 [rows, cap]. Nothing needs initialising (the bracket kernel
+    zeroes the counters; only written list entries are read)."""
+    counts, bracket, cand = _scratch(device, triton.next_power_of_2(rows), cap)
+    return counts[:rows], bracket[:rows], cand[:rows]
 
 
-def _page_transform(out, page_table, page_rows, block_size):
-    valid = out >= 0
-    pos = out.clamp(min=0).long()
-    table_rows = page_table[page_rows.long()]
-    slots = table_rows.gather(1, (pos // block_size).clamp(max=page_table.shape[1] - 1)) * block_size + pos % block_size
-    return torch.where(valid, slots, -1).to(torch.int32)
+@functools.lru_cache(maxsize=None)
+def _scratch(device: torch.device, rows: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Cached and never freed: a CUDA graph captured with these addresses stays valid. Power-of-two
+    # row buckets bound the number of entries (the total is at most twice the largest).
+    return (torch.empty(rows, dtype=torch.int64, device=device),
+            torch.empty((rows, 2), dtype=torch.float32, device=device),
+            torch.empty((rows, cap), dtype=torch.int64, device=device))
 
 
 def _check(logits, lengths, k, starts, page_table, page_rows, block_size) -> tuple[int, int]:
