@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.triton.topk import launch, launch_config, topk_indices
+from backends.triton.topk import PROGRAMS_PER_SM, SMS, launch, launch_config, topk_indices
 from dispatch.errors import LayoutError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -242,21 +242,13 @@ def test_bad_launch_config_is_rejected():
 
 
 def test_default_chunks_give_every_sm_programs():
-    # Serving shapes outside the interpreter: a chunk in [1024, 8192] keys, one thread-column of
+    # Serving shapes outside the interpreter: a chunk of 1024 or 2048 keys, one thread-column of
     # `lanes` keys per thread, and at least a few split programs per SM wherever the rows allow it.
-    from backends.triton import topk as module
-
-    saved = module.triton_interpreter_on
-    module.triton_interpreter_on = lambda: False
-    try:
-        for rows, width in [(512, 49070), (128, 49070), (64, 11814), (1, 100)]:
-            c = module.launch_config(rows, width)
-            chunk = c["block"] * c["tiles"]
-            assert 1024 <= chunk <= 8192 and c["block"] // c["lanes"] == 32 * c["num_warps"]
-            programs = rows * -(-width // chunk)
-            assert programs >= module.PROGRAMS_PER_SM * module.SMS or chunk == 1024
-    finally:
-        module.triton_interpreter_on = saved
+    for rows, width in [(512, 49070), (128, 49070), (64, 11814), (1, 100)]:
+        c = launch_config(rows, width, 2048, interpreted=False)
+        chunk = c["block"] * c["tiles"]
+        assert chunk in (1024, 2048) and c["block"] // c["lanes"] == 32 * c["num_warps"]
+        assert rows * -(-width // chunk) >= PROGRAMS_PER_SM * SMS or chunk == 1024
 
 
 def test_scratch_is_reused_across_calls():

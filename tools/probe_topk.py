@@ -1,14 +1,19 @@
-"""GPU probe for the Triton top-k kernel: times it (a few configs), torch.topk and FlashInfer's
-top_k_ragged_transform on indexer-like logits, checks each against torch.topk, prints a table.
+"""GPU probe for the Triton top-k kernels: times them (a sweep of launch configs), torch.topk and
+FlashInfer's top_k_ragged_transform on indexer-like logits, checks each against torch.topk, prints a
+table last.
 
     PYTHONPATH=. python3 tools/probe_topk.py            # details to $OUT/probe_topk.json if OUT is set
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 tools/probe_topk.py --smoke   # tiny shapes on the CPU
+    PYTHONPATH=/opt/triton36:. python3 tools/probe_topk.py --resources   # no GPU: sm_90 registers
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 tools/probe_topk.py --smoke  # tiny shapes on the CPU
 
 Logits as the indexer makes them: random fp32, -inf past each row's length; per request a context
 L uniform in [L/2, 3L/2], and its N query tokens see L - N + j + 1 keys (j = 0..N-1). k = 2048.
-Times are triton.testing.do_bench medians (L2 flushed before each run). The floor is the visible
-logits' bytes read once at 4.2 TB/s. "exact" means each row's selected values equal torch.topk's as
-multisets, with distinct positions inside [0, length).
+Times are medians of triton.testing.do_bench (L2 flushed before each run), of each call replayed
+from a CUDA graph (the serving step is captured; the Triton top-k is three launches) and, for the
+default config and FlashInfer, also eager. The floor is the visible logits' bytes read once at
+4.2 TB/s. "exact" means each row's selected values equal torch.topk's as multisets, with distinct
+positions inside [0, length) (and, sorted, in descending order). For the default config a profiler
+pass gives each kernel's own time (bracket, split, finish, sort).
 """
 
 from __future__ import annotations
@@ -22,33 +27,39 @@ import torch
 import triton
 import triton.testing
 
-from backends.triton.topk import launch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from backends.triton.topk import launch, launch_config  # noqa: E402
 
 K = 2048
 BYTES_PER_S = 4.2e12
 SHAPES = [("B128 N4 L32K", 128, 4, 32768), ("B128 N1 L32K", 128, 1, 32768), ("B32 N2 L8K", 32, 2, 8192)]
-# (block, bins, sample, z, lanes, radix, num_warps); launch_config's defaults are the first
-# (>= 256 rows) and the second (fewer rows).
-CONFIGS = [
-    (2048, 64, 4096, 4.0, 8, 8, 8),
-    (4096, 64, 4096, 4.0, 8, 8, 16),
-    (2048, 64, 4096, 4.0, 8, 4, 8),
-    (4096, 64, 4096, 4.0, 8, 4, 16),
-    (1024, 64, 4096, 4.0, 8, 8, 4),
-    (2048, 64, 4096, 4.0, 8, 8, 4),
-    (4096, 64, 4096, 4.0, 16, 8, 8),
-    (8192, 64, 4096, 4.0, 16, 8, 16),
-    (2048, 64, 2048, 4.0, 8, 8, 8),
-    (2048, 64, 4096, 3.0, 8, 8, 8),
+# Changes to launch_config's default for the shape, swept in this order: the split's chunk (block x
+# tiles) and warps first, then the bracket's sample, the refine's radix and the finish's warps.
+SWEEP = [
+    {},
+    {"block": 1024, "tiles": 1, "num_warps": 4},
+    {"block": 2048, "tiles": 1, "num_warps": 8},
+    {"block": 1024, "tiles": 2, "num_warps": 4},
+    {"block": 2048, "tiles": 2, "num_warps": 8},
+    {"block": 2048, "tiles": 4, "num_warps": 8},
+    {"block": 1024, "tiles": 4, "num_warps": 4},
+    {"block": 4096, "tiles": 1, "num_warps": 16},
+    {"block": 4096, "tiles": 1, "num_warps": 8, "lanes": 16},
+    {"block": 2048, "tiles": 2, "num_warps": 4, "lanes": 16},
+    {"sample": 2048},
+    {"sample": 1024},
+    {"radix": 8},
+    {"finish_warps": 4},
+    {"finish_warps": 16},
 ]
-FALLBACK = (2048, 64, 4096, -1e9, 8, 8, 8)  # forces the exact two-pass path: what a misjudged sample costs
-TIME_BUDGET_S = 200  # the lead's call is limited: configs past this are reported as skipped
-
+FALLBACK = {"z": -1e9}  # the bracket is one bin: the exact radix select over each row, what a misjudged sample costs
+TIME_BUDGET_S = 190  # the lead's call is limited: configs past this are reported as skipped
+KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "finish_warps")
 
 SMOKE = "--smoke" in sys.argv
-if SMOKE:  # the script's own check, under the interpreter: tiny shapes, one config, wall-clock timing
-    K, SHAPES, CONFIGS = 64, [("smoke N2", 3, 2, 1024)], CONFIGS[:1]
-    FALLBACK = (1024, 64, 1024, -1e9, 8, 8, 1)
+if SMOKE:  # the script's own check, under the interpreter: tiny shapes, two configs, wall-clock timing
+    K, SHAPES, SWEEP = 64, [("smoke N2", 3, 2, 1024)], [{}, {"block": 256, "tiles": 2}]
 DEVICE = "cpu" if SMOKE else "cuda"
 
 
@@ -62,24 +73,57 @@ def make_batch(batch, next_n, context, seed=0):
     return logits, lengths
 
 
-def exact(logits, lengths, positions, want_sorted):
+def exact(logits, lengths, positions, want_sorted, descending=False):
     """Every row: k distinct positions inside [0, length) whose values equal torch.topk's multiset."""
     positions = positions.long()
     if ((positions < 0) | (positions >= lengths[:, None].long())).any():
         return False
+    values = logits.gather(1, positions)
+    if descending and (values[:, 1:] > values[:, :-1]).any():
+        return False
     ordered = positions.sort(dim=1).values
     if (ordered[:, 1:] == ordered[:, :-1]).any():
         return False
-    got = logits.gather(1, positions).sort(dim=1).values
-    return bool(torch.equal(got, want_sorted))
+    return bool(torch.equal(values.sort(dim=1).values, want_sorted))
 
 
-def bench(fn):
+def bench(fn, graph):
+    """Median microseconds of fn, eager or replayed from a CUDA graph captured here."""
     if SMOKE:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3  # us
+    if graph:
+        fn()  # warm: compiles and allocates the workspace before capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def kernel_times(fn):
+    """Per-kernel device microseconds of one call (mean of 10), from the profiler."""
+    if SMOKE:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.key.startswith("_") and "kernel" in event.key:
+            times[event.key] = round(event.device_time_total / 10, 1)
+    return times
 
 
 def flashinfer_ragged():
@@ -92,9 +136,12 @@ def flashinfer_ragged():
         return None
 
 
-def main() -> None:
+def label(config):
+    return ",".join(str(config[key]) for key in KEYS)
+
+
+def probe() -> None:
     started = time.time()
-    torch.backends.cuda.matmul.allow_tf32 = False
     fi = None if SMOKE else flashinfer_ragged()
     rows_out, table = [], []
     for name, batch, next_n, context in SHAPES:
@@ -102,57 +149,61 @@ def main() -> None:
         rows, width = logits.shape
         floor_us = float(lengths.sum()) * 4 / BYTES_PER_S * 1e6
         want = torch.topk(logits, K, dim=1).values.sort(dim=1).values
+        default = launch_config(rows, width, K)
         results = []
 
-        def record(impl, config, fn, to_positions=lambda out: out):
+        def record(impl, config, fn, graph=True, to_positions=lambda out: out, descending=False):
+            if time.time() - started > TIME_BUDGET_S:
+                results.append({"impl": impl, "config": config, "error": "skipped: over the probe's time budget"})
+                return
             try:
-                out = fn()
-                ok = exact(logits, lengths, to_positions(out), want)
-                us = bench(fn)
-                results.append({"impl": impl, "config": config, "us": us, "exact": ok})
+                ok = exact(logits, lengths, to_positions(fn()), want, descending)
+                us = bench(fn, graph)
+                results.append({"impl": impl, "config": config, "us": us, "exact": ok, "graph": graph})
             except Exception as exc:  # a config that fails to compile or run is reported, not fatal
                 results.append({"impl": impl, "config": config, "error": f"{type(exc).__name__}: {exc}"[:300]})
 
-        for block, bins, sample, z, lanes, radix, warps in CONFIGS + [FALLBACK]:
-            cfg = dict(block=block, bins=bins, sample=sample, z=z, lanes=lanes, radix=radix, num_warps=warps)
-            impl = "triton" if z > -1 else "triton two-pass"
-            if time.time() - started > TIME_BUDGET_S:
-                results.append({"impl": impl, "config": cfg, "error": "skipped: over the probe's time budget"})
-                continue
+        for change in SWEEP + [FALLBACK]:
+            cfg = {**default, **change}
+            impl = "triton two-pass" if change is FALLBACK else "triton"
             record(impl, cfg, lambda cfg=cfg: launch(logits, lengths, K, **cfg))
+        record("triton eager", default, lambda: launch(logits, lengths, K, **default), graph=False)
         best = min((r for r in results if r["impl"] == "triton" and "us" in r and r["exact"]),
                    key=lambda r: r["us"], default=None)
-        if best is not None:
-            # The fused page-table transform at the best config (identity table: slots = positions).
-            table_pages = triton.cdiv(width, 64)
-            page_table = torch.arange(rows * table_pages, dtype=torch.int32, device=DEVICE).reshape(rows, table_pages)
-            page_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE)
-            cfg = best["config"]
-            record("triton +pages", cfg, lambda: launch(logits, lengths, K, page_table=page_table, page_rows=page_rows,
-                                                       block_size=64, **cfg),
-                   to_positions=lambda out: out.long() - page_rows[:, None].long() * table_pages * 64)
-            record("triton sorted", cfg, lambda: launch(logits, lengths, K, sorted=True, **cfg))
-        record("torch.topk", {}, lambda: torch.topk(logits, K, dim=1).indices)
+        cfg = default if best is None else best["config"]
+        # The fused page-table transform (identity table: slots = positions) and the Triton sort.
+        table_pages = triton.cdiv(width, 64)
+        page_table = torch.arange(rows * table_pages, dtype=torch.int32, device=DEVICE).reshape(rows, table_pages)
+        page_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE)
+        record("triton +pages", cfg, lambda: launch(logits, lengths, K, page_table=page_table, page_rows=page_rows,
+                                                   block_size=64, **cfg),
+               to_positions=lambda out: out.long() - page_rows[:, None].long() * table_pages * 64)
+        record("triton sorted", cfg, lambda: launch(logits, lengths, K, sorted=True, **cfg), descending=True)
+        record("torch.topk", {}, lambda: torch.topk(logits, K, dim=1).indices, graph=False)
         if fi is not None:
             offsets = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
-            record("flashinfer ragged", {}, lambda: fi(logits, offsets, lengths, K))
+            record("flashinfer ragged", {}, lambda: fi(logits, offsets, lengths, K), graph=False)
+            record("flashinfer graph", {}, lambda: fi(logits, offsets, lengths, K))
         fi_us = next((r["us"] for r in results if r["impl"] == "flashinfer ragged" and "us" in r), None)
+        split = kernel_times(lambda: launch(logits, lengths, K, sorted=True, **cfg))
         for r in results:
             r.update(shape=name, rows=rows, width=width, floor_us=floor_us)
             if "us" in r:
                 r["x_floor"] = r["us"] / floor_us
                 r["flashinfer_over"] = fi_us / r["us"] if fi_us else None
         rows_out.extend(results)
-        best_label = None if best is None else best["config"]
-        print(f"{name}: rows {rows} x W {width}, floor {floor_us:.1f} us, best triton config {best_label}", flush=True)
+        rows_out.append({"shape": name, "kernel_us": split, "config": cfg})
+        print(f"{name}: rows {rows} x W {width}, floor {floor_us:.1f} us, default {label(default)}, "
+              f"best {None if best is None else label(best['config'])}; per kernel at best (sorted): {split}",
+              flush=True)
         for r in results:
-            cfg = ",".join(str(v) for v in r["config"].values()) if r["config"] else "-"
+            cfg_text = label(r["config"]) if r["config"] else "-"
             if "error" in r:
-                table.append(f"{name:13s} {r['impl']:18s} {cfg:28s} ERROR {r['error'][:80]}")
+                table.append(f"{name:13s} {r['impl']:17s} {cfg_text:34s} ERROR {r['error'][:90]}")
                 continue
             fi_ratio = f"{r['flashinfer_over']:5.2f}x" if r["flashinfer_over"] else "   - "
-            table.append(f"{name:13s} {r['impl']:18s} {cfg:28s} {r['us']:8.1f} us  x{r['x_floor']:5.2f} floor  "
-                         f"FI/this {fi_ratio}  {'exact' if r['exact'] else 'WRONG'}")
+            table.append(f"{name:13s} {r['impl']:17s} {cfg_text:34s} {r['us']:7.1f} us {'graph' if r['graph'] else 'eager'}"
+                         f"  x{r['x_floor']:5.2f} floor  FI/this {fi_ratio}  {'exact' if r['exact'] else 'WRONG'}")
         del logits, lengths, want
         if not SMOKE:
             torch.cuda.empty_cache()
@@ -163,10 +214,62 @@ def main() -> None:
         with open(os.path.join(out_dir, "probe_topk.json"), "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
                        "k": K, "results": rows_out}, f, indent=1)
-    print(f"\n# top-k probe, {device_name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"k={K}, config = block,bins,sample,z,lanes,radix,warps, {time.time() - started:.0f} s")
+    print(f"\n# top-k probe, {device_name}, torch {torch.__version__}, triton {triton.__version__}, k={K}, "
+          f"config = {','.join(KEYS)}, {time.time() - started:.0f} s")
     print("\n".join(table))
 
 
+def resources() -> None:
+    """Compile each kernel at every swept config for sm_90 without a GPU; print registers, stack (spills),
+    shared and local memory."""
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from backends.triton import topk
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    pointers = {"logits_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*i32",
+                "cand_ptr": "*i64", "pt_ptr": "*i32", "page_rows_ptr": "*i32", "bracket_ptr": "*fp32",
+                "counts_ptr": "*i64"}
+    seen = set()
+    for rows, width in [(512, 49070), (128, 49070), (64, 11814)]:
+        for change in SWEEP:
+            c = {**launch_config(rows, width, K, interpreted=False), **change}
+            variants = [
+                (topk._bracket_kernel, {"HAS_STARTS": False, "BINS": c["bins"], "SAMPLE": c["sample"], "Z": c["z"]},
+                 c["finish_warps"]),
+                (topk._split_kernel, {"HAS_STARTS": False, "BLOCK": c["block"], "TILES": c["tiles"],
+                                      "LANES": c["lanes"]}, c["num_warps"]),
+            ]
+            for pages in (False, True):
+                variants.append((topk._finish_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
+                                                       "BLOCK": c["block"], "LANES": c["lanes"], "RADIX": c["radix"],
+                                                       "RADIX_BINS": max(1 << c["radix"], 32)}, c["finish_warps"]))
+                variants.append((topk._sort_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
+                                                     "KP": K}, c["finish_warps"]))
+            for kernel, constexprs, warps in variants:
+                key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps)
+                if key in seen:
+                    continue
+                seen.add(key)
+                names = kernel.arg_names
+                signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+                source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+                t = time.time()
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                path = "/tmp/topk_sm90.cubin"
+                with open(path, "wb") as f:
+                    f.write(compiled.asm["cubin"])
+                usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], check=True, capture_output=True,
+                                       text=True).stdout
+                regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "SHARED:", "LOCAL:")))
+                sass = compiled.asm.get("sass") or ""
+                print(f"{kernel.fn.__name__:15s} warps {warps:2d} {constexprs}: {regs} "
+                      f"({time.time() - t:.1f} s){' sass ' + str(sass.count(chr(10))) + ' lines' if sass else ''}",
+                      flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    resources() if "--resources" in sys.argv else probe()

@@ -12,7 +12,7 @@ from backends.triton.availability import (
     triton_version,
 )
 from backends.triton.fp8_mode import Fp8Mode
-from dispatch.contract import PAGED_MODES, Backend, Fp8Dtype, Layout, Op, Support, check_logits_inputs, hookimpl
+from dispatch.contract import PAGED_MODES, Arch, Backend, Fp8Dtype, Layout, Op, Support, check_logits_inputs, hookimpl
 
 # The native kernel holds a row's tokens x heads in one program's tile; past 8 tokens it is untested.
 NATIVE_NEXT_N_MAX = 8
@@ -119,7 +119,34 @@ def q_quant_backends() -> list[Backend]:
     ]
 
 
+# Top-k is plain fp32 compares, scans, atomics and a sort: no fp8 and no tensor cores, so it runs
+# wherever Triton does, MI300 (gfx942) and the sm80 family included.
+TOPK_ARCHS = TRITON_ARCHS | FNUZ_ARCHS | {Arch.SM80}
+
+
+def run_topk(*args, **kwargs):
+    from backends.triton.topk import topk_indices  # imports triton, which the probe found
+
+    return topk_indices(*args, **kwargs)
+
+
+def topk_backends() -> list[Backend]:
+    """The top-k backend: `triton`, any forward mode, rows layout."""
+    return [
+        Backend(
+            name="triton",
+            op=Op.TOPK,
+            layout=Layout.ROWS,
+            supports=Support(archs=TOPK_ARCHS),
+            run=run_topk,
+            probe=probe_for(TOPK_ARCHS),
+            version=triton_version(),
+            description="Triton sampled-bracket select split over rows x chunks, exact radix finish; fused page transform",
+        )
+    ]
+
+
 @hookimpl
 def register_backends(register):
-    for backend in logits_backends() + q_quant_backends():
+    for backend in logits_backends() + q_quant_backends() + topk_backends():
         register(backend)
