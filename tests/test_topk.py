@@ -168,7 +168,7 @@ def cpu_batch(seq_lens=(9, 17, 30), next_n=3, mode=ForwardMode.TARGET_VERIFY, pa
 def test_the_plan_decides_topk_once_and_the_op_uses_its_per_token_lengths():
     chooser = load_dispatcher(arch="cpu")
     plan = build_plan(chooser, cpu_batch(), kv_fp8_dtype="e4m3fn")
-    assert (plan.topk.backend, plan.topk.rule) == ("torch.reference", "reference-everywhere")
+    assert (plan.topk.backend, plan.topk.rule) == ("torch.reference", "cpu-reference")
     assert plan.topk.rule_at.startswith(f"{chooser.document.path}:")
     generator = torch.Generator().manual_seed(8)
     logits = torch.randn(9, 30, generator=generator)
@@ -221,4 +221,12 @@ def test_a_batch_whose_topk_decision_differs_is_refused_for_replay():
 def test_the_rank_fingerprint_covers_topk():
     key = DispatchKey("cpu", "decode", 1, "e4m3fn")
     fields = summary(load_dispatcher(arch="cpu"), [key])
-    assert fields[f"topk @ {key}"] == "torch.reference (rows, reference-everywhere)"
+    assert fields[f"topk @ {key}"] == "torch.reference (rows, cpu-reference)"
+
+
+def test_gpu_archs_decide_the_triton_topk_before_the_reference():
+    # A what-if for each GPU arch (availability is not checked for another machine's key).
+    for arch, fp8 in [("sm90", "e4m3fn"), ("sm100", "e4m3fn"), ("gfx942", "e4m3fnuz"), ("gfx950", "e4m3fn")]:
+        decision = load_dispatcher(arch=arch).decide(Op.TOPK, DispatchKey(arch, "target_verify", 2, fp8))
+        assert (decision.backend, decision.rule) == ("triton", "gpu-triton"), arch
+        assert decision.layout.value == "rows"

@@ -432,24 +432,28 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
     if triton_interpreter_on() if interpreted is None else interpreted:
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
         return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 1024, "z": 4.0, "radix": 8,
-                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 1}
+                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8}
     block = 2048 if max(rows, 1) * max(width, 1) >= 2048 * PROGRAMS_PER_SM * SMS else 1024
     return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
             "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8}
+
+
+# The finish's tiles: a column of 8 keys a thread, so its tile follows its warps (2048 keys at 8).
+FINISH_LANES = 8
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
            block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps):
     """Check the inputs, then run the kernels with an explicit config (the probe calls this directly).
 
-    block: keys per split tile and per finish tile (a power of two, at most 2^15: the packed scan
+    block: keys per split tile (a power of two, at most 2^15: the packed scan
     holds two 16-bit counts); tiles: tiles per split program (its chunk is block * tiles keys); lanes:
     keys per thread-column of a tile (a power of two below block); bins: the sample's bins (a power of
     two >= 32); sample: keys sampled for the bracket (a power of two >= 8); z: the bracket's
     half-width in standard deviations (huge: every key a candidate, so the list overflows and the
     exact path runs; very negative: the bracket is one bin, usually wrong, same); radix: bits per
     refine round (4 or 8); cap: candidate list entries per row (>= 1); num_warps: the split's;
-    finish_warps: the finish's and the sort's."""
+    finish_warps: the bracket's, the finish's (tiles of FINISH_LANES keys a thread) and the sort's."""
     if not (_pow2(block) and block <= 1 << 15 and tiles >= 1 and _pow2(bins) and bins >= 32 and _pow2(sample)
             and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1):
         raise ValueError(f"block={block}, tiles={tiles}, bins={bins}, sample={sample}, lanes={lanes}, radix={radix}, "
@@ -475,7 +479,7 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
     table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if fuse_pages else (1, 0)
     _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), *page_args, width, table_rows,
                             table_pages, k, cap, HAS_STARTS=has_starts, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
-                            BLOCK=block, LANES=lanes, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
+                            BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
                             num_warps=finish_warps)
     if sorted:
         with_pages = page_table is not None
