@@ -189,11 +189,13 @@ def _split_kernel(
         t_hi = tl.load(bracket_ptr + 2 * row64 + 1)
         out_row = out_ptr + row64 * k
         cand_list = cand_ptr + row64 * stride_cand
-        # A tile is [LANES, BLOCK / LANES]: rows of adjacent keys (coalesced loads along axis 1), and
-        # the LANES keys of a column held by one thread. Slots need only be distinct (the output order
-        # is free), so a key's slot is its column's offset (a scan over BLOCK / LANES column totals,
-        # the only cross-thread work) plus its rank inside the column (in-thread adds).
-        idx0 = first + tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
+        # A tile is [BLOCK / LANES, LANES]: columns of adjacent keys (coalesced loads along axis 0), and
+        # the LANES keys of a row held by one thread. Slots need only be distinct (the output order is
+        # free), so a key's slot is its row's offset (a scan over BLOCK / LANES row totals, the only
+        # cross-thread work) plus its rank inside the row (in-thread adds). Axis 0 is the contiguous
+        # one so that the scattered stores (no contiguity on either axis, which Triton's coalescing
+        # orders axis 0 first) keep the loads' layout instead of a round trip through shared memory.
+        idx0 = first + tl.arange(0, BLOCK // LANES)[:, None] + tl.arange(0, LANES)[None, :] * (BLOCK // LANES)
         x_next = tl.load(src + idx0, mask=idx0 < n, other=float("nan"))
         for i in tl.static_range(TILES):
             idx = idx0 + i * BLOCK
@@ -207,9 +209,9 @@ def _split_kernel(
             mid = (x >= t_lo) & (x <= t_hi)
             # One scan of packed flags gives both ranks (a tile has far fewer than 2^16 keys).
             flags = hi.to(tl.int32) + (mid.to(tl.int32) << 16)
-            column = tl.sum(flags, axis=0)
-            packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
-            total = tl.sum(column, axis=0)
+            line = tl.sum(flags, axis=1)
+            packed = (tl.cumsum(line, axis=0) - line)[:, None] + tl.cumsum(flags, axis=1)
+            total = tl.sum(line, axis=0)
             # Both counts in one atomic: above in the low word, candidates in the high one (neither
             # reaches 2^31, so the low word never carries).
             add = (total & 0xFFFF).to(tl.int64) + ((total >> 16).to(tl.int64) << 32)
@@ -282,8 +284,9 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
                 prefix = prefix | (db << shift)
 
     # Last scan: entries above T, then the first `need` equal to T (ties: any index will do).
-    # Column-major tiles as in the split; slots need only be distinct.
-    idx0 = tl.arange(0, LANES)[:, None] * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)[None, :]
+    # Tiles laid out as in the split (axis 0 contiguous, a thread's LANES entries along axis 1);
+    # slots need only be distinct.
+    idx0 = tl.arange(0, BLOCK // LANES)[:, None] + tl.arange(0, LANES)[None, :] * (BLOCK // LANES)
     gt_next = above
     eq_next = k - need
     for t in range(0, count, BLOCK):
@@ -291,13 +294,13 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
         gt = live & (key > prefix)
         eq = live & (key == prefix)
         flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-        column = tl.sum(flags, axis=0)
-        packed = (tl.cumsum(column, axis=0) - column)[None, :] + tl.cumsum(flags, axis=0)
+        line = tl.sum(flags, axis=1)
+        packed = (tl.cumsum(line, axis=0) - line)[:, None] + tl.cumsum(flags, axis=1)
         eq_rank = eq_next + (packed >> 16) - 1
         slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
         take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
         tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
-        total = tl.sum(column, axis=0)
+        total = tl.sum(line, axis=0)
         gt_next += total & 0xFFFF
         eq_next += total >> 16
 
