@@ -120,17 +120,17 @@ def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from dispatch.plugins import collect_backends
-    from dispatch.registry.checks import check_backend_names, lint
+    from dispatch.registry.checks import check_backend_names, findings
     from dispatch.registry.document import load_registry
     from dispatch.runtime import load_plugins, registry_path
 
     document = load_registry(registry_path(args.path))
     catalog = collect_backends(load_plugins())
     check_backend_names(document, catalog)
-    findings = lint(document, catalog)
-    for finding in findings:
+    found = findings(document, catalog)
+    for finding in found:
         print(f"lint: {finding}", file=sys.stderr)
-    if findings:
+    if found:
         return EXIT_INVALID
     rules = sum(len(t.rules) for t in document.registry.ops.values())
     print(
