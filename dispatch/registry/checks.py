@@ -54,7 +54,9 @@ def _unknown(name: str, known: list[str], op: Op | None) -> str:
     by_lower = {k.lower(): k for k in known}
     near = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
     hint = f"; did you mean `{by_lower[near[0]]}`?" if near else ""
-    return f"unknown backend `{cut(name)}`{hint} (registered {scope}: {', '.join(known) or 'none'})"
+    from dispatch.plugins import not_allowed_hint  # reads entry-point metadata only when a name is unknown
+
+    return f"unknown backend `{cut(name)}`{hint} (registered {scope}: {', '.join(known) or 'none'}){not_allowed_hint(name)}"
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,10 @@ class Finding:
 
 def all_keys(max_next_n: int) -> list[DispatchKey]:
     """Every key that can occur, next_n up to `max_next_n` (for tests and small sweeps)."""
-    return [key for key in _keys_at(range(1, max_next_n + 1))]
+    return [key for key in keys_at(range(1, max_next_n + 1))]
 
 
-def _keys_at(next_ns) -> list[DispatchKey]:
+def keys_at(next_ns) -> list[DispatchKey]:
     keys = []
     for arch, mode, next_n, dtype in itertools.product(Arch, ForwardMode, next_ns, Fp8Dtype):
         try:
@@ -128,7 +130,7 @@ class Cell:
 def cells(document: RegistryDocument, catalog: Catalog) -> list[Cell]:
     spans = next_n_spans(document, catalog)
     by_low = {span.low: span for span in spans}
-    return [Cell(key, by_low[key.next_n]) for key in _keys_at(sorted(by_low))]
+    return [Cell(key, by_low[key.next_n]) for key in keys_at(sorted(by_low))]
 
 
 def findings(document: RegistryDocument, catalog: Catalog) -> list[Finding]:
