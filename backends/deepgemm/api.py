@@ -16,8 +16,10 @@ Every function takes the module as its first argument, so tests can hand in a re
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only; the availability probe imports this module, and registering must not import torch
+    import torch
 
 # Page size the SM90 and SM100 kernels are scheduled for (SM100 also takes 32; the plans use 64).
 BLOCK_KV = 64
@@ -37,6 +39,8 @@ def missing_symbols(module: ModuleType) -> list[str]:
 def num_sms(module: ModuleType, device: torch.device) -> int:
     if hasattr(module, "get_num_sms"):
         return int(module.get_num_sms())
+    import torch
+
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

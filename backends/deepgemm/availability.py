@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import ModuleType
 
-import torch
-
 from backends.deepgemm.api import missing_symbols
 from backends.deepgemm.library import import_deep_gemm, version_of
 from dispatch import detect
@@ -40,6 +38,8 @@ def probe_for(required: Arch, load: Callable[[], ModuleType] = import_deep_gemm)
     """A Backend.probe: this machine's facts, read when the probe runs (detect_arch honours DISPATCH_ARCH)."""
 
     def probe() -> Availability:
+        import torch  # here, not at import: registering must not import torch (`validate` runs without it)
+
         return deepgemm_availability(
             required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load
         )

@@ -15,7 +15,6 @@ from types import ModuleType
 
 from backends.deepgemm.availability import probe_for
 from backends.deepgemm.library import import_deep_gemm
-from backends.deepgemm.paged_logits import DeepGemmPagedLogits
 from dispatch.backend import PAGED_MODES, Backend, Support
 from dispatch.hookspecs import hookimpl
 from dispatch.key import Arch, Fp8Dtype, Op
@@ -31,11 +30,33 @@ _TABLE = (
 )
 
 
+class _OnFirstUse:
+    """DeepGemmPagedLogits, built on first use: its module imports torch, and registering must not
+    (`validate` runs without it)."""
+
+    def __init__(self, layout: Layout, load: Callable[[], ModuleType]) -> None:
+        self._args = (layout, load)
+        self._impl = None
+
+    def _built(self):
+        if self._impl is None:
+            from backends.deepgemm.paged_logits import DeepGemmPagedLogits
+
+            self._impl = DeepGemmPagedLogits(*self._args)
+        return self._impl
+
+    def run(self, plan, q, kv_cache, weights):
+        return self._built().run(plan, q, kv_cache, weights)
+
+    def prepare(self, plan):
+        return self._built().prepare(plan)
+
+
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
     """The three backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
     for name, layout, arch, next_n_max, description in _TABLE:
-        impl = DeepGemmPagedLogits(layout, load)
+        impl = _OnFirstUse(layout, load)
         support = Support(
             archs=frozenset({arch}), forward_modes=PAGED_MODES, fp8_dtypes=_E4M3FN, next_n_max=next_n_max
         )

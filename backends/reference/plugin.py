@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
-import torch
+import importlib.metadata
 
-from backends.reference.paged_mqa_logits import paged_mqa_logits
-from backends.reference.q_quant import indexer_q_quant
 from dispatch.backend import ALL_ARCHS, PAGED_MODES, Backend, Support
-from dispatch.checks import check_logits_inputs
 from dispatch.hookspecs import hookimpl
 from dispatch.key import Op
 from dispatch.layout import Layout
 
 
+# The kernels and the input checks import torch; registering must not (`validate` runs without it),
+# so they are imported on first call (afterwards a sys.modules lookup).
 def run_paged_mqa_logits(plan, q, kv_cache, weights):
+    from backends.reference.paged_mqa_logits import paged_mqa_logits
+    from dispatch.checks import check_logits_inputs
+
     # Both reference backends run the same function, which reads the layout from the tensors' tag.
     check_logits_inputs(plan, q, kv_cache, weights)
     return paged_mqa_logits(
         q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype
     )
+
+
+def run_q_quant(*args, **kwargs):
+    from backends.reference.q_quant import indexer_q_quant
+
+    return indexer_q_quant(*args, **kwargs)
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 @hookimpl
@@ -32,7 +47,7 @@ def register_backends(register):
                 layout=layout,
                 supports=logits_support,
                 run=run_paged_mqa_logits,
-                version=torch.__version__,
+                version=_torch_version(),
                 description=f"plain torch, {layout.value} layout; slow, exact fp32 on fp8 inputs",
             )
         )
@@ -42,8 +57,8 @@ def register_backends(register):
             op=Op.INDEXER_Q_QUANT,
             layout=Layout.TOKENS,
             supports=Support(archs=ALL_ARCHS),
-            run=indexer_q_quant,
-            version=torch.__version__,
+            run=run_q_quant,
+            version=_torch_version(),
             description="plain torch RoPE + power-of-two fp8 quantisation",
         )
     )
