@@ -18,8 +18,9 @@ MAX_RULE_NEXT_N = 2**31 - 1
 # What the CLI's what-if accepts: MTP verifies a handful of tokens per step (8 is the most any backend
 # here optimises for), and a what-if plan builds and prints one block-table row per request.
 MAX_CLI_NEXT_N = 64
-MAX_CLI_SEQ_LEN = 2**24
-MAX_CLI_BATCH = 4096
+MAX_CLI_SEQ_LEN = 2**20  # 8x DeepSeek V3.2's 128K context
+MAX_CLI_BATCH = 1024
+MAX_CLI_PLAN_TOKENS = 2**24  # requests x the longest: the block table printed is this / 64 entries
 
 
 def quoted(value: object) -> str:
