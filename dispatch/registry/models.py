@@ -114,6 +114,15 @@ class Rule(Strict):
 
 
 class OpTable(Strict):
+    # The JSON Schema says what _serves_something checks: non-empty rules or a non-empty fallback.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["rules"], "properties": {"rules": {"minItems": 1}}},
+                {"required": ["fallback"], "properties": {"fallback": {"minItems": 1}}},
+            ]
+        }
+    )
     # Rule ids are unique per op; dispatch.registry.document checks that, pointing at the duplicate's line.
     rules: tuple[Rule, ...] = ()
     fallback: NameList = ()
@@ -149,7 +158,7 @@ class Registry(Strict):
     schema_ref: str | None = Field(default=None, alias="$schema", exclude=True)
     version: Literal[1]
     disabled: NameList = ()  # off unless a cluster enables them (experimental paths)
-    ops: dict[Op, OpTable]
+    ops: Annotated[dict[Op, OpTable], Field(json_schema_extra={"required": [op.value for op in Op]})]
     clusters: dict[ClusterName, Cluster] = {}
 
     @field_validator("ops")
