@@ -10,8 +10,8 @@ one or the new one, never a mix. A bad edit keeps the old dispatcher and says wh
 made are frozen values and stay valid; decisions after a swap come from the new registry's cache.
 
 A reload never loses coverage silently: a new registry under which a key that decided before (one the
-old dispatcher decided, or any kind of key on its arch, next_n taken span by span) would have no
-backend is refused, naming the keys, unless `reload(force=True)`. A file caught half-written fails
+old dispatcher decided, or any kind of key it would decide, every arch, next_n taken span by span)
+would have no backend is refused, naming the keys, unless `reload(force=True)`. A file caught half-written fails
 here too: it either does not parse, lacks an op (every op is required), or serves fewer keys.
 A model on many ranks reloads every rank, then checks them again (dispatch.agreement.check_ranks_agree).
 """
@@ -81,14 +81,12 @@ class LiveDispatcher:
 
 def lost_keys(old: Dispatcher, new: Dispatcher) -> list[tuple[Op, Cell]]:
     """(op, kind of key) that `old` decides and `new` cannot: every key `old` has decided, and every kind
-    of key on `old`'s arch (one per next_n span over both registries' bounds, so no enumeration)."""
+    of key on every arch (one per next_n span over both registries' bounds, so no enumeration). Every
+    arch, not only this machine's: a what-if asks about others, and a file torn before the last op's
+    fallback loses keys only there."""
     spans = next_n_spans(old.document, old.catalog) + next_n_spans(new.document, new.catalog)
     bounds = sorted({span.low for span in spans})
-    cells = [
-        Cell(key, _span_from(bounds, key.next_n))
-        for key in keys_at(bounds)
-        if key.arch is old.host_arch
-    ]
+    cells = [Cell(key, _span_from(bounds, key.next_n)) for key in keys_at(bounds)]
     asked = [(op, cell) for op in Op for cell in cells]
     asked += [(op, Cell(key, _span_from([key.next_n], key.next_n))) for op, key in old.decided_keys()]
     lost, seen = [], set()
