@@ -86,20 +86,22 @@ def lost_keys(old: Dispatcher, new: Dispatcher) -> list[tuple[Op, Cell]]:
     fallback loses keys only there."""
     spans = next_n_spans(old.document, old.catalog) + next_n_spans(new.document, new.catalog)
     bounds = sorted({span.low for span in spans})
-    cells = [Cell(key, _span_from(bounds, key.next_n)) for key in keys_at(bounds)]
-    asked = [(op, cell) for op in Op for cell in cells]
-    asked += [(op, Cell(key, _span_from([key.next_n], key.next_n))) for op, key in old.decided_keys()]
+    asked = [(op, key) for op in Op for key in keys_at(bounds)] + old.decided_keys()
     lost, seen = [], set()
-    for op, cell in asked:
-        if (op, cell.key) in seen:
+    for op, key in asked:
+        cell = Cell(key, _span_from(bounds, key.next_n))
+        kind = (op, key.arch, key.forward_mode, key.fp8_dtype, cell.span.low)
+        if kind in seen:  # one answer per span; a decided key inside a span checked already adds nothing
             continue
-        seen.add((op, cell.key))
-        if old.can_decide(op, cell.key) and not new.can_decide(op, cell.key):
+        seen.add(kind)
+        if old.can_decide(op, key) and not new.can_decide(op, key):
             lost.append((op, cell))
     return lost
 
 
-def _span_from(bounds: list[int], low: int) -> NextNSpan:
+def _span_from(bounds: list[int], next_n: int) -> NextNSpan:
+    """The span of `next_n` between the sorted cut points `bounds` (which start at 1)."""
+    low = max(b for b in bounds if b <= next_n)
     later = [b for b in bounds if b > low]
     return NextNSpan(low, later[0] - 1 if later else None)
 
