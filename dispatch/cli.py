@@ -63,21 +63,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bounded(text: str, what: str, high: int) -> int:
-    """An int in 1..high, refused (argparse: exit 2) before anything is built from it: a huge next_n
+def _bounded(text: str, what: str, high: int, low: int | None = 1) -> int:
+    """An int in low..high, refused (argparse: exit 2) before anything is built from it: a huge next_n
     or length would otherwise build a plan for minutes or overflow a tensor."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{what} {text[:40]!r} is not an integer") from None
-    if not 1 <= value <= high:
+    if value > high or (low is not None and value < low):
         shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
         raise argparse.ArgumentTypeError(f"{what} is {shown}; it must be from 1 to {high}")
     return value
 
 
 def _next_n(text: str) -> int:
-    return _bounded(text, "--next-n", MAX_CLI_NEXT_N)
+    return _bounded(text, "--next-n", MAX_CLI_NEXT_N, low=None)  # below 1: the key's own message
 
 
 def _seq_lens(text: str) -> list[int]:
@@ -153,17 +153,19 @@ def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    """Every problem of the file in one run, in file order: schema errors (all, or nothing else can be
+    checked), else unknown backend names, lint and coverage together. Imports no torch."""
     from dispatch.plugins import collect_backends
-    from dispatch.registry.checks import check_backend_names, findings
+    from dispatch.registry.checks import findings, unknown_backend_names
     from dispatch.registry.document import load_registry
     from dispatch.runtime import load_plugins, registry_path
 
     document = load_registry(registry_path(args.path))
     catalog = collect_backends(load_plugins())
-    check_backend_names(document, catalog)
-    found = findings(document, catalog)
-    for finding in found:
-        print(f"lint: {finding}", file=sys.stderr)
+    unknown = unknown_backend_names(document, catalog)
+    found = sorted([("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)], key=lambda p: p[1].line or 0)
+    for label, finding in found:
+        print(f"{label}: {finding}", file=sys.stderr)
     if found:
         return EXIT_INVALID
     rules = sum(len(t.rules) for t in document.registry.ops.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dispatch.catalog import Catalog
 from dispatch.errors import InvalidKeyError
@@ -16,13 +16,17 @@ from dispatch.registry.document import RegistryDocument, dotted, errors_in_file_
 
 def check_backend_names(document: RegistryDocument, catalog: Catalog) -> None:
     """Raise one RegistryError listing, in file order, every backend name no plugin registered (for that op)."""
-    problems = [
-        (document.line_of(location), location, _unknown(name, known, op))
+    unknown = unknown_backend_names(document, catalog)
+    if unknown:
+        raise errors_in_file_order(document.path, [(f.line, f.where, f.message) for f in unknown])
+
+
+def unknown_backend_names(document: RegistryDocument, catalog: Catalog) -> list[Finding]:
+    return [
+        Finding(document.path, document.line_of(location), dotted(location), _unknown(name, known, op), where=location)
         for location, name, known, op in _named_backends(document, catalog)
         if name not in known
     ]
-    if problems:
-        raise errors_in_file_order(document.path, problems)
 
 
 def _named_backends(document: RegistryDocument, catalog: Catalog):
@@ -65,6 +69,7 @@ class Finding:
     line: int | None
     location: str
     message: str
+    where: tuple = field(default=(), compare=False, repr=False)  # the location as a path into the document
 
     def __str__(self) -> str:
         where = f"{self.path}:{self.line}" if self.line else self.path
