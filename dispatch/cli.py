@@ -129,15 +129,11 @@ def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
     """Build the plan an engine would build for this batch (on the CPU) and show it whole."""
     import torch
 
+    from dispatch.bench.paged_cache import page_table_for
     from dispatch.explain import decision_text
     from dispatch.plan import ForwardBatch, build_plan
 
-    pages = [-(-length // 64) for length in seq_lens]
-    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-    first = 0
-    for row, count in enumerate(pages):
-        table[row, :count] = torch.arange(first, first + count)
-        first += count
+    table = page_table_for(seq_lens)
     batch = ForwardBatch(torch.tensor(seq_lens, dtype=torch.int32), table, max(seq_lens), key.forward_mode, key.next_n)
     plan = build_plan(dispatcher, batch, kv_fp8_dtype=key.fp8_dtype, arch=key.arch)
     payload = {**plan.as_dict(), "context_lens": plan.context_lens.tolist(), "block_table": plan.block_table.tolist()}
@@ -148,13 +144,14 @@ def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
     print(f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {payload['context_lens']}")
     print(f"  block_table {list(plan.block_table.shape)}: {payload['block_table']}")
     print()
-    print("\n\n".join(decision_text(d, dispatcher) for d in (plan.logits, plan.q_quant)))
+    print("\n\n".join(decision_text(d, dispatcher) for d in plan.decisions.values()))
     return EXIT_OK
 
 
 def _validate(args: argparse.Namespace) -> int:
     """Every problem of the file in one run, in file order: schema errors (all, or nothing else can be
-    checked), else unknown backend names, lint and coverage together. Imports no torch."""
+    checked), else unknown backend names, lint and coverage together. Imports no torch, so it checks
+    what an engine's assembly (load_dispatcher) checks except this machine's cluster match."""
     from dispatch.plugins import collect_backends
     from dispatch.registry.checks import findings, unknown_backend_names
     from dispatch.registry.document import load_registry
@@ -163,14 +160,19 @@ def _validate(args: argparse.Namespace) -> int:
     document = load_registry(registry_path(args.path))
     catalog = collect_backends(load_plugins())
     unknown = unknown_backend_names(document, catalog)
-    found = sorted([("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)], key=lambda p: p[1].line or 0)
+    found = sorted(
+        [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)],
+        key=lambda pair: pair[1].line or 0,
+    )
     for label, finding in found:
         print(f"{label}: {finding}", file=sys.stderr)
     if found:
         return EXIT_INVALID
-    rules = sum(len(t.rules) for t in document.registry.ops.values())
+    tables = document.registry.ops
+    rules = sum(len(t.rules) for t in tables.values())
+    per_op = ", ".join(f"{op.value} {len(tables[op].rules)}" for op in Op if op in tables)
     print(
-        f"ok: {document.path}: {rules} rules over {len(document.registry.ops)} ops, "
+        f"ok: {document.path}: {rules} rules over {len(tables)} ops ({per_op}), "
         f"{len(document.registry.clusters)} clusters (fingerprint {document.fingerprint})"
     )
     return EXIT_OK
@@ -194,13 +196,13 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from dispatch.bench.cli import add_arguments
+    from dispatch.bench.command import add_arguments
 
     add_arguments(parser)
     parser.set_defaults(command=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dispatch.bench.cli import run_bench
+    from dispatch.bench.command import run_bench
 
     return run_bench(args)

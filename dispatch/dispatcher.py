@@ -29,6 +29,7 @@ class _Step:
     rule: str
     source: str
     label: str  # how explain names the step: "rule `x`", "cluster `c` prefer", "fallback[1]"
+    location: tuple  # where registry.yaml says it: ("ops", op, "rules", i), ("clusters", c, "prefer", i), ...
 
 
 class Dispatcher:
@@ -38,13 +39,15 @@ class Dispatcher:
         catalog: Catalog,
         *,
         cluster: str | None,
-        host_arch: Arch,
+        target_arch: Arch,
         check_availability: bool = True,
     ) -> None:
+        """`target_arch` is the arch decisions are made for: this machine's, or another in a what-if
+        (then `check_availability` is normally off, since this machine's availability says nothing)."""
         self.document = document
         self.catalog = catalog
         self.cluster = cluster
-        self.host_arch = host_arch
+        self.target_arch = target_arch
         self.check_availability = check_availability
         self._disabled = self._disabled_backends()
         self._cache: dict[tuple[Op, DispatchKey], Decision] = {}
@@ -92,7 +95,15 @@ class Dispatcher:
         reason = self._why_ineligible(impl, key, respect_disabled=not allow_disabled)
         if reason:
             raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
-        return self._decision(op, key, impl, "pinned", "pinned", ())
+        return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), ())
+
+    def eligible(self, op: Op | str, key: DispatchKey, *, respect_disabled: bool = True) -> list[Backend]:
+        """Every registered backend of `op` that could serve `key` here (what a benchmark compares),
+        by the same test the decision uses; `respect_disabled=False` includes disabled ones."""
+        op = Op(op)
+        return [
+            b for b in self.catalog.for_op(op) if not self._why_ineligible(b, key, respect_disabled=respect_disabled)
+        ]
 
     def _decide(self, op: Op, key: DispatchKey) -> Decision:
         candidates = self.catalog.for_op(op)
@@ -122,18 +133,20 @@ class Dispatcher:
                 reason = unnamed
             rejected.append(Rejection(backend.name, reason))
         impl = self.catalog.get(op, chosen.backend)
-        return self._decision(op, key, impl, chosen.rule, chosen.source, tuple(rejected))
+        return self._decision(op, key, impl, chosen, tuple(rejected))
 
     def _decision(
-        self, op: Op, key: DispatchKey, impl: Backend, rule: str, source: str, rejected: tuple[Rejection, ...]
+        self, op: Op, key: DispatchKey, impl: Backend, step: _Step, rejected: tuple[Rejection, ...]
     ) -> Decision:
+        line = self.document.line_of(step.location) if step.location else None
         return Decision(
             op=op,
             key=key,
             backend=impl.name,
             layout=impl.layout,
-            rule=rule,
-            source=source,
+            rule=step.rule,
+            source=step.source,
+            rule_at=f"{self.document.path}:{line}" if line else "",
             cluster=self.cluster,
             plugin=impl.plugin,
             rejected=rejected,
@@ -147,12 +160,18 @@ class Dispatcher:
         if self.cluster is not None:
             for index, name in enumerate(self.document.registry.clusters[self.cluster].prefer):
                 if self.catalog.get(op, name) is not None:
-                    steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", f"cluster `{self.cluster}` prefer[{index}]"))
+                    label = f"cluster `{self.cluster}` prefer[{index}]"
+                    location = ("clusters", self.cluster, "prefer", index)
+                    steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", label, location))
         table = self.document.registry.table(op)
-        rule = next((r for r in table.rules if r.when.matches(key)), None)
-        if rule is not None:
-            steps += [_Step(name, rule.id, "rule", f"rule `{rule.id}`") for name in rule.use]
-        steps += [_Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]") for i, name in enumerate(table.fallback)]
+        index = next((i for i, r in enumerate(table.rules) if r.when.matches(key)), None)
+        if index is not None:
+            rule, location = table.rules[index], ("ops", op.value, "rules", index)
+            steps += [_Step(name, rule.id, "rule", f"rule `{rule.id}`", location) for name in rule.use]
+        steps += [
+            _Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]", ("ops", op.value, "fallback", i))
+            for i, name in enumerate(table.fallback)
+        ]
         return steps
 
     def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:

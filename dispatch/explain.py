@@ -12,10 +12,7 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
     lines = [f"{decision.op.value} for {decision.key}"]
     if not decision.availability_checked:
         lines.append("  what-if: availability on this machine was not checked for this key")
-    where = ""
-    if decision.source == "rule":
-        index = next(i for i, r in enumerate(document.registry.table(decision.op).rules) if r.id == decision.rule)
-        where = f" ({document.path}:{document.line_of(('ops', decision.op.value, 'rules', index))})"
+    where = f" ({decision.rule_at})" if decision.rule_at else ""
     lines += [
         f"  chosen:   {decision.backend}",
         f"  layout:   {decision.layout.value}: {decision.layout.describe()}",

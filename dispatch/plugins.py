@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 import pluggy
 
 from dispatch import hookspecs
-from dispatch.backend import Backend, Support
+from dispatch.backend import BACKEND_NAME, Backend, Support
 from dispatch.catalog import Catalog
+from dispatch.contract import OP_CONTRACTS
 from dispatch.errors import PluginError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.layout import Layout
@@ -34,19 +35,14 @@ BUILTIN_PLUGINS = (
     "backends.triton.plugin",
     "backends.deepgemm.plugin",
 )
-_NAME = re.compile(r"[a-z0-9][a-z0-9_.\-]*")  # whole name (fullmatch): no trailing newline slips past `$`
-_LAYOUTS_OF = {
-    Op.PAGED_MQA_LOGITS: (Layout.NATIVE, Layout.FLATTEN),
-    Op.INDEXER_Q_QUANT: (Layout.TOKENS,),
-}
 
 
 @dataclass(frozen=True)
 class LoadedPlugin:
     name: str
     distribution: str
-    version: str
     module: object
+    version: str = ""  # the plugin distribution's version (a backend's own `version` is its library's)
 
 
 def allowlist_from_env() -> frozenset[str]:
@@ -103,7 +99,7 @@ def not_allowed_hint(backend_name: str) -> str:
 
 def builtin_plugins() -> list[LoadedPlugin]:
     version = _own_version()
-    return [LoadedPlugin(path, OWN_DISTRIBUTION, version, importlib.import_module(path)) for path in BUILTIN_PLUGINS]
+    return [LoadedPlugin(path, OWN_DISTRIBUTION, importlib.import_module(path), version) for path in BUILTIN_PLUGINS]
 
 
 def entry_point_plugins(allowlist: frozenset[str]) -> list[LoadedPlugin]:
@@ -125,7 +121,7 @@ def entry_point_plugins(allowlist: frozenset[str]) -> list[LoadedPlugin]:
                 f"plugin `{entry_point.name}` (distribution `{dist}`) failed to import "
                 f"`{entry_point.value}`: {type(error).__name__}: {cut(str(error))}"
             ) from error
-        loaded.append(LoadedPlugin(entry_point.name, dist, version, module))
+        loaded.append(LoadedPlugin(entry_point.name, dist, module, version))
     return loaded
 
 
@@ -190,15 +186,16 @@ def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
     who = f"plugin `{plugin.name}` (distribution `{plugin.distribution}`)"
     if not isinstance(backend, Backend):
         raise PluginError(f"{who} registered {type(backend).__name__}; expected dispatch.backend.Backend")
-    if not isinstance(backend.name, str) or not _NAME.fullmatch(backend.name):
+    if not isinstance(backend.name, str) or not re.fullmatch(BACKEND_NAME, backend.name):
         name = backend.name
         shown = f"`{name}`" if isinstance(name, str) and name.isprintable() and len(name) <= 80 else quoted(name)
         raise PluginError(f"{who} registered backend name {shown}; names are lowercase [a-z0-9_.-], starting with [a-z0-9]")
     what = f"{who} registered `{backend.name}`"
     if not isinstance(backend.op, Op):
         raise PluginError(f"{what} with op {quoted(backend.op)}; expected a dispatch.key.Op")
-    if not isinstance(backend.layout, Layout) or backend.layout not in _LAYOUTS_OF[backend.op]:
-        allowed = ", ".join(layout.value for layout in _LAYOUTS_OF[backend.op])
+    layouts = OP_CONTRACTS[backend.op].layouts
+    if not isinstance(backend.layout, Layout) or backend.layout not in layouts:
+        allowed = ", ".join(layout.value for layout in layouts)
         raise PluginError(f"{what} for {backend.op.value} with layout {quoted(backend.layout)}; that op takes: {allowed}")
     problem = _support_problem(backend.supports)
     if problem:

@@ -131,13 +131,13 @@ def test_explain_this_machine(capsys):
 @needs_cpu_host
 def test_explain_all_ops(capsys):
     payload = explain_json(capsys, "--op", "all", "--forward-mode", "target_verify", "--next-n", "3")
-    assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant"]
-    assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference"]
+    assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant", "topk"]
+    assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference", "torch.reference"]
     for decision in payload:
         assert LOGITS_KEYS <= set(decision)
         assert decision["key"] == payload[0]["key"]
     code, out, _ = run(capsys, "explain", "--op", "all")
-    assert code == 0 and "paged_mqa_logits for" in out and "indexer_q_quant for" in out
+    assert code == 0 and "paged_mqa_logits for" in out and "indexer_q_quant for" in out and "topk for" in out
 
 
 def write_registry(tmp_path, text: str):
@@ -159,6 +159,7 @@ def test_exit_1_when_no_backend_fits(capsys, tmp_path):
                 use: [torch.reference]
             fallback: [torch.reference.flatten]
           indexer_q_quant: {fallback: [torch.reference]}
+          topk: {fallback: [torch.reference]}
         """,
     )
     code, out, err = run(
@@ -194,7 +195,7 @@ def test_exit_2_on_an_invalid_registry(capsys, tmp_path):
 
 def test_exit_2_on_an_unknown_backend_name(capsys, tmp_path):
     path = write_registry(
-        tmp_path, "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [torch.reference, no.such.backend]\n  indexer_q_quant: {fallback: [torch.reference]}\n"
+        tmp_path, "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [torch.reference, no.such.backend]\n  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n"
     )
     code, out, err = run(capsys, "validate", str(path))
     assert_clean_exit_2(code, out, err)
@@ -215,6 +216,7 @@ def test_exit_2_on_lint_findings(capsys, tmp_path):
                 when: {arch: cpu}
                 use: [torch.reference]
           indexer_q_quant: {fallback: [torch.reference]}
+          topk: {fallback: [torch.reference]}
         """,
     )
     code, out, err = run(capsys, "validate", str(path))
@@ -307,7 +309,7 @@ def test_explain_a_whole_batch_plan_as_json(capsys):
                         "--seq-lens", "130,64,2")
     assert plan["context_lens"] == [[128, 129, 130], [62, 63, 64], [0, 1, 2]]
     assert plan["block_table"] == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
-    assert set(plan["decisions"]) == {"paged_mqa_logits", "indexer_q_quant"}
+    assert set(plan["decisions"]) == {"paged_mqa_logits", "indexer_q_quant", "topk"}
     assert plan["decisions"]["paged_mqa_logits"]["backend"] == "torch.reference"
     flatten = explain_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
                            "--seq-lens", "5,9", "--cluster", "reference-only")

@@ -67,7 +67,7 @@ def assert_loads_or_located(text: str) -> None:
         assert "unknown backend `" in str(error)
         return
     for cluster in [None, *document.registry.clusters]:
-        dispatcher = Dispatcher(document, CATALOG, cluster=cluster, host_arch=Arch.CPU, check_availability=False)
+        dispatcher = Dispatcher(document, CATALOG, cluster=cluster, target_arch=Arch.CPU, check_availability=False)
         for key in KEYS:
             for op in Op:
                 try:
@@ -267,6 +267,7 @@ version: 1
 ops:
   paged_mqa_logits: {fallback: &names [triton.flatten]}
   indexer_q_quant: {fallback: *names}
+  topk: {fallback: [torch.reference]}
 """
     with pytest.raises(RegistryError) as error:
         check_backend_names(parse_registry(text, PATH), CATALOG)

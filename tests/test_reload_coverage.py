@@ -32,12 +32,14 @@ ops:
     fallback: [wide]
   indexer_q_quant:
     fallback: [q]
+  topk:
+    fallback: [topk]
 """
 
 
 def catalog():
     return catalog_of(
-        fake_backend("a"), fake_backend("wide", next_n_max=4), fake_backend("q", QUANT)
+        fake_backend("a"), fake_backend("wide", next_n_max=4), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK)
     )
 
 

@@ -6,6 +6,8 @@
 | deepgemm.sm90.flatten | flatten | sm90  | >= 1   | every token its own request: next_n 1 in the kernel |
 
 All take e4m3fn only (the kernels read OCP fp8) in the paged modes (decode, target_verify, draft_extend).
+The availability probe checks the cheap facts first (a GPU, its arch), so a machine that could never
+run the kernel does not load deep_gemm's CUDA extension just to say no.
 """
 
 from __future__ import annotations
@@ -13,12 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import ModuleType
 
-from backends.deepgemm.availability import probe_for
-from backends.deepgemm.library import import_deep_gemm
-from dispatch.backend import PAGED_MODES, Backend, Support
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Arch, Fp8Dtype, Op
-from dispatch.layout import Layout
+from dispatch import detect
+from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
 
 _E4M3FN = frozenset({Fp8Dtype.E4M3FN})
 
@@ -30,9 +28,16 @@ _TABLE = (
 )
 
 
+# The adapter imports torch; registering must not (`validate` runs without torch), so the adapter, deep_gemm
+# and torch are imported when a probe or a backend first runs.
+def import_deep_gemm() -> ModuleType:
+    from backends.deepgemm.adapter import import_deep_gemm as load
+
+    return load()
+
+
 class _OnFirstUse:
-    """DeepGemmPagedLogits, built on first use: its module imports torch, and registering must not
-    (`validate` runs without it)."""
+    """The adapter's DeepGemmPagedLogits for one layout, built on first use."""
 
     def __init__(self, layout: Layout, load: Callable[[], ModuleType]) -> None:
         self._args = (layout, load)
@@ -40,7 +45,7 @@ class _OnFirstUse:
 
     def _built(self):
         if self._impl is None:
-            from backends.deepgemm.paged_logits import DeepGemmPagedLogits
+            from backends.deepgemm.adapter import DeepGemmPagedLogits
 
             self._impl = DeepGemmPagedLogits(*self._args)
         return self._impl
@@ -50,6 +55,45 @@ class _OnFirstUse:
 
     def prepare(self, plan):
         return self._built().prepare(plan)
+
+    @staticmethod
+    def refresh_state(captured, fresh) -> None:
+        from backends.deepgemm.adapter import DeepGemmPagedLogits
+
+        DeepGemmPagedLogits.refresh_state(captured, fresh)
+
+
+def deepgemm_availability(
+    required: Arch, *, host: Arch, gpu_visible: bool, load: Callable[[], ModuleType]
+) -> Availability:
+    """Availability of a backend built for `required` on a machine of arch `host`."""
+    if not gpu_visible:
+        return Availability.no(f"no CUDA GPU is visible to torch (host arch {host.value})")
+    if host is not required:
+        return Availability.no(f"DeepGEMM kernels for {required.value}; this machine is {host.value}")
+    try:
+        module = load()
+    except (ImportError, OSError) as error:
+        return Availability.no(f"deep_gemm cannot be imported: {type(error).__name__}: {error}")
+    from backends.deepgemm.adapter import missing_symbols, version_of
+
+    missing = missing_symbols(module)
+    if missing:
+        return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(missing)}")
+    return Availability.yes()
+
+
+def probe_for(required: Arch, load: Callable[[], ModuleType] = import_deep_gemm) -> Callable[[], Availability]:
+    """A Backend.probe: this machine's facts, read when the probe runs (detect_arch honours DISPATCH_ARCH)."""
+
+    def probe() -> Availability:
+        import torch
+
+        return deepgemm_availability(
+            required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load
+        )
+
+    return probe
 
 
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
@@ -69,6 +113,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
                 run=impl.run,
                 probe=probe_for(arch, load),
                 prepare=impl.prepare,
+                refresh_state=impl.refresh_state,
                 description=description,
             )
         )

@@ -4,29 +4,32 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from dispatch.backend import ALL_ARCHS, PAGED_MODES, Backend, Support
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Op
-from dispatch.layout import Layout
+from dispatch.contract import ALL_ARCHS, PAGED_MODES, Backend, Layout, Op, Support, hookimpl
 
 
 # The kernels and the input checks import torch; registering must not (`validate` runs without it),
 # so they are imported on first call (afterwards a sys.modules lookup).
 def run_paged_mqa_logits(plan, q, kv_cache, weights):
-    from backends.reference.paged_mqa_logits import paged_mqa_logits
-    from dispatch.checks import check_logits_inputs
+    from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
+    from dispatch.contract import check_logits_inputs
 
     # Both reference backends run the same function, which reads the layout from the tensors' tag.
     check_logits_inputs(plan, q, kv_cache, weights)
-    return paged_mqa_logits(
+    return reference_paged_mqa_logits(
         q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype
     )
 
 
 def run_q_quant(*args, **kwargs):
-    from backends.reference.q_quant import indexer_q_quant
+    from backends.reference.q_quant import reference_indexer_q_quant
 
-    return indexer_q_quant(*args, **kwargs)
+    return reference_indexer_q_quant(*args, **kwargs)
+
+
+def run_topk(*args, **kwargs):
+    from backends.reference.topk import topk_indices
+
+    return topk_indices(*args, **kwargs)
 
 
 def _torch_version() -> str:
@@ -60,5 +63,16 @@ def register_backends(register):
             run=run_q_quant,
             version=_torch_version(),
             description="plain torch RoPE + power-of-two fp8 quantisation",
+        )
+    )
+    register(
+        Backend(
+            name="torch.reference",
+            op=Op.TOPK,
+            layout=Layout.ROWS,
+            supports=Support(archs=ALL_ARCHS),
+            run=run_topk,
+            version=_torch_version(),
+            description="plain torch two-key stable sort: visible first, then by value; NaN never selected",
         )
     )

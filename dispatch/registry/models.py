@@ -68,9 +68,6 @@ class NextNRange(Strict):
     def contains(self, next_n: int) -> bool:
         return self.min <= next_n and (self.max is None or next_n <= self.max)
 
-    def text(self) -> str:
-        return f"{self.min}..{'' if self.max is None else self.max}"
-
 
 def _next_n(value: object) -> object:
     if isinstance(value, int) and not isinstance(value, bool):

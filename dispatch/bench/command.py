@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--next-n", type=_ints, default=[1, 2, 4])
     parser.add_argument("--lengths", type=_ints, default=[8192, 32768], help="mean lengths; each batch is uniform in [L/2, 3L/2]")
     parser.add_argument("--tokens", type=_ints, default=[16384], help="tokens for indexer_q_quant")
+    parser.add_argument("--k", type=_ints, default=[2048], help="keys kept per token, for topk")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the platform's")
@@ -35,7 +36,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from dispatch.bench.ceilings import measure_ceilings
-    from dispatch.bench.runner import bench_logits, bench_quant, dispatch_overhead
+    from dispatch.bench.runner import bench_logits, bench_quant, bench_topk, dispatch_overhead
     from dispatch.bench.workload import LogitsShape, QuantShape
     from dispatch.detect import platform_fp8_dtype
     from dispatch.runtime import load_dispatcher
@@ -43,27 +44,39 @@ def run_bench(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.batch_sizes, args.lengths, args.tokens, args.repeats = [2], [256], [64], min(args.repeats, 3)
+        args.k = [min(k, 64) for k in args.k]
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
-    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.host_arch)
+    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
+    common = dict(device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
+    logits_shapes = [
+        LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
+        for batch_size in args.batch_sizes
+        for length in args.lengths
+        for next_n in args.next_n
+    ]
+    # Each op's rows, at its own shapes: one entry per op, in the order the indexer runs them.
+    benches = {
+        Op.INDEXER_Q_QUANT: lambda: [
+            row
+            for tokens in args.tokens
+            for row in bench_quant(dispatcher, QuantShape(tokens, args.heads, args.head_dim), fp8, **common)
+        ],
+        Op.PAGED_MQA_LOGITS: lambda: [
+            row for shape in logits_shapes for row in bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common)
+        ],
+        Op.TOPK: lambda: [
+            row for shape in logits_shapes for k in args.k for row in bench_topk(dispatcher, shape, fp8, k=k, **common)
+        ],
+    }
     rows = []
-    if args.op in ("all", Op.PAGED_MQA_LOGITS.value):
-        for batch_size in args.batch_sizes:
-            for length in args.lengths:
-                for next_n in args.next_n:
-                    shape = LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
-                    rows += bench_logits(
-                        dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats,
-                        tolerance=tolerance, wanted=wanted,
-                    )
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
-    if args.op in ("all", Op.INDEXER_Q_QUANT.value):
-        for tokens in args.tokens:
-            shape = QuantShape(tokens, args.heads, args.head_dim)
-            rows += bench_quant(dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
+    for op in Op:
+        if args.op in ("all", op.value):
+            rows += benches[op]()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     report = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
         "date": datetime.date.today().isoformat(),
