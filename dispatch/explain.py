@@ -17,8 +17,8 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
         f"  chosen:   {decision.backend}",
         f"  layout:   {decision.layout.value}: {decision.layout.describe()}",
         f"  by:       {decision.chosen_by}{where}",
-        f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution} {decision.impl.plugin_version or '-'}; "
-        f"library version {decision.impl.version or '-'})",
+        f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution} "
+        f"{decision.impl.plugin_version or '-'}; library version {decision.impl.version or '-'})",
         f"  cluster:  {decision.cluster or 'none'}",
         *_here(decision),
         f"  registry: {document.path} (fingerprint {decision.registry_fingerprint})",

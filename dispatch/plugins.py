@@ -83,8 +83,8 @@ def not_allowed_hint(backend_name: str) -> str:
     left_out = not_allowed_plugins()
     if not left_out:
         return ""
-    stem = backend_name.split(".")[0]
-    likely = [(n, d) for n, d in left_out if stem and (normalized(n).startswith(normalized(stem)) or normalized(d).startswith(normalized(stem)))]
+    stem = normalized(backend_name.split(".")[0])
+    likely = [(n, d) for n, d in left_out if stem and (normalized(n).startswith(stem) or normalized(d).startswith(stem))]
     current = sorted(allowlist_from_env())
     if likely:
         name, dist = likely[0]
@@ -189,14 +189,18 @@ def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
     if not isinstance(backend.name, str) or not re.fullmatch(BACKEND_NAME, backend.name):
         name = backend.name
         shown = f"`{name}`" if isinstance(name, str) and name.isprintable() and len(name) <= 80 else quoted(name)
-        raise PluginError(f"{who} registered backend name {shown}; names are lowercase [a-z0-9_.-], starting with [a-z0-9]")
+        raise PluginError(
+            f"{who} registered backend name {shown}; names are lowercase [a-z0-9_.-], starting with [a-z0-9]"
+        )
     what = f"{who} registered `{backend.name}`"
     if not isinstance(backend.op, Op):
         raise PluginError(f"{what} with op {quoted(backend.op)}; expected a dispatch.key.Op")
     layouts = OP_CONTRACTS[backend.op].layouts
     if not isinstance(backend.layout, Layout) or backend.layout not in layouts:
         allowed = ", ".join(layout.value for layout in layouts)
-        raise PluginError(f"{what} for {backend.op.value} with layout {quoted(backend.layout)}; that op takes: {allowed}")
+        raise PluginError(
+            f"{what} for {backend.op.value} with layout {quoted(backend.layout)}; that op takes: {allowed}"
+        )
     problem = _support_problem(backend.supports)
     if problem:
         raise PluginError(f"{what} with {problem}")
@@ -217,7 +221,8 @@ def _support_problem(supports: object) -> str | None:
     for field_name, member in (("archs", Arch), ("forward_modes", ForwardMode), ("fp8_dtypes", Fp8Dtype)):
         values = getattr(supports, field_name)
         if not isinstance(values, frozenset) or not all(isinstance(v, member) for v in values):
-            return f"supports.{field_name}={quoted(values)}; expected a frozenset of {member.__module__}.{member.__name__}"
+            expected = f"{member.__module__}.{member.__name__}"
+            return f"supports.{field_name}={quoted(values)}; expected a frozenset of {expected}"
     low, high = supports.next_n_min, supports.next_n_max
     if isinstance(low, bool) or not isinstance(low, int) or low < 1:
         return f"supports.next_n_min={quoted(low)}; expected an int >= 1"

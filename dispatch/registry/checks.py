@@ -60,7 +60,8 @@ def _unknown(name: str, known: list[str], op: Op | None) -> str:
     hint = f"; did you mean `{by_lower[near[0]]}`?" if near else ""
     from dispatch.plugins import not_allowed_hint  # reads entry-point metadata only when a name is unknown
 
-    return f"unknown backend `{cut(name)}`{hint} (registered {scope}: {', '.join(known) or 'none'}){not_allowed_hint(name)}"
+    registered = ", ".join(known) or "none"
+    return f"unknown backend `{cut(name)}`{hint} (registered {scope}: {registered}){not_allowed_hint(name)}"
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,11 @@ def lint(document: RegistryDocument, catalog: Catalog) -> list[Finding]:
             elif matched <= taken:
                 by = [rid for rid, m in earlier if m & matched]
                 findings.append(
-                    _finding(document, location, f"rule `{rule.id}` can never fire: earlier rules {_ticks(by)} take every key it matches")
+                    _finding(
+                        document,
+                        location,
+                        f"rule `{rule.id}` can never fire: earlier rules {_ticks(by)} take every key it matches",
+                    )
                 )
             for position, name in enumerate(rule.use):
                 backend = catalog.get(op, name)
@@ -213,7 +218,11 @@ def coverage(document: RegistryDocument, catalog: Catalog) -> list[Finding]:
 def merged(lost: list[Cell]) -> list[str]:
     """Cells as text, adjacent next_n spans of one (arch, mode, dtype) joined: `next_n=1..` not three spans."""
     spans: dict[tuple, list[NextNSpan]] = {}
-    for cell in sorted(lost, key=lambda c: (list(Arch).index(c.key.arch), list(ForwardMode).index(c.key.forward_mode), c.key.fp8_dtype.value, c.span.low)):
+    def order(cell: Cell) -> tuple:
+        key = cell.key
+        return list(Arch).index(key.arch), list(ForwardMode).index(key.forward_mode), key.fp8_dtype.value, cell.span.low
+
+    for cell in sorted(lost, key=order):
         k = cell.key
         group = spans.setdefault((k.arch, k.forward_mode, k.fp8_dtype), [])
         if group and group[-1].high is not None and group[-1].high + 1 == cell.span.low:

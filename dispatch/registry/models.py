@@ -165,7 +165,8 @@ class Registry(Strict):
         # ops at its end: a registry declares every op, so a missing one is an error, not a gap.
         missing = [op.value for op in Op if op not in ops]
         if missing:
-            raise ValueError(f"missing {', '.join(missing)}: a registry declares every op ({', '.join(o.value for o in Op)})")
+            every = ", ".join(o.value for o in Op)
+            raise ValueError(f"missing {', '.join(missing)}: a registry declares every op ({every})")
         return ops
 
     def table(self, op: Op) -> OpTable:
