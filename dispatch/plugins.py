@@ -34,6 +34,7 @@ BUILTIN_PLUGINS = (
     "backends.reference.plugin",
     "backends.triton.plugin",
     "backends.deepgemm.plugin",
+    "backends.flashinfer.plugin",
 )
 
 
