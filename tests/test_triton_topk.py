@@ -194,7 +194,11 @@ def test_page_table_transform(sorted_):
         assert (vals[:, :-1] >= vals[:, 1:]).all()
 
 
-def test_sorted_is_descending_with_minus_ones_last():
+@pytest.mark.parametrize("sort_max", [8192, 32], ids=["triton-sort", "torch-sort-past-sort-max"])
+def test_sorted_is_descending_with_minus_ones_last(sort_max, monkeypatch):
+    from backends.triton import topk as module
+
+    monkeypatch.setattr(module, "SORT_MAX", sort_max)
     gen = torch.Generator().manual_seed(10)
     logits = random_logits(6, 700, gen).clone()
     logits[0, ::2] = NAN

@@ -376,10 +376,11 @@ def _finish_kernel(
 @triton.jit
 def _sort_kernel(
     logits_ptr, stride_row, starts_ptr, stride_start, out_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
-    width, num_pt_rows, pages, k,
+    width, num_pt_rows, pages, k, sort_k,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KP: tl.constexpr,
 ):
-    """Orders one row's k positions by value, descending, -1s last; then the page transform."""
+    """Orders one row's first sort_k = min(k, W) positions (the rest are -1) by value, descending,
+    -1s last; then the page transform."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     start = 0
@@ -389,7 +390,7 @@ def _sort_kernel(
     pt_row, pages = _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
                               HAS_PAGES)
     offs = tl.arange(0, KP)
-    pos = tl.load(out_row + offs, mask=offs < k, other=-1)
+    pos = tl.load(out_row + offs, mask=offs < sort_k, other=-1)
     valid = pos >= 0
     x = tl.load(logits_ptr + row64 * stride_row + start + pos, mask=valid, other=0.0)
     # An empty slot sorts below every selectable key (-inf's key is above INT32_MIN); the low half
@@ -398,7 +399,7 @@ def _sort_kernel(
     packed = (key.to(tl.int64) << 32) | (pos.to(tl.int64) & 0xFFFFFFFF)
     pos = tl.sort(packed, descending=True).to(tl.int32)
     valid = pos >= 0
-    tl.store(out_row + offs, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=offs < k)
+    tl.store(out_row + offs, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=offs < sort_k)
 
 
 def topk_indices(
@@ -486,13 +487,44 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
                             num_warps=finish_warps)
     if sorted:
         with_pages = page_table is not None
+        # Slots past the width are -1 already (and stay last), so only min(k, W) are ordered. One
+        # program holds them in registers; past SORT_MAX the torch post-pass orders them instead.
+        sort_width = triton.next_power_of_2(max(min(k, width), 1))
+        if sort_width > SORT_MAX:
+            out = _sort_descending(logits, out, starts)
+            return _page_transform(out, page_table, page_rows, block_size) if with_pages else out
         page_args = (page_table if with_pages else dummy, page_table.stride(0) if with_pages else 0,
                      page_rows if with_pages else dummy, page_rows.stride(0) if with_pages else 0)
         table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if with_pages else (1, 0)
         _sort_kernel[(rows,)](logits, logits.stride(0), row_args[4], row_args[5], out, *page_args, width,
-                              table_rows, table_pages, k, HAS_STARTS=has_starts, HAS_PAGES=with_pages,
-                              BLOCK_SIZE=block_size, KP=triton.next_power_of_2(k), num_warps=finish_warps)
+                              table_rows, table_pages, k, min(k, width), HAS_STARTS=has_starts, HAS_PAGES=with_pages,
+                              BLOCK_SIZE=block_size, KP=sort_width, num_warps=finish_warps)
     return out
+
+
+# The most slots the sort kernel orders in one program's registers (int64 pairs; 8 warps: 32 a thread).
+SORT_MAX = 8192
+
+
+def _sort_descending(logits, out, starts):
+    # Descending by value, -1 slots last: a stable sort by value, then a stable sort by validity.
+    valid = out >= 0
+    cols = out.clamp(min=0).long()
+    if starts is not None:
+        cols = cols + starts.long()[:, None]
+    values = torch.where(valid, logits.gather(1, cols.clamp(max=max(logits.shape[1] - 1, 0))), float("-inf"))
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices
+    out = out.gather(1, order)
+    order = torch.sort((out >= 0).to(torch.int8), dim=1, descending=True, stable=True).indices
+    return out.gather(1, order)
+
+
+def _page_transform(out, page_table, page_rows, block_size):
+    valid = out >= 0
+    pos = out.clamp(min=0).long()
+    table_rows = page_table[page_rows.long()]
+    slots = table_rows.gather(1, (pos // block_size).clamp(max=page_table.shape[1] - 1)) * block_size + pos % block_size
+    return torch.where(valid, slots, -1).to(torch.int32)
 
 
 def _workspace(device: torch.device, rows: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
