@@ -52,7 +52,7 @@ SWEEP = [
     {"finish_warps": 16},
 ]
 FALLBACK = {"z": -1e9}  # the bracket is one bin: the exact radix select over each row, what a misjudged sample costs
-TIME_BUDGET_S = 190  # the lead's call is limited: configs past this are reported as skipped
+TIME_BUDGET_S = 170  # the lead's call is limited: sweep configs past a shape's share are reported as skipped
 KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "finish_warps")
 
 SMOKE = "--smoke" in sys.argv
@@ -150,8 +150,8 @@ def probe() -> None:
         default = launch_config(rows, width, K)
         results = []
 
-        def record(impl, config, fn, graph=True, to_positions=lambda out: out, descending=False):
-            if time.time() - started > TIME_BUDGET_S:
+        def record(impl, config, fn, graph=True, to_positions=lambda out: out, descending=False, budget=None):
+            if budget is not None and time.time() - started > budget:
                 results.append({"impl": impl, "config": config, "error": "skipped: over the probe's time budget"})
                 return
             try:
@@ -161,29 +161,35 @@ def probe() -> None:
             except Exception as exc:  # a config that fails to compile or run is reported, not fatal
                 results.append({"impl": impl, "config": config, "error": f"{type(exc).__name__}: {exc}"[:300]})
 
-        for change in SWEEP + [FALLBACK]:
-            cfg = {**default, **change}
-            impl = "triton two-pass" if change is FALLBACK else "triton"
-            record(impl, cfg, lambda cfg=cfg: launch(logits, lengths, K, **cfg))
+        # Always measured: the default config (graph and eager), the fused page-table transform
+        # (identity table: slots = positions), the Triton sort, the forced fallback, the peers.
+        record("triton", default, lambda: launch(logits, lengths, K, **default))
         record("triton eager", default, lambda: launch(logits, lengths, K, **default), graph=False)
-        best = min((r for r in results if r["impl"] == "triton" and "us" in r and r["exact"]),
-                   key=lambda r: r["us"], default=None)
-        cfg = default if best is None else best["config"]
-        # The fused page-table transform (identity table: slots = positions) and the Triton sort.
         table_pages = triton.cdiv(width, 64)
         page_table = torch.arange(rows * table_pages, dtype=torch.int32, device=DEVICE).reshape(rows, table_pages)
         page_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE)
-        record("triton +pages", cfg, lambda: launch(logits, lengths, K, page_table=page_table, page_rows=page_rows,
-                                                   block_size=64, **cfg),
+        record("triton +pages", default, lambda: launch(logits, lengths, K, page_table=page_table,
+                                                       page_rows=page_rows, block_size=64, **default),
                to_positions=lambda out: out.long() - page_rows[:, None].long() * table_pages * 64)
-        record("triton sorted", cfg, lambda: launch(logits, lengths, K, sorted=True, **cfg), descending=True)
+        record("triton sorted", default, lambda: launch(logits, lengths, K, sorted=True, **default), descending=True)
+        fallback = {**default, **FALLBACK}
+        record("triton two-pass", fallback, lambda: launch(logits, lengths, K, **fallback))
         record("torch.topk", {}, lambda: torch.topk(logits, K, dim=1).indices, graph=False)
         if fi is not None:
             offsets = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
             record("flashinfer ragged", {}, lambda: fi(logits, offsets, lengths, K), graph=False)
             record("flashinfer graph", {}, lambda: fi(logits, offsets, lengths, K))
+        # The sweep, within this shape's share of the time budget.
+        share = TIME_BUDGET_S * (SHAPES.index((name, batch, next_n, context)) + 1) / len(SHAPES)
+        for change in SWEEP[1:]:
+            cfg = {**default, **change}
+            record("triton", cfg, lambda cfg=cfg: launch(logits, lengths, K, **cfg), budget=share)
+        best = min((r for r in results if r["impl"] == "triton" and "us" in r and r["exact"]),
+                   key=lambda r: r["us"], default=None)
+        cfg = default if best is None else best["config"]
         fi_us = next((r["us"] for r in results if r["impl"] == "flashinfer ragged" and "us" in r), None)
-        split = kernel_times(lambda: launch(logits, lengths, K, sorted=True, **cfg))
+        split = kernel_times(lambda: launch(logits, lengths, K, sorted=True, page_table=page_table,
+                                            page_rows=page_rows, **cfg))
         for r in results:
             r.update(shape=name, rows=rows, width=width, floor_us=floor_us)
             if "us" in r:
@@ -192,7 +198,7 @@ def probe() -> None:
         rows_out.extend(results)
         rows_out.append({"shape": name, "kernel_us": split, "config": cfg})
         print(f"{name}: rows {rows} x W {width}, floor {floor_us:.1f} us, default {label(default)}, "
-              f"best {None if best is None else label(best['config'])}; per kernel at best (sorted): {split}",
+              f"best {None if best is None else label(best['config'])}; per kernel at best (sorted, pages): {split}",
               flush=True)
         for r in results:
             cfg_text = label(r["config"]) if r["config"] else "-"
@@ -215,6 +221,26 @@ def probe() -> None:
     print(f"\n# top-k probe, {device_name}, torch {torch.__version__}, triton {triton.__version__}, k={K}, "
           f"config = {','.join(KEYS)}, {time.time() - started:.0f} s")
     print("\n".join(table))
+    print("\n# summary (us; graph-replayed unless eager; bar = FlashInfer ragged / 3 at N4, / 2 otherwise)")
+    print(f"{'shape':13s} {'floor':>6s} {'FI':>6s} {'bar':>6s} {'default':>8s} {'best':>6s} {'eager':>6s} "
+          f"{'+pages':>7s} {'sorted':>7s} {'2-pass':>7s} {'torch':>6s}  per kernel at best")
+    for name, *_ in SHAPES:
+        got = {}
+        for r in rows_out:
+            if r.get("shape") == name and "us" in r and r["exact"]:
+                got[r["impl"]] = min(got.get(r["impl"], float("inf")), r["us"])
+        first = next((r for r in rows_out if r.get("shape") == name and r.get("impl") == "triton"), {})
+        fi_us = got.get("flashinfer ragged")
+        bar = fi_us / (3 if "N4" in name else 2) if fi_us else None
+        kernels = next((r["kernel_us"] for r in rows_out if r.get("shape") == name and "kernel_us" in r), {})
+
+        def cell(value, width=6):
+            return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}s}"
+
+        print(f"{name:13s} {cell(first.get('floor_us'))} {cell(fi_us)} {cell(bar)} {cell(first.get('us'), 8)} "
+              f"{cell(got.get('triton'))} {cell(got.get('triton eager'))} {cell(got.get('triton +pages'), 7)} "
+              f"{cell(got.get('triton sorted'), 7)} {cell(got.get('triton two-pass'), 7)} {cell(got.get('torch.topk'))}  "
+              f"{kernels}")
 
 
 def resources() -> None:
