@@ -282,3 +282,38 @@ def test_serving_shapes_on_gpu(batch, next_n, context, k):
     logits[torch.arange(width)[None, :] >= lengths[:, None].long()] = -INF
     out = topk_indices(logits.cuda(), lengths.cuda(), k)
     check(logits, lengths, k, out)
+
+
+@pytest.mark.parametrize("sorted_", [False, True], ids=["fused", "sorted"])
+def test_windows_and_pages_across_many_chunks(sorted_):
+    # Rows split over up to 10 programs each, windows starting mid-tile, keys outside each window
+    # +inf, and the page transform on both the split's and the finish's slots.
+    gen = torch.Generator().manual_seed(13)
+    rows, width, k, block = 6, 2600, 64, 16
+    logits = random_logits(rows, width, gen).clone()
+    starts = torch.tensor([0, 3, 250, 1000, 7, 2500], dtype=torch.int32)
+    lengths = torch.tensor([2600, 2597, 2000, 65, 64, 100], dtype=torch.int32)
+    for r in range(rows):
+        s, n = int(starts[r]), int(lengths[r])
+        logits[r, :s] = INF
+        logits[r, s + n:] = INF
+    pages = -(-width // block)
+    table = torch.arange(rows * pages, dtype=torch.int32).reshape(rows, pages).flip(1).contiguous()
+    page_rows = torch.arange(rows, dtype=torch.int32).flip(0).contiguous()
+    config = {**launch_config(rows, width, k), "block": 256, "tiles": 1}
+    out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, starts=starts.to(DEVICE), page_table=table.to(DEVICE),
+                 page_rows=page_rows.to(DEVICE), block_size=block, sorted=sorted_, **config).cpu()
+    # The table is invertible: slot -> (table row, page) -> position.
+    positions = torch.full_like(out, -1)
+    for r in range(rows):
+        slots = out[r][out[r] >= 0].long()
+        row_table = table[int(page_rows[r])].long()
+        page_index = (row_table[None, :] == (slots // block)[:, None]).int().argmax(dim=1)
+        assert (row_table[page_index] == slots // block).all(), f"row {r}: a slot outside its page table row"
+        positions[r, : slots.numel()] = (page_index * block + slots % block).to(torch.int32)
+    assert ((out >= 0) == (positions >= 0)).all()
+    check(logits, lengths, k, positions, starts=starts)
+    if sorted_:
+        vals = torch.stack([torch.where(positions[r] >= 0, logits[r, int(starts[r]) + positions[r].clamp(min=0).long()],
+                                        -INF) for r in range(rows)])
+        assert (vals[:, :-1] >= vals[:, 1:]).all()
