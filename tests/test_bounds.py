@@ -400,8 +400,9 @@ def test_a_refreshed_plan_guards_the_new_batch_in_place(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pool_given", [True, False], ids=["pool-given", "first-layer"])
 @pytest.mark.parametrize("layout", [Layout.NATIVE, Layout.FLATTEN])
-def test_out_of_range_pages_on_gpu(layout):
+def test_out_of_range_pages_on_gpu(layout, pool_given):
     """Serving-like shape on the GPU: entries of 2**31 - 1, -1 and num_blocks in needed and padding pages."""
     seq_lens, next_n = [3000, 64, 700, 1], 4
     batch = paged_batch(seq_lens, next_n, heads=64, head_dim=128, seed=9, device="cuda")
@@ -410,7 +411,7 @@ def test_out_of_range_pages_on_gpu(layout):
     table[0, 30], table[1, 5], table[2, 10] = 2**31 - 1, -1, num_blocks  # needed, padding, needed by a few
     max_len = max(seq_lens)
     poisoned = poisoned_tokens(table.cpu(), seq_lens, next_n, num_blocks, max_len)
-    plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
+    plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len, pool_given=pool_given)
     in_range = torch.where((table >= 0) & (table < num_blocks), table, 0)
     expected = expected_good_rows(plan, batch, in_range, max_len)
     for row, bad in enumerate(poisoned):
