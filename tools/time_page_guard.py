@@ -41,7 +41,8 @@ def plan_host_seconds(dispatcher, inputs, next_n: int, pool: int | None) -> floa
     batch = ForwardBatch(inputs.seq_lens, inputs.page_table, max(inputs.seq_lens_host), mode, next_n, num_kv_blocks=pool)
 
     def plan():
-        return build_plan(dispatcher, batch, kv_fp8_dtype=Fp8Dtype.E4M3FN, pinned={Op.PAGED_MQA_LOGITS: "triton"})
+        return build_plan(dispatcher, batch, kv_fp8_dtype=Fp8Dtype.E4M3FN, pinned={Op.PAGED_MQA_LOGITS: "triton"},
+                          allow_disabled=True)
 
     return time_host(plan, repeats=200, warmup=20)
 
