@@ -220,10 +220,40 @@ def test_exit_2_on_lint_findings(capsys, tmp_path):
     assert f"lint: {path}:7: ops.paged_mqa_logits.rules[1]: rule `cpu` can never fire" in err
 
 
-def test_exit_2_on_a_missing_registry_file(capsys, tmp_path):
+def test_exit_2_on_a_missing_registry_file_names_it_and_the_default(capsys, tmp_path, clean_environment):
+    from dispatch.runtime import DEFAULT_REGISTRY
+
     code, out, err = run(capsys, "validate", str(tmp_path / "missing.yaml"))
     assert_clean_exit_2(code, out, err)
-    assert "missing.yaml: cannot read the registry" in err
+    assert f"{tmp_path / 'missing.yaml'}: no registry file there (the path given)" in err
+    assert f"the packaged default is {DEFAULT_REGISTRY}" in err
+    clean_environment.setenv("DISPATCH_REGISTRY", str(tmp_path / "env.yaml"))
+    code, out, err = run(capsys, "explain")
+    assert_clean_exit_2(code, out, err)
+    assert "env.yaml: no registry file there (DISPATCH_REGISTRY)" in err and str(DEFAULT_REGISTRY) in err
+
+
+def test_the_packaged_registry_is_the_top_level_file():
+    from pathlib import Path
+
+    from dispatch.runtime import DEFAULT_REGISTRY
+
+    top_level = Path(__file__).resolve().parent.parent / "registry.yaml"
+    assert DEFAULT_REGISTRY == top_level  # dispatch/registry.yaml links to it: one file to edit
+
+
+def test_a_foreign_backends_package_is_named(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from dispatch.errors import PluginError
+    from dispatch.plugins import builtin_plugins
+
+    foreign = types.ModuleType("backends")
+    foreign.__file__ = str(tmp_path / "backends" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "backends", foreign)
+    with pytest.raises(PluginError, match="which is not dispatch-dsa's built-in backends package"):
+        builtin_plugins()
 
 
 @pytest.mark.parametrize(

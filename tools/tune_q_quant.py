@@ -1,6 +1,6 @@
 """Check, then time, the fused indexer Q quantisation on a GPU against the device's copy bandwidth.
 
-    PYTHONPATH=. python backends/triton/tune_q_quant.py [--out DIR] [--tokens 16384]
+    PYTHONPATH=. python tools/tune_q_quant.py [--out DIR] [--tokens 16384]
 
 Every launch config is compared byte for byte with the torch reference run on the CPU (the CUDA-run
 reference picked twice the scale for some amax exactly on FP8_MAX * 2^k; this run prints how often),

@@ -1,7 +1,7 @@
 """Times launch configs of the Triton paged MQA logits kernel at the serving shape, correctness first.
 
-    PYTHONPATH=. python backends/triton/tune_paged_mqa_logits.py --out $OUT    # on a GPU: sweep
-    PYTHONPATH=. python backends/triton/tune_paged_mqa_logits.py --resources   # no GPU: sm_90 registers
+    PYTHONPATH=. python tools/tune_paged_mqa_logits.py --out $OUT    # on a GPU: sweep
+    PYTHONPATH=. python tools/tune_paged_mqa_logits.py --resources   # no GPU: sm_90 registers
 
 The sweep measures the two ceilings (device copy bandwidth, fp8 _scaled_mm rate), builds one paged
 cache of B requests with lengths uniform in [low, high], checks every config against the torch
