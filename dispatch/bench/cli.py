@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import platform
+import sys
 
 from dispatch.key import Fp8Dtype, Op
 
@@ -15,20 +16,39 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", choices=[o.value for o in Op] + ["all"], default="all")
-    parser.add_argument("--batch-sizes", type=_ints, default=[32, 128])
-    parser.add_argument("--next-n", type=_ints, default=[1, 2, 4])
-    parser.add_argument("--lengths", type=_ints, default=[8192, 32768], help="mean lengths; each batch is uniform in [L/2, 3L/2]")
-    parser.add_argument("--tokens", type=_ints, default=[16384], help="tokens for indexer_q_quant")
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--op", choices=[o.value for o in Op] + ["all"], default="all", help="the op to time, or all (default: %(default)s)")
+    parser.add_argument("--batch-sizes", type=_ints, default=[32, 128], metavar="B,B,...", help="requests per batch (default: 32,128)")
+    parser.add_argument("--next-n", type=_ints, default=[1, 2, 4], metavar="N,N,...", help="tokens scored per request (default: 1,2,4)")
+    parser.add_argument("--lengths", type=_ints, default=[8192, 32768], metavar="L,L,...",
+                        help="mean lengths; each batch is uniform in [L/2, 3L/2] (default: 8192,32768)")
+    parser.add_argument("--tokens", type=_ints, default=[16384], metavar="T,T,...", help="tokens for indexer_q_quant (default: 16384)")
+    parser.add_argument("--heads", type=int, default=64, help="indexer heads H (default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=128, help="indexer head dim D (default: %(default)s)")
     parser.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the platform's")
-    parser.add_argument("--backends", help="comma-separated backend names (default: every available one)")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--backends", help="comma-separated backend names (default: every available one but the reference)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per backend and shape (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
-    parser.add_argument("--cluster")
-    parser.add_argument("--registry")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cluster", help="cluster overlay (default: DISPATCH_CLUSTER, else a declared match)")
+    parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")
+    parser.add_argument("--json", action="store_true", help="print the report (or {\"error\": ...}) as JSON")
+
+
+def _progress(message: str) -> None:
+    # Progress goes to stderr, so `--json > report.json` and pipes get the report alone.
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _cpu_note() -> None:
+    """On a CPU, say what the report can and cannot show, before the user waits for it."""
+    from dispatch.detect import triton_interpreter_on
+
+    _progress("no GPU visible to torch: CPU timings show no kernel's GPU speed")
+    if not triton_interpreter_on():
+        _progress(
+            "the Triton backends cannot run here (TRITON_INTERPRET is not 1) and the torch reference is timed "
+            "only when named, so nothing may be timed; run `TRITON_INTERPRET=1 python -m dispatch bench --quick` "
+            "to check the Triton kernels under the interpreter, or add `--backends torch.reference`"
+        )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -46,24 +66,30 @@ def run_bench(args: argparse.Namespace) -> int:
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.host_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
+    if device == "cpu":
+        _cpu_note()
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
     rows = []
-    if args.op in ("all", Op.PAGED_MQA_LOGITS.value):
-        for batch_size in args.batch_sizes:
-            for length in args.lengths:
-                for next_n in args.next_n:
-                    shape = LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
-                    rows += bench_logits(
-                        dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats,
-                        tolerance=tolerance, wanted=wanted,
-                    )
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
-    if args.op in ("all", Op.INDEXER_Q_QUANT.value):
-        for tokens in args.tokens:
-            shape = QuantShape(tokens, args.heads, args.head_dim)
-            rows += bench_quant(dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
+    logits_shapes = [
+        LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
+        for batch_size in args.batch_sizes
+        for length in args.lengths
+        for next_n in args.next_n
+    ] if args.op in ("all", Op.PAGED_MQA_LOGITS.value) else []
+    quant_shapes = [QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens] if args.op in ("all", Op.INDEXER_Q_QUANT.value) else []
+    total = len(logits_shapes) + len(quant_shapes)
+    for number, shape in enumerate(logits_shapes, 1):
+        _progress(f"[{number}/{total}] paged_mqa_logits {shape.label()}")
+        rows += bench_logits(
+            dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats,
+            tolerance=tolerance, wanted=wanted,
+        )
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for number, shape in enumerate(quant_shapes, len(logits_shapes) + 1):
+        _progress(f"[{number}/{total}] indexer_q_quant {shape.label()}")
+        rows += bench_quant(dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
     report = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
         "date": datetime.date.today().isoformat(),
@@ -74,6 +100,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "dispatch_overhead": dispatch_overhead(dispatcher, device=device),
         "rows": [row.as_dict() for row in rows],
     }
+    if not rows:
+        _progress("no backend was timed: none of those asked for is available here (`python -m dispatch backends` says why)")
     print(json.dumps(report, indent=2) if args.json else report_text(report))
     failed = [row for row in report["rows"] if row["check"] != "ok"]
     return 1 if failed else 0
