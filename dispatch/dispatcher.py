@@ -21,6 +21,9 @@ from dispatch.key import Arch, DispatchKey, Op
 from dispatch.registry.document import RegistryDocument
 
 logger = logging.getLogger("dispatch")
+# The torch reference's plugin: correct everywhere, and far slower than a GPU kernel.
+REFERENCE_PLUGIN = "backends.reference.plugin"
+_warned_reference: set[tuple[Op, Arch]] = set()  # once per process, not once per dispatcher or reload
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Dispatcher:
                 cached = self._decide(op, key)
                 self._cache[(op, key)] = cached
                 self._log(cached)
+                self._warn_if_reference_on_a_gpu(cached)
         return cached
 
     def pin(self, op: Op | str, key: DispatchKey, backend: str, *, allow_disabled: bool = False) -> Decision:
@@ -175,10 +179,30 @@ class Dispatcher:
                 disabled[name] = f"disabled by cluster `{self.cluster}`"
         return disabled
 
+    def _warn_if_reference_on_a_gpu(self, decision: Decision) -> None:
+        """A GPU that lands on the torch reference is far slower than it should be: say so, and why, once."""
+        if not self.check_availability or self.host_arch is Arch.CPU or decision.plugin != REFERENCE_PLUGIN:
+            return  # a what-if describes another machine; on a CPU the reference is the fast path
+        if (decision.op, self.host_arch) in _warned_reference:
+            return
+        _warned_reference.add((decision.op, self.host_arch))
+        # The backends the registry named first are the why; the rest never had a chance.
+        named = [r for r in decision.rejected if " names it, but " in r.reason] or list(decision.rejected)
+        logger.warning(
+            "%s on this %s GPU runs on the torch reference `%s` (correct, but far slower than a GPU kernel), "
+            "chosen by %s at %s; %s (python -m dispatch explain shows every candidate)",
+            decision.op.value,
+            self.host_arch.value,
+            decision.backend,
+            decision.chosen_by,
+            decision.key,
+            "; ".join(f"{r.backend}: {r.reason}" for r in named) or "no other backend is registered",
+        )
+
     def _log(self, decision: Decision) -> None:
         others = ", ".join(r.backend for r in decision.rejected)
         logger.info(
-            "dispatch: using %s (%s, %s %s) for %s at %s out of [%s]",
+            "using %s (%s, %s %s) for %s at %s out of [%s]",
             decision.backend,
             decision.layout.value,
             decision.source,
