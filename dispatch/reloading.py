@@ -23,7 +23,8 @@ from dispatch.dispatcher import Dispatcher
 from dispatch.errors import RegistryError
 from dispatch.key import Arch
 from dispatch.registry.document import load_registry
-from dispatch.runtime import build_dispatcher, registry_path
+from dispatch.plugins import collect_backends
+from dispatch.runtime import build_dispatcher, load_plugins, registry_path
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,25 @@ class ReloadResult:
 
 
 class LiveDispatcher:
-    """The current Dispatcher for one registry file and catalog; `current` is read without a lock."""
+    """The current Dispatcher for one registry file and catalog; `current` is read without a lock.
+
+        live = LiveDispatcher("/etc/dispatch/registry.yaml")   # or LiveDispatcher(): DISPATCH_REGISTRY, else the packaged file
+
+    The catalog (the backends the plugins registered) is collected once, when not given: a reload
+    re-reads the file, not the plugins.
+    """
 
     def __init__(
         self,
-        catalog: Catalog,
         registry: str | os.PathLike | None = None,
         *,
+        catalog: Catalog | None = None,
         cluster: str | None = None,
         arch: Arch | str | None = None,
         check_availability: bool | None = None,
     ) -> None:
         self.path: Path = registry_path(registry)
-        self.catalog = catalog
+        self.catalog = collect_backends(load_plugins()) if catalog is None else catalog
         self._options = {"cluster": cluster, "arch": arch, "check_availability": check_availability}
         self._lock = threading.Lock()
         # The first load has no older registry to keep: its RegistryError propagates.
