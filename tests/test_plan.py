@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dispatch.checks import check_logits_inputs
 from dispatch.errors import DtypeMismatchError, InvalidKeyError, LayoutError
@@ -341,3 +343,21 @@ def test_q_in_layout_refuses_the_wrong_token_count():
         plan.q_in_layout(torch.zeros(5, HEADS, HEAD_DIM))
     with pytest.raises(LayoutError, match="B\\*N=6"):
         plan.q_in_layout(torch.zeros(3, 2, HEADS, HEAD_DIM))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(-3, 40), min_size=1, max_size=6), st.integers(-1, 45))
+def test_a_cpu_batch_is_accepted_exactly_when_every_request_can_occur(next_n, values, bound):
+    from dispatch.errors import InvalidBatchError
+
+    seq_lens = torch.tensor(values, dtype=torch.int32)
+    pages = torch.zeros(len(values), 1, dtype=torch.int32)
+    can_occur = all(next_n <= length <= bound for length in values)
+    try:
+        ForwardBatch(seq_lens, pages, bound, ForwardMode.TARGET_VERIFY, next_n)
+    except InvalidBatchError as error:
+        assert not can_occur
+        first_bad = next(i for i, length in enumerate(values) if not next_n <= length <= bound)
+        assert f"request {first_bad} has seq_len {values[first_bad]}" in str(error)
+    else:
+        assert can_occur
