@@ -2,8 +2,9 @@
 
     dispatcher = load_dispatcher()                       # registry.yaml + plugins, this machine
     plan = build_plan(dispatcher, batch, kv_fp8_dtype=...)  # once per batch: decisions + layout tensors
-    q_fp8, w = quantize_q(plan, q, weights, positions, cos_sin, rope=..., softmax_scale=..., head_scale=...)
+    q_fp8, w = indexer_q_quant(plan, q, weights, positions, cos_sin, rope=..., softmax_scale=..., head_scale=...)
     logits = paged_mqa_logits(plan, q_fp8, kv_cache, w)  # per layer, through the decided backend
+    indices = topk(plan, logits, 2048)                   # int32 [B*N, 2048], -1 past a token's keys
 """
 
 from dispatch.decision import Decision, Rejection
@@ -39,8 +40,9 @@ __all__ = [
     "Rejection",
     "build_plan",
     "load_dispatcher",
+    "indexer_q_quant",
     "paged_mqa_logits",
-    "quantize_q",
+    "topk",
 ]
 
 
@@ -54,7 +56,7 @@ def __getattr__(name):
         from dispatch.plan import build_plan
 
         return build_plan
-    if name in ("paged_mqa_logits", "quantize_q"):
+    if name in ("indexer_q_quant", "paged_mqa_logits", "topk"):
         from dispatch import ops
 
         return getattr(ops, name)

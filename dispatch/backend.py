@@ -10,6 +10,8 @@ from typing import Any, Callable
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.layout import Layout
 
+# A backend's name: what registry.yaml and plugins spell the same way (checked with re.fullmatch).
+BACKEND_NAME = r"[a-z0-9][a-z0-9_.\-]*"
 ALL_ARCHS = frozenset(Arch)
 ALL_MODES = frozenset(ForwardMode)
 ALL_FP8_DTYPES = frozenset(Fp8Dtype)
@@ -78,9 +80,13 @@ class Availability:
 class Backend:
     """One implementation of one op, in one layout.
 
-    `run` is the kernel entry point (its arguments are the op's, see dispatch.ops).
+    `run` is the kernel entry point; its arguments are the op's call convention, a Protocol in
+    dispatch.contract (OP_CONTRACTS names it per op).
     `probe` answers availability on this machine; it is called at most once per process.
-    `prepare`, when given, builds per-batch state (a schedule) once per plan, never per layer.
+    `prepare(plan)`, when given, builds per-batch state (a schedule) once per plan, never per layer;
+    the plan keeps it per op (plan.state_of(op)).
+    `refresh_state(captured, fresh)`, required with `prepare` for CUDA graphs, writes a fresh batch's
+    state into the captured one in place (a graph replays the captured tensors' addresses).
     """
 
     name: str
@@ -90,6 +96,7 @@ class Backend:
     run: Callable[..., Any]
     probe: Callable[[], Availability] = Availability.yes
     prepare: Callable[..., Any] | None = None
+    refresh_state: Callable[[Any, Any], None] | None = None
     version: str = ""
     description: str = ""
     # Filled in by the host when the backend is registered; a plugin leaves it empty.

@@ -106,7 +106,7 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
 
     command("schema", "the JSON Schema of registry.yaml, for editors", _schema)
 
-    from dispatch.bench.cli import add_arguments
+    from dispatch.bench.command import add_arguments
 
     add_arguments(command("bench", "check then time every backend available here", _bench))
     return parser
@@ -155,22 +155,26 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from dispatch.plugins import collect_backends
-    from dispatch.registry.checks import check_backend_names, lint
-    from dispatch.registry.document import load_registry
-    from dispatch.runtime import load_plugins, registry_path
+    from dispatch.registry.checks import lint
+    from dispatch.runtime import load_dispatcher
 
-    document = load_registry(registry_path(args.path))
-    catalog = collect_backends(load_plugins())
-    check_backend_names(document, catalog)
-    findings = lint(document, catalog)
+    dispatcher = load_dispatcher(args.path)  # the same assembly an engine runs: names checked, cluster resolved
+    document = dispatcher.document
+    findings = [str(f) for f in lint(document, dispatcher.catalog)]
+    findings += [
+        f"{document.path}: ops.{op.value}: no table for this op; every {op.value} decision would fail"
+        for op in Op
+        if op not in document.registry.ops
+    ]
     for finding in findings:
         print(f"lint: {finding}", file=sys.stderr)
     if findings:
         return EXIT_INVALID
-    rules = sum(len(t.rules) for t in document.registry.ops.values())
+    tables = document.registry.ops
+    rules = sum(len(t.rules) for t in tables.values())
+    per_op = ", ".join(f"{op.value} {len(tables[op].rules)}" for op in Op if op in tables)
     print(
-        f"ok: {document.path}: {rules} rules over {len(document.registry.ops)} ops, "
+        f"ok: {document.path}: {rules} rules over {len(tables)} ops ({per_op}), "
         f"{len(document.registry.clusters)} clusters (fingerprint {document.fingerprint})"
     )
     return EXIT_OK
@@ -194,6 +198,6 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dispatch.bench.cli import run_bench
+    from dispatch.bench.command import run_bench
 
     return run_bench(args)

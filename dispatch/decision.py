@@ -33,6 +33,7 @@ class Decision:
     rejected: tuple[Rejection, ...]
     registry_fingerprint: str
     availability_checked: bool = True
+    rule_at: str = ""  # "registry.yaml:LINE" of the rule, prefer or fallback entry that chose it ("" if pinned)
     # The resolved implementation; not part of the value's identity or its JSON.
     impl: Backend = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
 
@@ -58,4 +59,5 @@ class Decision:
             "rejected": [r.as_dict() for r in self.rejected],
             "registry_fingerprint": self.registry_fingerprint,
             "availability_checked": self.availability_checked,
+            "rule_at": self.rule_at,
         }

@@ -29,12 +29,12 @@ def detect_arch() -> Arch:
         return Arch.CPU
     if not torch.cuda.is_available():
         return Arch.CPU
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
     if getattr(torch.version, "hip", None):
-        gcn = getattr(props, "gcnArchName", "").split(":")[0]
+        gcn = rocm_gcn_arch()
         if gcn not in _ROCM_PREFIX:
             raise InvalidKeyError(f"ROCm GPU `{gcn}` is not a known arch; set DISPATCH_ARCH to one of gfx942, gfx950")
         return _ROCM_PREFIX[gcn]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
     if props.major not in _CUDA_MAJOR:
         raise InvalidKeyError(
             f"CUDA capability {props.major}.{props.minor} is not a known arch; set DISPATCH_ARCH to one of "
@@ -46,6 +46,17 @@ def detect_arch() -> Arch:
 def cuda_arch(major: int, minor: int) -> Arch:
     """The arch of a CUDA compute capability (the caller has checked the major is known)."""
     return _CUDA_EXACT.get((major, minor), _CUDA_MAJOR[major])
+
+
+def rocm_gcn_arch() -> str:
+    """The ROCm GPU's gcnArchName without its feature flags ("gfx942:sramecc+:xnack-" -> "gfx942");
+    '' on CUDA or without a GPU."""
+    import torch
+
+    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return ""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "gcnArchName", "").split(":")[0]
 
 
 def platform_fp8_dtype(arch: Arch) -> Fp8Dtype:

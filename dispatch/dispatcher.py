@@ -32,6 +32,7 @@ class _Step:
     rule: str
     source: str
     label: str  # how explain names the step: "rule `x`", "cluster `c` prefer", "fallback[1]"
+    location: tuple  # where registry.yaml says it: ("ops", op, "rules", i), ("clusters", c, "prefer", i), ...
 
 
 class Dispatcher:
@@ -41,13 +42,15 @@ class Dispatcher:
         catalog: Catalog,
         *,
         cluster: str | None,
-        host_arch: Arch,
+        target_arch: Arch,
         check_availability: bool = True,
     ) -> None:
+        """`target_arch` is the arch decisions are made for: this machine's, or another in a what-if
+        (then `check_availability` is normally off, since this machine's availability says nothing)."""
         self.document = document
         self.catalog = catalog
         self.cluster = cluster
-        self.host_arch = host_arch
+        self.target_arch = target_arch
         self.check_availability = check_availability
         self._disabled = self._disabled_backends()
         self._cache: dict[tuple[Op, DispatchKey], Decision] = {}
@@ -83,7 +86,15 @@ class Dispatcher:
         reason = self._why_ineligible(impl, key, respect_disabled=not allow_disabled)
         if reason:
             raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
-        return self._decision(op, key, impl, "pinned", "pinned", ())
+        return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), ())
+
+    def eligible(self, op: Op | str, key: DispatchKey, *, respect_disabled: bool = True) -> list[Backend]:
+        """Every registered backend of `op` that could serve `key` here (what a benchmark compares),
+        by the same test the decision uses; `respect_disabled=False` includes disabled ones."""
+        op = Op(op)
+        return [
+            b for b in self.catalog.for_op(op) if not self._why_ineligible(b, key, respect_disabled=respect_disabled)
+        ]
 
     def _decide(self, op: Op, key: DispatchKey) -> Decision:
         candidates = self.catalog.for_op(op)
@@ -113,18 +124,20 @@ class Dispatcher:
                 reason = unnamed
             rejected.append(Rejection(backend.name, reason))
         impl = self.catalog.get(op, chosen.backend)
-        return self._decision(op, key, impl, chosen.rule, chosen.source, tuple(rejected))
+        return self._decision(op, key, impl, chosen, tuple(rejected))
 
     def _decision(
-        self, op: Op, key: DispatchKey, impl: Backend, rule: str, source: str, rejected: tuple[Rejection, ...]
+        self, op: Op, key: DispatchKey, impl: Backend, step: _Step, rejected: tuple[Rejection, ...]
     ) -> Decision:
+        line = self.document.line_of(step.location) if step.location else None
         return Decision(
             op=op,
             key=key,
             backend=impl.name,
             layout=impl.layout,
-            rule=rule,
-            source=source,
+            rule=step.rule,
+            source=step.source,
+            rule_at=f"{self.document.path}:{line}" if line else "",
             cluster=self.cluster,
             plugin=impl.plugin,
             rejected=rejected,
@@ -138,12 +151,18 @@ class Dispatcher:
         if self.cluster is not None:
             for index, name in enumerate(self.document.registry.clusters[self.cluster].prefer):
                 if self.catalog.get(op, name) is not None:
-                    steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", f"cluster `{self.cluster}` prefer[{index}]"))
+                    label = f"cluster `{self.cluster}` prefer[{index}]"
+                    location = ("clusters", self.cluster, "prefer", index)
+                    steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", label, location))
         table = self.document.registry.table(op)
-        rule = next((r for r in table.rules if r.when.matches(key)), None)
-        if rule is not None:
-            steps += [_Step(name, rule.id, "rule", f"rule `{rule.id}`") for name in rule.use]
-        steps += [_Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]") for i, name in enumerate(table.fallback)]
+        index = next((i for i, r in enumerate(table.rules) if r.when.matches(key)), None)
+        if index is not None:
+            rule, location = table.rules[index], ("ops", op.value, "rules", index)
+            steps += [_Step(name, rule.id, "rule", f"rule `{rule.id}`", location) for name in rule.use]
+        steps += [
+            _Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]", ("ops", op.value, "fallback", i))
+            for i, name in enumerate(table.fallback)
+        ]
         return steps
 
     def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:
@@ -181,22 +200,22 @@ class Dispatcher:
 
     def _warn_if_reference_on_a_gpu(self, decision: Decision) -> None:
         """A GPU that lands on the torch reference is far slower than it should be: say so, and why, once."""
-        if not self.check_availability or self.host_arch is Arch.CPU or decision.plugin != REFERENCE_PLUGIN:
+        if not self.check_availability or self.target_arch is Arch.CPU or decision.plugin != REFERENCE_PLUGIN:
             return  # a what-if describes another machine; on a CPU the reference is the fast path
-        if (decision.op, self.host_arch) in _warned_reference:
-            return
-        _warned_reference.add((decision.op, self.host_arch))
+        if not decision.rejected or (decision.op, self.target_arch) in _warned_reference:
+            return  # an op whose only backend is the reference (top-k today) has no faster path to miss
+        _warned_reference.add((decision.op, self.target_arch))
         # The backends the registry named first are the why; the rest never had a chance.
         named = [r for r in decision.rejected if " names it, but " in r.reason] or list(decision.rejected)
         logger.warning(
             "%s on this %s GPU runs on the torch reference `%s` (correct, but far slower than a GPU kernel), "
             "chosen by %s at %s; %s (python -m dispatch explain shows every candidate)",
             decision.op.value,
-            self.host_arch.value,
+            self.target_arch.value,
             decision.backend,
             decision.chosen_by,
             decision.key,
-            "; ".join(f"{r.backend}: {r.reason}" for r in named) or "no other backend is registered",
+            "; ".join(f"{r.backend}: {r.reason}" for r in named),
         )
 
     def _log(self, decision: Decision) -> None:

@@ -20,10 +20,6 @@ from dispatch.key import DispatchKey, Op
 if TYPE_CHECKING:
     from dispatch.plan import IndexerPlan
 
-# Page size of the example page table explain builds for --seq-lens (the layouts do not depend on it).
-EXAMPLE_BLOCK = 64
-
-
 @dataclass(frozen=True)
 class Explanation:
     """The decisions for a key, and with seq_lens the plan an engine would build for that batch."""
@@ -69,23 +65,19 @@ def explain(
     from dispatch.plan import build_plan
 
     plan = build_plan(dispatcher, example_batch(seq_lens, key), kv_fp8_dtype=key.fp8_dtype, arch=key.arch, prepare=False)
-    return Explanation(dispatcher, (plan.logits, plan.q_quant), plan)
+    return Explanation(dispatcher, tuple(plan.decisions.values()), plan)
 
 
 def example_batch(seq_lens: Sequence[int], key: DispatchKey):
     """A ForwardBatch on the CPU for these lengths: pages numbered in request order."""
     import torch
 
+    from dispatch.bench.paged_cache import page_table_for
     from dispatch.plan import ForwardBatch
 
-    pages = [max(-(-length // EXAMPLE_BLOCK), 1) for length in seq_lens]
-    table = torch.zeros(len(seq_lens), max(pages, default=1), dtype=torch.int32)
-    first = 0
-    for row, count in enumerate(pages):
-        table[row, :count] = torch.arange(first, first + count)
-        first += count
-    lengths = torch.tensor(list(seq_lens), dtype=torch.int32)
-    return ForwardBatch(lengths, table, max(seq_lens, default=0), key.forward_mode, key.next_n)
+    lengths = list(seq_lens)
+    table = page_table_for(lengths)
+    return ForwardBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths, default=0), key.forward_mode, key.next_n)
 
 
 def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
@@ -93,10 +85,7 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
     lines = [f"{decision.op.value} for {decision.key}"]
     if not decision.availability_checked:
         lines.append("  what-if: availability on this machine was not checked for this key")
-    where = ""
-    if decision.source == "rule":
-        index = next(i for i, r in enumerate(document.registry.table(decision.op).rules) if r.id == decision.rule)
-        where = f" ({document.path}:{document.line_of(('ops', decision.op.value, 'rules', index))})"
+    where = f" ({decision.rule_at})" if decision.rule_at else ""
     lines += [
         f"  chosen:   {decision.backend}",
         f"  layout:   {decision.layout.value}: {decision.layout.describe()}",

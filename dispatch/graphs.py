@@ -10,7 +10,6 @@ import torch
 
 from dispatch.errors import GraphMismatchError
 from dispatch.indexer import IndexerStep
-from dispatch.key import Op
 from dispatch.plan import ForwardBatch, IndexerPlan, build_plan
 
 
@@ -54,8 +53,10 @@ class CapturedIndexerStep:
         # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
         plan.context_lens.copy_(fresh.context_lens)
         plan.block_table[:, : fresh.block_table.shape[1]].copy_(fresh.block_table)
-        if isinstance(plan.state, torch.Tensor):
-            plan.state.copy_(fresh.state)
+        # Each backend with per-batch state rewrites its captured state in place (check_replayable
+        # has refused a backend that has state but no way to refresh it).
+        for op, state in plan.states.items():
+            plan.decision(op).impl.refresh_state(state, fresh.state_of(op))
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
@@ -64,7 +65,7 @@ class CapturedIndexerStep:
 
 def check_replayable(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerPlan) -> None:
     """Raise GraphMismatchError unless `batch` (planned afresh as `fresh`) can replay a graph captured
-    with `captured`: same shapes, within the captured bounds, and the same decision for both ops."""
+    with `captured`: same shapes, within the captured bounds, and the same decision for every op."""
     if batch.seq_lens.shape[0] != captured.batch_size or batch.next_n != captured.next_n:
         raise GraphMismatchError(
             f"graph captured for B={captured.batch_size}, next_n={captured.next_n}; "
@@ -79,9 +80,15 @@ def check_replayable(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerP
             f"page table has {batch.page_table.shape[1]} columns; the graph was captured with "
             f"{captured.block_table.shape[1]}"
         )
-    for op, then, now in ((Op.PAGED_MQA_LOGITS, captured.logits, fresh.logits), (Op.INDEXER_Q_QUANT, captured.q_quant, fresh.q_quant)):
+    for op, then in captured.decisions.items():
+        now = fresh.decision(op)
         if (now.backend, now.layout) != (then.backend, then.layout):
             raise GraphMismatchError(
                 f"{op.value}: this batch ({fresh.key}) decides `{now.backend}` ({now.layout.value}, {now.rule}); "
                 f"the graph was captured with `{then.backend}` ({then.layout.value}, {then.rule})"
+            )
+        if op in captured.states and then.impl.refresh_state is None:
+            raise GraphMismatchError(
+                f"{op.value}: backend `{then.backend}` keeps per-batch state but has no refresh_state, so a "
+                "captured graph cannot follow a new batch"
             )

@@ -1,5 +1,5 @@
 """The indexer step as a serving engine calls it, shaped like SGLang's init_forward_metadata /
-_get_topk_paged pair: `plan` once per batch, then `select` in every layer."""
+_get_topk_paged pair: `plan` once per batch, then `select` in every layer (Q quant, logits, top-k)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,11 @@ import torch
 
 from dispatch.dispatcher import Dispatcher
 from dispatch.key import Fp8Dtype
-from dispatch.ops import paged_mqa_logits, quantize_q
+from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
 from dispatch.plan import ForwardBatch, IndexerPlan, build_plan
 from dispatch.rope import RopeSpec
 
 DEFAULT_TOPK = 2048
-
-
-def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """int32 [rows, k]: each row's top-k key positions, best first; masked or missing slots are -1."""
-    rows, width = logits.shape
-    take = min(k, width)
-    values, indices = torch.topk(logits, take, dim=-1)
-    indices = indices.to(torch.int32).masked_fill_(torch.isneginf(values), -1)
-    if take == k:
-        return indices
-    return torch.cat([indices, indices.new_full((rows, k - take), -1)], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -37,6 +26,9 @@ class IndexerStep:
     softmax_scale: float
     head_scale: float
     topk: int = DEFAULT_TOPK
+    # Return physical KV slots (page_table[b, i // block] * block + i % block) instead of positions,
+    # as sparse attention reads them next; fused into the top-k backend.
+    transform_to_slots: bool = False
 
     def plan(self, batch: ForwardBatch) -> IndexerPlan:
         """Once per batch: decide, and build the decided layout's tensors (no host-device sync)."""
@@ -51,8 +43,9 @@ class IndexerStep:
         cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """Per layer: quantise q [B*N, H, D], score every visible cached key, keep the top-k per token."""
-        q_fp8, folded = quantize_q(
+        """Per layer: quantise q [B*N, H, D], score every visible cached key, keep the top-k per token:
+        int32 [B*N, topk], -1 past what a token sees; each step through the plan's decision for it."""
+        q_fp8, folded = indexer_q_quant(
             plan,
             q,
             weights,
@@ -63,4 +56,4 @@ class IndexerStep:
             head_scale=self.head_scale,
         )
         logits = paged_mqa_logits(plan, q_fp8, kv_cache, folded)
-        return topk_indices(logits, self.topk)
+        return topk(plan, logits, self.topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])

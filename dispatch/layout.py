@@ -13,6 +13,8 @@ class Layout(str, enum.Enum):
     FLATTEN = "flatten"
     # indexer Q quantisation works token by token: q [T, H, D], weights [T, H].
     TOKENS = "tokens"
+    # top-k works on logits rows: logits [rows, W], visible lengths [rows] (request-major tokens).
+    ROWS = "rows"
 
     def describe(self) -> str:
         return _DESCRIPTIONS[self]
@@ -22,6 +24,7 @@ _DESCRIPTIONS = {
     Layout.NATIVE: "q [B, N, H, D], context lens [B, N], block table [B, M]",
     Layout.FLATTEN: "q [B*N, 1, H, D], context lens [B*N, 1], block table [B*N, M] (repeated per token)",
     Layout.TOKENS: "q [T, H, D], weights [T, H]",
+    Layout.ROWS: "logits [rows, W], lengths [rows], starts [rows] or none",
 }
 
 

@@ -1,19 +1,6 @@
-"""The call convention of each op, as a backend's `run` receives it.
-
-paged_mqa_logits:  run(plan, q, kv_cache, weights) -> fp32 logits [B*N, plan.max_context_len]
-    q is fp8 in plan.layout (native [B, N, H, D]; flatten [B*N, 1, H, D]), kv_cache uint8
-    [num_blocks, block_kv, 1, D + 4], weights fp32 [B*N, H]. The run checks its inputs with
-    dispatch.checks.check_logits_inputs and writes -inf at every position past a token's length.
-
-indexer_q_quant:   run(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_scale,
-                       head_scale) -> (q fp8 [T, H, D], fp32 weights [T, H])
-    fp8_dtype comes from the decision's key, never from the backend.
-
-A backend that raises (a kernel launch failure, a missing symbol) surfaces as BackendError naming the
-backend, op, key and rule, chained to the original. The project's own errors (LayoutError and
-DtypeMismatchError from a backend's input checks) and CUDA out-of-memory pass through unchanged.
-There is no fallback to another backend.
-"""
+"""Each op called through the plan's decision for it. The call conventions a backend's `run`
+follows are the Protocols in dispatch.contract; every call goes through dispatch.calling.call_backend,
+so a backend's own failure surfaces as BackendError naming what chose it."""
 
 from __future__ import annotations
 
@@ -21,12 +8,14 @@ from typing import Any
 
 import torch
 
-from dispatch.backend_call import call_backend
+from dispatch.calling import call_backend
+from dispatch.key import Op
+from dispatch.kv_cache import BLOCK_KV
 from dispatch.plan import IndexerPlan
 from dispatch.rope import RopeSpec
 
 
-def quantize_q(
+def indexer_q_quant(
     plan: IndexerPlan,
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -38,13 +27,14 @@ def quantize_q(
     head_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise per-token q [B*N, H, D] through the plan's decided backend, into the plan's fp8 dtype."""
+    decision = plan.decision(Op.INDEXER_Q_QUANT)
     return call_backend(
-        plan.q_quant,
+        decision,
         q,
         weights,
         positions,
         cos_sin_cache,
-        fp8_dtype=plan.q_quant.key.fp8_dtype,
+        fp8_dtype=decision.key.fp8_dtype,
         rope=rope,
         softmax_scale=softmax_scale,
         head_scale=head_scale,
@@ -53,4 +43,22 @@ def quantize_q(
 
 def paged_mqa_logits(plan: IndexerPlan, q_tokens: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> Any:
     """Paged MQA logits through the plan's decided backend; q_tokens is per-token fp8 [B*N, H, D]."""
-    return call_backend(plan.logits, plan, plan.q_in_layout(q_tokens), kv_cache, weights)
+    return call_backend(plan.decision(Op.PAGED_MQA_LOGITS), plan, plan.q_in_layout(q_tokens), kv_cache, weights)
+
+
+def topk(
+    plan: IndexerPlan,
+    logits: torch.Tensor,
+    k: int,
+    *,
+    transform_to_slots: bool = False,
+    block_size: int = BLOCK_KV,
+    sorted: bool = False,
+) -> torch.Tensor:
+    """int32 [B*N, k]: each token's top-k visible key positions through the plan's decided backend,
+    over the plan's per-token visible lengths; -1 past what a token sees. With `transform_to_slots`
+    each position becomes its physical KV slot through the plan's block table (pages of `block_size`)."""
+    transform = {}
+    if transform_to_slots:
+        transform = {"page_table": plan.block_table, "page_rows": plan.page_rows, "block_size": block_size}
+    return call_backend(plan.decision(Op.TOPK), logits, plan.token_lengths, k, sorted=sorted, **transform)

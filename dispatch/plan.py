@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dispatch.backend_call import call_backend
+from dispatch.calling import call_backend
 from dispatch.decision import Decision
 from dispatch.errors import InvalidBatchError, LayoutError
 from dispatch.fp8 import fp8_dtype_of
@@ -92,19 +93,49 @@ def _described(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
+# The ops a batch's plan decides, in the order IndexerStep.select runs them. Adding an op to the
+# indexer step means adding it here; its per-batch work is its backend's `prepare`, kept per op.
+STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.PAGED_MQA_LOGITS, Op.TOPK)
+
+
 @dataclass(frozen=True, eq=False)
 class IndexerPlan:
     """Decisions plus layout tensors. Backends read only this; nothing re-derives the path."""
 
     key: DispatchKey
-    logits: Decision
-    q_quant: Decision
+    decisions: Mapping[Op, Decision]  # one per op of STEP_OPS
     batch_size: int
     next_n: int
     context_lens: torch.Tensor  # native [B, N]; flatten [B*N, 1]
     block_table: torch.Tensor  # native [B, M]; flatten [B*N, M]
     max_context_len: int
-    state: Any = None  # the logits backend's per-batch state (e.g. a DeepGEMM schedule)
+    page_rows: torch.Tensor | None = None  # int32 [B*N]: the block_table row that serves each token
+    states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
+
+    def decision(self, op: Op) -> Decision:
+        if op not in self.decisions:
+            raise LayoutError(f"the plan decided {', '.join(o.value for o in self.decisions)}; not {Op(op).value}")
+        return self.decisions[op]
+
+    def state_of(self, op: Op) -> Any:
+        return self.states.get(op)
+
+    @property
+    def logits(self) -> Decision:
+        return self.decision(Op.PAGED_MQA_LOGITS)
+
+    @property
+    def indexer_q_quant(self) -> Decision:
+        return self.decision(Op.INDEXER_Q_QUANT)
+
+    @property
+    def topk(self) -> Decision:
+        return self.decision(Op.TOPK)
+
+    @property
+    def state(self) -> Any:
+        """The logits backend's per-batch state (e.g. a DeepGEMM schedule)."""
+        return self.state_of(Op.PAGED_MQA_LOGITS)
 
     @property
     def layout(self) -> Layout:
@@ -113,6 +144,11 @@ class IndexerPlan:
     @property
     def fp8_dtype(self) -> Fp8Dtype:
         return self.key.fp8_dtype
+
+    @property
+    def token_lengths(self) -> torch.Tensor:
+        """int32 [B*N]: each token's visible length, request-major (the logits' row order); a view."""
+        return self.context_lens.reshape(-1)
 
     def q_in_layout(self, q_tokens: torch.Tensor) -> torch.Tensor:
         """View per-token q [B*N, H, D] (request-major) as the decided layout's q."""
@@ -132,7 +168,7 @@ class IndexerPlan:
             "max_context_len": self.max_context_len,
             "context_lens_shape": list(self.context_lens.shape),
             "block_table_shape": list(self.block_table.shape),
-            "decisions": {"paged_mqa_logits": self.logits.as_dict(), "indexer_q_quant": self.q_quant.as_dict()},
+            "decisions": {op.value: decision.as_dict() for op, decision in self.decisions.items()},
         }
 
 
@@ -167,18 +203,18 @@ def build_plan(
     allow_disabled: bool = False,
     prepare: bool = True,
 ) -> IndexerPlan:
-    """Decide both ops for this batch and build the decided layout's tensors. No host-device sync.
+    """Decide every op of STEP_OPS for this batch and build the decided layout's tensors. No host-device sync.
 
     `kv_fp8_dtype` is the K cache's fp8 dtype (a key name or the cache's torch dtype): it becomes the
     key's fp8_dtype, so Q is quantised into exactly the dtype the cache holds. `pinned` names a backend
     per op to use instead of the rules' choice (still checked for support and availability;
     `allow_disabled` lets a benchmark pin a backend the registry or a cluster disabled). `prepare=False`
-    describes the plan without running the logits backend's per-batch prepare (`state` stays None):
+    describes the plan without running any backend's per-batch prepare (`states` stays empty):
     explain does so, since a what-if for another machine must not need that machine's libraries.
     """
     fp8 = kv_fp8_dtype if isinstance(kv_fp8_dtype, (Fp8Dtype, str)) else fp8_dtype_of(kv_fp8_dtype, "the K cache")
     key = DispatchKey(
-        arch=arch or dispatcher.host_arch, forward_mode=batch.forward_mode, next_n=batch.next_n, fp8_dtype=fp8
+        arch=arch or dispatcher.target_arch, forward_mode=batch.forward_mode, next_n=batch.next_n, fp8_dtype=fp8
     )
     pinned = pinned or {}
 
@@ -187,21 +223,33 @@ def build_plan(
             return dispatcher.pin(op, key, pinned[op], allow_disabled=allow_disabled)
         return dispatcher.decide(op, key)
 
-    logits = decide(Op.PAGED_MQA_LOGITS)
-    q_quant = decide(Op.INDEXER_Q_QUANT)
+    decisions = {op: decide(op) for op in STEP_OPS}
+    logits = decisions[Op.PAGED_MQA_LOGITS]
     batch_size = batch.seq_lens.shape[0]
     context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
     plan = IndexerPlan(
         key=key,
-        logits=logits,
-        q_quant=q_quant,
+        decisions=decisions,
         batch_size=batch_size,
         next_n=batch.next_n,
         context_lens=context_lens,
         block_table=block_table,
         max_context_len=batch.max_seq_len,
+        page_rows=page_rows(logits.layout, batch_size, batch.next_n, batch.seq_lens.device),
     )
-    if logits.impl.prepare is None or not prepare:
+    if not prepare:
         return plan
-    return dataclasses.replace(plan, state=call_backend(logits, plan, entry=logits.impl.prepare))
+    states = {
+        op: call_backend(decision, plan, entry=decision.impl.prepare)
+        for op, decision in decisions.items()
+        if decision.impl.prepare is not None
+    }
+    return dataclasses.replace(plan, states=states) if states else plan
 
+
+@functools.lru_cache(maxsize=64)
+def page_rows(layout: Layout, batch_size: int, next_n: int, device: torch.device) -> torch.Tensor:
+    """int32 [B*N]: which row of the layout's block table holds token r's pages (native: r // N, one
+    row per request; flatten: r). Cached: it depends only on the shape, and graphs replay it as is."""
+    tokens = torch.arange(batch_size * next_n, device=device, dtype=torch.int32)
+    return tokens // next_n if layout is Layout.NATIVE else tokens

@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 import pluggy
 
 from dispatch import hookspecs
-from dispatch.backend import Backend
+from dispatch.backend import BACKEND_NAME, Backend
 from dispatch.catalog import Catalog
+from dispatch.contract import OP_CONTRACTS
 from dispatch.errors import PluginError
 from dispatch.key import Op
-from dispatch.layout import Layout
 
 ENTRY_POINT_GROUP = "dispatch.backends"
 OWN_DISTRIBUTION = "dispatch-dsa"
@@ -30,18 +30,12 @@ BUILTIN_PLUGINS = (
     "backends.triton.plugin",
     "backends.deepgemm.plugin",
 )
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
-_LAYOUTS_OF = {
-    Op.PAGED_MQA_LOGITS: (Layout.NATIVE, Layout.FLATTEN),
-    Op.INDEXER_Q_QUANT: (Layout.TOKENS,),
-}
 
 
 @dataclass(frozen=True)
 class LoadedPlugin:
     name: str
     distribution: str
-    version: str
     module: object
 
 
@@ -52,8 +46,7 @@ def allowlist_from_env() -> frozenset[str]:
 
 def builtin_plugins() -> list[LoadedPlugin]:
     _check_builtin_package()
-    version = _own_version()
-    return [LoadedPlugin(path, OWN_DISTRIBUTION, version, importlib.import_module(path)) for path in BUILTIN_PLUGINS]
+    return [LoadedPlugin(path, OWN_DISTRIBUTION, importlib.import_module(path)) for path in BUILTIN_PLUGINS]
 
 
 def _check_builtin_package() -> None:
@@ -76,7 +69,6 @@ def entry_point_plugins(allowlist: frozenset[str]) -> list[LoadedPlugin]:
     loaded = []
     for entry_point in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist = entry_point.dist.name if entry_point.dist else "<unknown distribution>"
-        version = entry_point.dist.version if entry_point.dist else ""
         if not ({"*", entry_point.name, dist} & allowlist):
             continue
         try:
@@ -86,7 +78,7 @@ def entry_point_plugins(allowlist: frozenset[str]) -> list[LoadedPlugin]:
                 f"plugin `{entry_point.name}` (distribution `{dist}`) failed to import "
                 f"`{entry_point.value}`: {type(error).__name__}: {error}"
             ) from error
-        loaded.append(LoadedPlugin(entry_point.name, dist, version, module))
+        loaded.append(LoadedPlugin(entry_point.name, dist, module))
     return loaded
 
 
@@ -137,12 +129,12 @@ def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
     who = f"plugin `{plugin.name}` (distribution `{plugin.distribution}`)"
     if not isinstance(backend, Backend):
         raise PluginError(f"{who} registered {type(backend).__name__}; expected dispatch.backend.Backend")
-    if not _NAME.match(backend.name):
+    if not isinstance(backend.name, str) or not re.fullmatch(BACKEND_NAME, backend.name):
         raise PluginError(f"{who} registered backend name `{backend.name}`; names are lowercase [a-z0-9_.-]")
     if not isinstance(backend.op, Op):
         raise PluginError(f"{who} registered `{backend.name}` with op {backend.op!r}; expected a dispatch.key.Op")
-    if backend.layout not in _LAYOUTS_OF[backend.op]:
-        allowed = ", ".join(layout.value for layout in _LAYOUTS_OF[backend.op])
+    if backend.layout not in OP_CONTRACTS[backend.op].layouts:
+        allowed = ", ".join(layout.value for layout in OP_CONTRACTS[backend.op].layouts)
         raise PluginError(
             f"{who} registered `{backend.name}` for {backend.op.value} with layout `{backend.layout}`; "
             f"that op takes: {allowed}"
@@ -151,12 +143,6 @@ def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
         raise PluginError(f"{who} registered `{backend.name}` whose `run` is not callable")
     return replace(backend, plugin=plugin.name, distribution=plugin.distribution)
 
-
-def _own_version() -> str:
-    try:
-        return importlib.metadata.version(OWN_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "source"
 
 
 def _trace_hooks(manager: pluggy.PluginManager) -> None:

@@ -1,7 +1,7 @@
 """Explicit, atomic reload of registry.yaml under a running engine.
 
 An engine keeps one LiveDispatcher, reads `live.current` once per batch (build_plan(live.current, ...),
-so both ops of a batch come from one registry) and calls `live.reload()` when an operator asks: on
+so every op of a batch comes from one registry) and calls `live.reload()` when an operator asks: on
 SIGHUP or from an admin endpoint (neither is implemented here). Nothing watches the file.
 
 A reload loads the new file, checks every backend name against the catalog and resolves the cluster

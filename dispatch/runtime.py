@@ -80,6 +80,6 @@ def build_dispatcher(
         document,
         catalog,
         cluster=resolve_cluster(document, cluster, target),
-        host_arch=target,
+        target_arch=target,
         check_availability=(target is host) if check_availability is None else check_availability,
     )

@@ -21,11 +21,12 @@ import torch
 from dispatch import load_dispatcher
 from dispatch.indexer import IndexerStep
 from dispatch.key import ForwardMode
+from dispatch.kv_cache import BLOCK_KV
 from dispatch.logs import show_logs
 from dispatch.plan import ForwardBatch
 from dispatch.rope import RopeSpec
 
-HEADS, HEAD_DIM, ROT_DIM, BLOCK_KV = 64, 128, 64, 64
+HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
 # (forward mode, tokens scored per request): plain decode, MTP verification of 3 drafts, draft extension.
 SCHEDULE = [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 2)]
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
                              max_seq_len=max(lengths), forward_mode=mode, next_n=next_n)
         plan = step.plan(batch)  # once per batch: the decision and its layout's tensors
         print(f"step {number}: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
-              f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.q_quant.backend}")
+              f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.indexer_q_quant.backend}")
         tokens = args.requests * next_n
         positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=args.device)
         for layer in range(args.layers):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
 
 # The real kernels split KV into 256-token chunks and allocate the logits row stride to match.
 SPLIT_KV = 256

@@ -7,6 +7,7 @@ import types
 
 from dispatch.backend import Availability, Backend, Support
 from dispatch.catalog import Catalog
+from dispatch.contract import OP_CONTRACTS
 from dispatch.dispatcher import Dispatcher
 from dispatch.hookspecs import hookimpl
 from dispatch.key import Arch, Op
@@ -31,7 +32,7 @@ def fake_backend(
 ) -> Backend:
     """A backend that supports what `support` (Support's fields) says; everything by default."""
     if layout is None:
-        layout = Layout.TOKENS if op is Op.INDEXER_Q_QUANT else Layout.NATIVE
+        layout = OP_CONTRACTS[op].layouts[0]
     return Backend(name=name, op=op, layout=layout, supports=Support(**support), run=run, probe=probe, prepare=prepare)
 
 
@@ -49,7 +50,7 @@ def plugin_module(name: str, registrations) -> types.ModuleType:
 
 
 def fake_plugin(name: str, *registrations, distribution: str = "fake-dist") -> LoadedPlugin:
-    return LoadedPlugin(name, distribution, "1.0", plugin_module(name, registrations))
+    return LoadedPlugin(name, distribution, plugin_module(name, registrations))
 
 
 def catalog_of(*backends: Backend) -> Catalog:
@@ -70,5 +71,5 @@ def dispatcher(
     check_availability: bool = True,
 ) -> Dispatcher:
     return Dispatcher(
-        registry(text), catalog, cluster=cluster, host_arch=arch, check_availability=check_availability
+        registry(text), catalog, cluster=cluster, target_arch=arch, check_availability=check_availability
     )

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.reference.kv_cache import build_paged_kv_cache
-from backends.reference.paged_mqa_logits import paged_mqa_logits
+from dispatch.bench.paged_cache import build_paged_kv_cache
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
 from dispatch.fp8 import fp8_dtype_of
 from dispatch.key import Fp8Dtype
 
@@ -53,7 +53,7 @@ def expected_logits(batch: PagedBatch) -> torch.Tensor:
             lens.append([max(length - batch.next_n + j + 1, 0)])
             tables.append(batch.page_table[request])
     device = batch.q_tokens.device
-    return paged_mqa_logits(
+    return reference_paged_mqa_logits(
         batch.q_tokens[:, None],
         batch.kv_cache,
         batch.weights,

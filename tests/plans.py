@@ -7,8 +7,8 @@ import torch
 
 from dispatch.backend import Backend
 from dispatch.decision import Decision
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode
-from dispatch.plan import IndexerPlan, layout_tensors
+from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.plan import IndexerPlan, layout_tensors, page_rows
 
 
 def decision_for(backend: Backend, key: DispatchKey) -> Decision:
@@ -44,14 +44,14 @@ def plan_for(
     context_lens, block_table = layout_tensors(backend.layout, seq_lens, page_table, next_n)
     plan = IndexerPlan(
         key=key,
-        logits=decision,
-        q_quant=decision,
+        decisions={op: decision for op in Op},
         batch_size=seq_lens.shape[0],
         next_n=next_n,
         context_lens=context_lens,
         block_table=block_table,
         max_context_len=int(seq_lens.max()) if max_seq_len is None else max_seq_len,
+        page_rows=page_rows(backend.layout, seq_lens.shape[0], next_n, seq_lens.device),
     )
     if backend.prepare is None:
         return plan
-    return dataclasses.replace(plan, state=backend.prepare(plan))
+    return dataclasses.replace(plan, states={backend.op: backend.prepare(plan)})

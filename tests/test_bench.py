@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from dispatch.bench.runner import compare_logits
+from dispatch.bench.compare import compare_logits
 from dispatch.cli import main
 
 

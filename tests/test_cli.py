@@ -139,13 +139,13 @@ def test_explain_this_machine(capsys):
 @needs_cpu_host
 def test_explain_all_ops(capsys):
     payload = explain_all_json(capsys, "--op", "all", "--forward-mode", "target_verify", "--next-n", "3")["decisions"]
-    assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant"]
-    assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference"]
+    assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant", "topk"]
+    assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference", "torch.reference"]
     for decision in payload:
         assert LOGITS_KEYS <= set(decision)
         assert decision["key"] == payload[0]["key"]
     code, out, _ = run(capsys, "explain", "--op", "all")
-    assert code == 0 and "paged_mqa_logits for" in out and "indexer_q_quant for" in out
+    assert code == 0 and "paged_mqa_logits for" in out and "indexer_q_quant for" in out and "topk for" in out
 
 
 def write_registry(tmp_path, text: str):
@@ -345,8 +345,8 @@ def test_explain_a_whole_batch_plan_as_json(capsys):
     assert plan["context_lens"] == [[128, 129, 130], [62, 63, 64], [1, 2, 3]]
     assert plan["block_table"] == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
     assert (plan["batch_size"], plan["next_n"], plan["max_context_len"]) == (3, 3, 130)
-    assert [d["op"] for d in payload["decisions"]] == ["paged_mqa_logits", "indexer_q_quant"]
-    assert payload["decisions"][0]["backend"] == "torch.reference"
+    assert [d["op"] for d in payload["decisions"]] == ["indexer_q_quant", "paged_mqa_logits", "topk"]
+    assert {d["backend"] for d in payload["decisions"]} == {"torch.reference"}
     flatten = explain_all_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
                                "--seq-lens", "5,9", "--cluster", "reference-only")
     assert flatten["plan"]["context_lens_shape"] == [2, 2]
@@ -358,7 +358,7 @@ def test_a_what_if_plan_runs_no_backend(capsys, clean_environment):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a what-if ran a backend's prepare")
 
-    from backends.deepgemm.paged_logits import DeepGemmPagedLogits
+    from backends.deepgemm.adapter import DeepGemmPagedLogits
 
     clean_environment.setattr(DeepGemmPagedLogits, "prepare", must_not_run)
     code, out, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "2",
@@ -369,7 +369,8 @@ def test_a_what_if_plan_runs_no_backend(capsys, clean_environment):
     assert "context_lens [3, 2] (native): [[129, 130], [63, 64], [6, 7]]" in out
     payload = explain_all_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "2",
                                "--seq-lens", "130,64,7")
-    assert payload["decisions"][0]["backend"] == "deepgemm.sm90" and payload["plan"]["context_lens_shape"] == [3, 2]
+    backends = {d["op"]: d["backend"] for d in payload["decisions"]}
+    assert backends["paged_mqa_logits"] == "deepgemm.sm90" and payload["plan"]["context_lens_shape"] == [3, 2]
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from backends.deepgemm import availability
-from backends.deepgemm.availability import deepgemm_availability, probe_for
+from backends.deepgemm import plugin as availability
+from backends.deepgemm.plugin import deepgemm_availability, probe_for
 from backends.deepgemm.plugin import deepgemm_backends, register_backends
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.key import Arch, ForwardMode
@@ -220,7 +220,7 @@ def test_run_rejects_a_non_contiguous_q():
 
 def test_run_rejects_a_plan_without_its_schedule():
     _, backend, batch, plan = fresh_plan("deepgemm.sm90", 2)
-    bare = type(plan)(**{**plan.__dict__, "state": None})
+    bare = type(plan)(**{**plan.__dict__, "states": {}})
     with pytest.raises(LayoutError, match="no DeepGEMM schedule"):
         backend.run(bare, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
 

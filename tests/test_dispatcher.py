@@ -401,6 +401,7 @@ def test_decision_as_dict():
         "rejected": [{"backend": b, "reason": r} for b, r in reasons(decision).items()],
         "registry_fingerprint": registry(ORDER).fingerprint,
         "availability_checked": True,
+        "rule_at": f"{registry(ORDER).path}:{registry(ORDER).line_of(('ops', 'paged_mqa_logits', 'rules', 0))}",
     }
     assert [r["backend"] for r in decision.as_dict()["rejected"]] == ["b", "c", "d"]
 

@@ -9,7 +9,7 @@ import torch
 
 from dispatch.errors import BackendError, DtypeMismatchError, LayoutError, RegistryError
 from dispatch.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
-from dispatch.ops import paged_mqa_logits, quantize_q
+from dispatch.ops import indexer_q_quant, paged_mqa_logits
 from dispatch.plan import ForwardBatch, build_plan
 from dispatch.reloading import LiveDispatcher, ReloadResult
 from dispatch.rope import RopeSpec
@@ -31,6 +31,8 @@ ops:
     fallback: [healthy]
   indexer_q_quant:
     fallback: [faulty]
+  topk:
+    fallback: [topk]
 """
 
 
@@ -46,6 +48,7 @@ def plan_with(logits_error: Exception, quant_error: Exception | None = None):
         fake_backend("faulty", run=raising(logits_error)),
         fake_backend("healthy", run=lambda *a: "healthy ran"),
         fake_backend("faulty", QUANT, run=raising(quant_error or logits_error)),
+        fake_backend("topk", Op.TOPK),
     )
     batch = ForwardBatch(
         seq_lens=torch.tensor([5, 9], dtype=torch.int32),
@@ -79,6 +82,7 @@ def test_a_prepare_that_raises_is_a_backend_error_and_no_plan_is_returned():
         fake_backend("faulty", prepare=raising(schedule_failure)),
         fake_backend("healthy"),
         fake_backend("faulty", QUANT),
+        fake_backend("topk", Op.TOPK),
     )
     batch = ForwardBatch(torch.tensor([5, 9], dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32), 9,
                          ForwardMode.TARGET_VERIFY, 2)
@@ -99,15 +103,15 @@ def test_q_quant_fault_names_the_fallback_that_chose_it():
     plan = plan_with(RuntimeError("logits"), quant_error=ValueError("bad launch grid"))
     args = (torch.zeros(4, 16, 32), torch.zeros(4, 16), torch.zeros(4, dtype=torch.int64), torch.zeros(8, 32))
     with pytest.raises(BackendError) as error:
-        quantize_q(plan, *args, rope=RopeSpec(), softmax_scale=1.0, head_scale=1.0)
+        indexer_q_quant(plan, *args, rope=RopeSpec(), softmax_scale=1.0, head_scale=1.0)
     assert "backend `faulty`" in str(error.value) and "running indexer_q_quant" in str(error.value)
     assert "chosen by fallback[0]: bad launch grid" in str(error.value)
     assert isinstance(error.value.__cause__, ValueError)
 
 
 def test_a_pinned_backend_fault_says_pinned():
-    catalog = catalog_of(fake_backend("faulty", run=raising(RuntimeError("x"))), fake_backend("q", QUANT))
-    text = "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [faulty]\n  indexer_q_quant:\n    fallback: [q]\n"
+    catalog = catalog_of(fake_backend("faulty", run=raising(RuntimeError("x"))), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK))
+    text = "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [faulty]\n  indexer_q_quant:\n    fallback: [q]\n  topk:\n    fallback: [topk]\n"
     batch = ForwardBatch(torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 3, "decode", 1)
     plan = build_plan(dispatcher(text, catalog), batch, kv_fp8_dtype="e4m3fn", pinned={LOGITS: "faulty"})
     with pytest.raises(BackendError, match="chosen by pinned: x$"):
@@ -142,6 +146,8 @@ ops:
     fallback: [a]
   indexer_q_quant:
     fallback: [q]
+  topk:
+    fallback: [topk]
 clusters:
   ops-team:
     description: {description}
@@ -153,7 +159,7 @@ def registry_text(backend: str = "a", description: str = "x") -> str:
 
 
 def reload_catalog():
-    return catalog_of(fake_backend("a"), fake_backend("b"), fake_backend("q", QUANT))
+    return catalog_of(fake_backend("a"), fake_backend("b"), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK))
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ def can_occur(arch: Arch, mode: ForwardMode, next_n: int, fp8: Fp8Dtype) -> bool
 
 def outcome(op: Op, key: DispatchKey, cluster: str | None, check: bool):
     """A fresh dispatcher's decision as a plain value, or its NoBackendError."""
-    dispatcher = Dispatcher(DOCUMENT, CATALOG, cluster=cluster, host_arch=key.arch, check_availability=check)
+    dispatcher = Dispatcher(DOCUMENT, CATALOG, cluster=cluster, target_arch=key.arch, check_availability=check)
     try:
         return dispatcher.decide(op, key)
     except NoBackendError as error:

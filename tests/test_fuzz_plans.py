@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.reference.kv_cache import BLOCK_KV, build_paged_kv_cache
+from dispatch.bench.paged_cache import build_paged_kv_cache
+from dispatch.kv_cache import BLOCK_KV
 from dispatch.backend import PAGED_MODES
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Arch, DispatchKey, ForwardMode, Fp8Dtype, Op, arch_can_hold
@@ -29,7 +30,7 @@ TOLERANCE = 1e-3 if ON_GPU else 1e-5
 # gets the model's, which the DeepGEMM kernels require.
 HEADS, HEAD_DIM = (64, 128) if ON_GPU else (16, 32)
 DISPATCHER = load_dispatcher(DEFAULT_REGISTRY, plugins=load_plugins(frozenset()))
-HERE = DISPATCHER.host_arch
+HERE = DISPATCHER.target_arch
 CPU_BACKENDS = {
     Fp8Dtype.E4M3FN: {"torch.reference", "torch.reference.flatten", "triton", "triton.flatten"},
     Fp8Dtype.E4M3FNUZ: {"torch.reference", "torch.reference.flatten", "rocm.fnuz"},

@@ -67,7 +67,7 @@ def assert_loads_or_located(text: str) -> None:
         assert "unknown backend `" in str(error)
         return
     for cluster in [None, *document.registry.clusters]:
-        dispatcher = Dispatcher(document, CATALOG, cluster=cluster, host_arch=Arch.CPU, check_availability=False)
+        dispatcher = Dispatcher(document, CATALOG, cluster=cluster, target_arch=Arch.CPU, check_availability=False)
         for key in KEYS:
             for op in Op:
                 try:

@@ -23,6 +23,8 @@ ops:
         use: torch.reference.flatten
   indexer_q_quant:
     fallback: torch.reference
+  topk:
+    fallback: torch.reference
 """
 
 

@@ -5,11 +5,11 @@ path decided for gfx942 quantises with FP8_MAX 224 into e4m3fnuz."""
 import pytest
 import torch
 
-from backends.reference.kv_cache import build_paged_kv_cache
-from backends.reference.q_quant import indexer_q_quant
+from dispatch.bench.paged_cache import build_paged_kv_cache
+from backends.reference.q_quant import reference_indexer_q_quant
 from dispatch.errors import DtypeMismatchError, InvalidKeyError, RegistryError
 from dispatch.key import DispatchKey, ForwardMode, Op
-from dispatch.ops import paged_mqa_logits, quantize_q
+from dispatch.ops import indexer_q_quant, paged_mqa_logits
 from dispatch.plan import ForwardBatch, build_plan
 from dispatch.registry import parse_registry
 from dispatch.rope import RopeSpec
@@ -38,7 +38,7 @@ def test_e4m3fn_q_against_an_fnuz_cache_is_refused_naming_both_dtypes():
     generator = torch.Generator().manual_seed(0)
     cache, batch, inputs = _batch(generator)
     plan = build_plan(load_dispatcher(arch="cpu"), batch, kv_fp8_dtype=torch.float8_e4m3fnuz)
-    hard_coded_q, weights = indexer_q_quant(**inputs, fp8_dtype="e4m3fn", **SETTINGS)  # the bug: FP8_MAX 448, e4m3fn
+    hard_coded_q, weights = reference_indexer_q_quant(**inputs, fp8_dtype="e4m3fn", **SETTINGS)  # the bug: FP8_MAX 448, e4m3fn
     assert hard_coded_q.float().abs().max() > 224
     with pytest.raises(DtypeMismatchError, match=r"float8_e4m3fn.*e4m3fnuz"):
         paged_mqa_logits(plan, hard_coded_q, cache, weights)
@@ -48,7 +48,7 @@ def test_the_plan_quantises_into_the_cache_dtype_and_the_logits_match():
     generator = torch.Generator().manual_seed(1)
     cache, batch, inputs = _batch(generator)
     plan = build_plan(load_dispatcher(arch="cpu"), batch, kv_fp8_dtype=torch.float8_e4m3fnuz)
-    q_fp8, weights = quantize_q(plan, **inputs, **SETTINGS)
+    q_fp8, weights = indexer_q_quant(plan, **inputs, **SETTINGS)
     assert q_fp8.dtype == torch.float8_e4m3fnuz
     assert q_fp8.float().abs().max() <= 224
     assert torch.isfinite(paged_mqa_logits(plan, q_fp8, cache, weights)).any()

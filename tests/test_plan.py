@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.checks import check_logits_inputs
+from dispatch.input_checks import check_logits_inputs
 from dispatch.errors import DtypeMismatchError, InvalidKeyError, LayoutError
 from dispatch.key import Arch, ForwardMode, Fp8Dtype, Op
 from dispatch.layout import Layout
@@ -92,8 +92,8 @@ def test_build_plan_on_the_cpu_chooses_the_reference(cpu_dispatcher):
         "cpu-reference",
         Layout.NATIVE,
     )
-    assert (plan.q_quant.backend, plan.q_quant.rule) == ("torch.reference", "cpu-reference")
-    assert plan.logits.plugin == plan.q_quant.plugin == "backends.reference.plugin"
+    assert (plan.indexer_q_quant.backend, plan.indexer_q_quant.rule) == ("torch.reference", "cpu-reference")
+    assert plan.logits.plugin == plan.indexer_q_quant.plugin == "backends.reference.plugin"
     assert (plan.batch_size, plan.next_n, plan.max_context_len) == (3, 3, 9)
     assert plan.context_lens.tolist() == [[3, 4, 5], [7, 8, 9], [1, 2, 3]]
     assert plan.block_table.tolist() == PAGES.tolist()
@@ -170,8 +170,8 @@ def test_lengths_on_a_device_are_left_to_the_kernels():
 
 
 def test_plan_through_the_ops_matches_the_reference(cpu_dispatcher):
-    from backends.reference.kv_cache import build_paged_kv_cache
-    from backends.reference.paged_mqa_logits import paged_mqa_logits as reference
+    from dispatch.bench.paged_cache import build_paged_kv_cache
+    from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference
     from dispatch.ops import paged_mqa_logits
 
     generator = torch.Generator().manual_seed(7)
@@ -203,6 +203,8 @@ ops:
     fallback: [scheduled]
   indexer_q_quant:
     fallback: [quant]
+  topk:
+    fallback: [topk]
 """
 
 
@@ -218,6 +220,7 @@ def test_prepare_is_called_once_per_plan_in_the_decided_layout():
         fake_backend("scheduled", prepare=prepare),
         fake_backend("scheduled.flatten", layout=Layout.FLATTEN, prepare=prepare),
         fake_backend("quant", Op.INDEXER_Q_QUANT),
+        fake_backend("topk", Op.TOPK),
     )
     chooser = dispatcher(PREPARE_REGISTRY, catalog, arch=Arch.CPU)
     first = build_plan(chooser, batch(), kv_fp8_dtype="e4m3fn")
@@ -236,6 +239,7 @@ def test_no_prepare_no_state():
         fake_backend("scheduled"),
         fake_backend("scheduled.flatten", layout=Layout.FLATTEN),
         fake_backend("quant", Op.INDEXER_Q_QUANT),
+        fake_backend("topk", Op.TOPK),
     )
     plan = build_plan(dispatcher(PREPARE_REGISTRY, catalog, arch=Arch.CPU), batch(), kv_fp8_dtype="e4m3fn")
     assert plan.state is None and plan.layout is Layout.FLATTEN

@@ -89,30 +89,30 @@ def two_plugins(site):
     return site
 
 
-def ours(loaded: list[LoadedPlugin]) -> list[tuple[str, str, str]]:
+def ours(loaded: list[LoadedPlugin]) -> list[tuple[str, str]]:
     mine = {"dispatch-fakes", "dispatch-other"}
-    return [(p.name, p.distribution, p.version) for p in loaded if p.distribution in mine]
+    return [(p.name, p.distribution) for p in loaded if p.distribution in mine]
 
 
 def test_loaded_by_entry_point_name(two_plugins):
     loaded = entry_point_plugins(frozenset({"fake-one"}))
-    assert ours(loaded) == [("fake-one", "dispatch-fakes", "1.0")]
+    assert ours(loaded) == [("fake-one", "dispatch-fakes")]
     assert two_plugins.imported() == {"one"}
     assert loaded[0].module is sys.modules[f"{two_plugins.prefix}_one"]
 
 
 def test_loaded_by_distribution_name(two_plugins):
     loaded = entry_point_plugins(frozenset({"dispatch-fakes"}))
-    assert ours(loaded) == [("fake-one", "dispatch-fakes", "1.0"), ("fake-two", "dispatch-fakes", "1.0")]
+    assert ours(loaded) == [("fake-one", "dispatch-fakes"), ("fake-two", "dispatch-fakes")]
     assert two_plugins.imported() == {"one", "two"}
 
 
 def test_star_loads_every_plugin(two_plugins):
     loaded = entry_point_plugins(frozenset({"*"}))
     assert ours(loaded) == [
-        ("fake-one", "dispatch-fakes", "1.0"),
-        ("fake-two", "dispatch-fakes", "1.0"),
-        ("other", "dispatch-other", "1.0"),
+        ("fake-one", "dispatch-fakes"),
+        ("fake-two", "dispatch-fakes"),
+        ("other", "dispatch-other"),
     ]
 
 
@@ -140,7 +140,7 @@ def test_load_plugins_adds_the_allowlisted_to_the_builtins(two_plugins, monkeypa
     monkeypatch.setenv("DISPATCH_PLUGINS", "fake-two")
     loaded = load_plugins()
     assert [p.name for p in loaded[: len(BUILTIN_PLUGINS)]] == list(BUILTIN_PLUGINS)
-    assert ours(loaded) == [("fake-two", "dispatch-fakes", "1.0")]
+    assert ours(loaded) == [("fake-two", "dispatch-fakes")]
     catalog = collect_backends(loaded)
     assert catalog.get(Op.PAGED_MQA_LOGITS, "fake.two").plugin == "fake-two"
     assert catalog.get(Op.PAGED_MQA_LOGITS, "torch.reference").distribution == "dispatch-dsa"
@@ -221,7 +221,7 @@ def test_duplicate_backend_names_both_plugins_and_distributions(site, order):
 def test_duplicate_of_a_builtin_is_refused():
     import backends.reference.plugin as reference
 
-    builtin = LoadedPlugin("backends.reference.plugin", "dispatch-dsa", "source", reference)
+    builtin = LoadedPlugin("backends.reference.plugin", "dispatch-dsa", reference)
     impostor = fake_plugin("impostor", fake_backend("torch.reference"), distribution="dispatch-impostor")
     for plugins in ([builtin, impostor], [impostor, builtin]):
         with pytest.raises(PluginError) as error:
@@ -298,7 +298,7 @@ def test_plugin_without_the_hook_registers_nothing():
     import types
 
     catalog = collect_backends(
-        [LoadedPlugin("empty", "d", "1", types.ModuleType("empty")), fake_plugin("p", fake_backend("a"))]
+        [LoadedPlugin("empty", "d", types.ModuleType("empty")), fake_plugin("p", fake_backend("a"))]
     )
     assert [b.name for b in catalog.backends] == ["a"]
 
@@ -370,7 +370,7 @@ def order_plugins() -> list[LoadedPlugin]:
 def sweep(plugins: list[LoadedPlugin], cluster: str | None) -> list:
     catalog = collect_backends(plugins)
     chooser = Dispatcher(
-        registry(ORDER_REGISTRY), catalog, cluster=cluster, host_arch=Arch.SM90, check_availability=False
+        registry(ORDER_REGISTRY), catalog, cluster=cluster, target_arch=Arch.SM90, check_availability=False
     )
     out = []
     for key in all_keys(5):

@@ -12,9 +12,10 @@ import zlib
 import pytest
 import torch
 
-from backends.reference.kv_cache import build_paged_kv_cache, quantize_keys, split_kv_cache
-from backends.reference.paged_mqa_logits import paged_mqa_logits
-from backends.reference.q_quant import apply_rope, indexer_q_quant
+from dispatch.bench.paged_cache import build_paged_kv_cache
+from dispatch.kv_cache import quantize_keys, split_kv_cache
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
+from backends.reference.q_quant import apply_rope, reference_indexer_q_quant
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Fp8Dtype
 from dispatch.rope import RopeSpec
@@ -136,7 +137,7 @@ def test_paged_mqa_logits_against_the_loop(shape, layout, fp8_dtype):
         block_table = torch.stack([pages[r] for r in range(batch) for _ in range(next_n)])
     max_len = max(seq_lens)
 
-    out = paged_mqa_logits(q, cache, weights, context_lens, block_table, max_len, fp8_dtype)
+    out = reference_paged_mqa_logits(q, cache, weights, context_lens, block_table, max_len, fp8_dtype)
     ref = loop_logits(q, cache, weights, context_lens, block_table, max_len, fp8_dtype)
 
     assert out.shape == (batch * next_n, max_len) and out.dtype == torch.float32
@@ -156,7 +157,7 @@ def test_tokens_shorter_than_next_n_are_fully_masked():
     weights = torch.randn(8, 2, generator=generator)
     context_lens = torch.tensor(causal_lengths([2, 6], 4), dtype=torch.int32)
     assert context_lens.tolist() == [[0, 0, 1, 2], [3, 4, 5, 6]]
-    out = paged_mqa_logits(q, cache, weights, context_lens, pages, 6, Fp8Dtype.E4M3FN)
+    out = reference_paged_mqa_logits(q, cache, weights, context_lens, pages, 6, Fp8Dtype.E4M3FN)
     assert torch.isneginf(out[:2]).all()
     assert torch.isneginf(out[2, 1:]).all() and torch.isfinite(out[2, :1]).all()
     assert torch.isfinite(out[7]).all()
@@ -292,7 +293,7 @@ def test_q_quant_against_hand_computation(fp8_dtype, rope, magnitude, in_dtype):
     positions = [3, 0, 511, 12, 12, 200]
     angles, cos_sin = rope_cache(512, rot_dim)
     softmax_scale, head_scale = head_dim**-0.5, heads**-0.5
-    q_fp8, folded = indexer_q_quant(
+    q_fp8, folded = reference_indexer_q_quant(
         q,
         weights,
         torch.tensor(positions),
@@ -327,7 +328,7 @@ def test_q_quant_against_hand_computation(fp8_dtype, rope, magnitude, in_dtype):
 @pytest.mark.parametrize("fp8_dtype", DTYPES)
 def test_q_quant_of_zeros_uses_the_floor_scale(fp8_dtype):
     _, cos_sin = rope_cache(4, 8)
-    q_fp8, folded = indexer_q_quant(
+    q_fp8, folded = reference_indexer_q_quant(
         torch.zeros(2, 3, 16),
         torch.ones(2, 3),
         torch.tensor([0, 1]),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends.deepgemm.plugin import deepgemm_backends
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_kernel
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_kernel
 from backends.reference.plugin import register_backends as register_reference
 from dispatch.errors import LayoutError
 from dispatch.key import Arch, DispatchKey, ForwardMode, Fp8Dtype

@@ -51,7 +51,7 @@ def test_chosen_through_the_cluster_overlay(installed, monkeypatch):
 
 
 def test_plugin_backend_matches_the_reference(installed, monkeypatch):
-    from backends.reference.kv_cache import build_paged_kv_cache
+    from dispatch.bench.paged_cache import build_paged_kv_cache
     from dispatch.ops import paged_mqa_logits
     from dispatch.plan import ForwardBatch, build_plan
 

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from backends.reference.kv_cache import build_paged_kv_cache
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
+from dispatch.bench.paged_cache import build_paged_kv_cache
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
 from backends.triton import availability, plugin
 from backends.triton.fp8_mode import Fp8Mode, fnuz_mode_for_here
-from backends.triton.paged_mqa_logits import LaunchConfig, paged_mqa_logits
+from backends.triton.paged_mqa_logits import LaunchConfig, triton_paged_mqa_logits
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Arch, Fp8Dtype, Op
@@ -107,7 +107,7 @@ def test_matches_reference(seq_lens, next_n, layout):
 def test_launch_configs_agree(config):
     """Token groups, pages per step and splits change the schedule, never the result."""
     plan, q, cache, weights = make_case([70, 5, 400], 6, BACKENDS["triton"], extra_pages=2, seed=11)
-    out = paged_mqa_logits(
+    out = triton_paged_mqa_logits(
         q, cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype, config=config
     )
     assert_close(out, reference_for(plan, q, cache, weights))
@@ -123,7 +123,7 @@ def test_width_past_every_length_is_all_minus_inf():
 def test_every_element_is_written():
     plan, q, cache, weights = make_case([150, 40], 3, BACKENDS["triton"], extra_pages=1, seed=4)
     out = torch.full((6, plan.max_context_len), float("nan"), device=DEVICE)
-    paged_mqa_logits(
+    triton_paged_mqa_logits(
         q, cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype, out=out
     )
     assert_close(out, reference_for(plan, q, cache, weights))
@@ -160,7 +160,7 @@ def test_other_head_shapes(heads, head_dim):
 @pytest.mark.parametrize("seq_lens,next_n", [([100, 3, 64], 2), ([260, 0], 4)])
 def test_fnuz_modes(mode, seq_lens, next_n):
     plan, q, cache, weights = make_case(seq_lens, next_n, BACKENDS["rocm.fnuz"], fp8_dtype=Fp8Dtype.E4M3FNUZ, seed=7)
-    out = paged_mqa_logits(
+    out = triton_paged_mqa_logits(
         q, cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype, fnuz_mode=mode
     )
     assert_close(out, reference_for(plan, q, cache, weights))
@@ -191,13 +191,13 @@ def test_wrapper_rejects_bad_tensors():
     plan, q, cache, weights = make_case([70, 20], 2, BACKENDS["triton"], seed=10)
     args = (plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype)
     with pytest.raises(LayoutError, match="weights"):
-        paged_mqa_logits(q, cache, weights.double(), *args)
+        triton_paged_mqa_logits(q, cache, weights.double(), *args)
     with pytest.raises(LayoutError, match="block_table"):
-        paged_mqa_logits(q, cache, weights, plan.context_lens, plan.block_table[:, :1], 200, plan.fp8_dtype)
+        triton_paged_mqa_logits(q, cache, weights, plan.context_lens, plan.block_table[:, :1], 200, plan.fp8_dtype)
     with pytest.raises(LayoutError, match="kv_cache"):
-        paged_mqa_logits(q, cache[:, :, :, :100], weights, *args)
+        triton_paged_mqa_logits(q, cache[:, :, :, :100], weights, *args)
     with pytest.raises(LayoutError, match="q has dtype"):
-        paged_mqa_logits(q, cache, weights, *args[:3], Fp8Dtype.E4M3FNUZ)
+        triton_paged_mqa_logits(q, cache, weights, *args[:3], Fp8Dtype.E4M3FNUZ)
 
 
 def test_probe_reasons(monkeypatch):

@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backends.reference.q_quant import apply_rope, indexer_q_quant as reference
+from backends.reference.q_quant import apply_rope, reference_indexer_q_quant as reference
 from backends.triton.fp8_mode import Fp8Mode
-from backends.triton.q_quant import indexer_q_quant
+from backends.triton.q_quant import triton_indexer_q_quant
 from backends.triton.plugin import q_quant_backends
+from dispatch.detect import rocm_gcn_arch
 from dispatch.errors import LayoutError
 from dispatch.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.rope import RopeSpec
@@ -31,9 +32,7 @@ ROPE_IDS = ["neox-head", "neox-tail", "gptj-head", "gptj-tail"]
 def _native_fnuz_compiles() -> bool:
     if DEVICE == "cpu":
         return True  # the interpreter runs tl.float8e4b8 casts
-    return bool(getattr(torch.version, "hip", None)) and torch.cuda.get_device_properties(0).gcnArchName.startswith(
-        "gfx94"
-    )
+    return rocm_gcn_arch().startswith("gfx94")
 
 
 NATIVE_SKIP = pytest.mark.skipif(
@@ -70,7 +69,7 @@ def both(q, weights, positions, cache, fp8_dtype, mode, rope=RopeSpec.gptj_tail(
     FP8_MAX * 2^k, where the kernel's integer-built scale agrees with the CPU reference; the likely
     cause is CUDA's double log2 (1-ulp accurate, not exact at every power of two)."""
     kwargs = dict(fp8_dtype=fp8_dtype, rope=rope, softmax_scale=HEAD_DIM**-0.5, head_scale=64**-0.5)
-    result = indexer_q_quant(q, weights, positions, cache, fnuz_mode=mode, **kwargs)
+    result = triton_indexer_q_quant(q, weights, positions, cache, fnuz_mode=mode, **kwargs)
     expected = reference(q.cpu(), weights.cpu(), positions.cpu(), cache.cpu(), **kwargs)
     return result, tuple(tensor.to(q.device) for tensor in expected)
 
@@ -226,7 +225,7 @@ def test_emulated_fnuz_equals_torch_fnuz_cast():
     """Independent of the reference's code: RoPE, scale from the kernel's weights, clamp, torch cast."""
     q, weights, positions, cache = make_inputs(16, 64, seed=21)
     rope = RopeSpec.gptj_tail()
-    q_fp8, w_out = indexer_q_quant(
+    q_fp8, w_out = triton_indexer_q_quant(
         q, weights, positions, cache, fp8_dtype=Fp8Dtype.E4M3FNUZ, rope=rope, softmax_scale=1.0, head_scale=1.0,
         fnuz_mode=Fp8Mode.FNUZ_EMULATED,
     )
@@ -248,17 +247,17 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
     cpu_fnuz = DispatchKey(arch=Arch.CPU, forward_mode=ForwardMode.DECODE, next_n=1, fp8_dtype=Fp8Dtype.E4M3FNUZ)
     assert "fp8_dtype e4m3fnuz not supported" in triton_backend.supports.why_not(cpu_fnuz)
 
-    from dispatch.ops import quantize_q
+    from dispatch.ops import indexer_q_quant as ops_indexer_q_quant
     from tests.plans import decision_for
 
-    plan = SimpleNamespace(q_quant=decision_for(serving[0], key))  # quantize_q reads only this decision
+    plan = SimpleNamespace(decision=lambda op: decision_for(serving[0], key))  # the op reads only this decision
     q, weights, positions, cache = make_inputs(8, 64, seed=9)
-    q_fp8, _ = quantize_q(plan, q, weights, positions, cache, rope=RopeSpec.gptj_tail(), softmax_scale=1.0,
+    q_fp8, _ = ops_indexer_q_quant(plan, q, weights, positions, cache, rope=RopeSpec.gptj_tail(), softmax_scale=1.0,
                           head_scale=1.0)
     assert q_fp8.dtype == torch.float8_e4m3fnuz
     vector_max = q_fp8.float().abs().amax(dim=-1)
     assert (vector_max <= 224).all() and (vector_max >= 112).all()  # amax/scale is in (112, 224]
-    e4m3fn_path, _ = indexer_q_quant(q, weights, positions, cache, fp8_dtype=Fp8Dtype.E4M3FN,
+    e4m3fn_path, _ = triton_indexer_q_quant(q, weights, positions, cache, fp8_dtype=Fp8Dtype.E4M3FN,
                                      rope=RopeSpec.gptj_tail(), softmax_scale=1.0, head_scale=1.0)
     assert e4m3fn_path.float().abs().amax() > 224  # what the incident stored: a different encoding and range
 
@@ -269,7 +268,7 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
 def test_rejects_mismatched_weights():
     q, weights, positions, cache = make_inputs(4, 8, seed=1)
     with pytest.raises(LayoutError, match=r"weights \[4, 8\]"):
-        indexer_q_quant(q, weights[:, :4], positions, cache, fp8_dtype=Fp8Dtype.E4M3FN, rope=RopeSpec(),
+        triton_indexer_q_quant(q, weights[:, :4], positions, cache, fp8_dtype=Fp8Dtype.E4M3FN, rope=RopeSpec(),
                         softmax_scale=1.0, head_scale=1.0)
 
 

@@ -21,15 +21,20 @@ import time
 
 import torch
 
-from backends.reference.kv_cache import BLOCK_KV, quantize_keys
-from backends.reference.paged_mqa_logits import paged_mqa_logits as reference_logits
-from backends.triton.paged_mqa_logits import LaunchConfig, _paged_mqa_logits_kernel, default_config, paged_mqa_logits
+from dispatch.bench.ceilings import measure_ceilings
+from dispatch.bench.compare import compare_logits
+from dispatch.bench.paged_cache import build_paged_kv_cache, page_table_for, pages_of
+from dispatch.bench.workload import LogitsShape, logits_floor_counts
+from dispatch.kv_cache import BLOCK_KV
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
+from backends.triton.paged_mqa_logits import LaunchConfig, _paged_mqa_logits_kernel, default_config, triton_paged_mqa_logits
 from dispatch.key import Fp8Dtype
 from dispatch.layout import Layout
 from dispatch.plan import layout_tensors
 
 HEADS, HEAD_DIM = 64, 128
 DEVICE = "cuda"  # a smoke test of the input building on the CPU sets "cpu"
+TOLERANCE = 1e-3  # fp8 dot on the GPU
 
 C = LaunchConfig
 # (shape name, next_n, layout) -> configs; `tokens` beyond next_n is clipped by the wrapper.
@@ -48,50 +53,24 @@ SWEEP = {
 }
 
 
-def measure_ceilings() -> dict[str, float]:
-    """Device copy bandwidth (read + write counted) and the fp8 matmul rate, measured here and now."""
-    from triton.testing import do_bench
-
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy_s = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3
-    n = 8192
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    mm_s = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=50, rep=300,
-                    return_mode="median") * 1e-3
-    return {"copy_GBps": 2 * (2 << 30) / copy_s / 1e9, "fp8_TFLOPs": 2 * n**3 / mm_s / 1e12}
-
-
 class Batch:
     """One paged cache for B requests plus `sets` independent (q, weights, block table) draws."""
 
     def __init__(self, batch: int, low: int, high: int, *, sets: int, seed: int):
         gen = torch.Generator().manual_seed(seed)
-        self.seq_lens_host = torch.randint(low, high + 1, (batch,), generator=gen)
-        self.max_len = int(self.seq_lens_host.max())
-        pages = (self.seq_lens_host + BLOCK_KV - 1) // BLOCK_KV
-        self.total_pages = int(pages.sum())
-        num_blocks = self.total_pages + 1
-        torch.manual_seed(seed)
-        keys = torch.randn(num_blocks * BLOCK_KV, HEAD_DIM, device=DEVICE)
-        values, scales = quantize_keys(keys, Fp8Dtype.E4M3FN)
+        self.lengths = torch.randint(low, high + 1, (batch,), generator=gen).tolist()
+        self.max_len = max(self.lengths)
+        on = torch.Generator(device=DEVICE).manual_seed(seed)
+        keys = [torch.randn(n, HEAD_DIM, device=DEVICE, generator=on) for n in self.lengths]
+        self.cache, first_table = build_paged_kv_cache(keys, Fp8Dtype.E4M3FN, generator=on)
         del keys
-        cache = torch.empty(num_blocks, BLOCK_KV * (HEAD_DIM + 4), dtype=torch.uint8, device=DEVICE)
-        cache[:, : BLOCK_KV * HEAD_DIM] = values.view(torch.uint8).view(num_blocks, -1)
-        cache[:, BLOCK_KV * HEAD_DIM :] = scales.view(torch.uint8).view(num_blocks, -1)
-        self.cache = cache.view(num_blocks, BLOCK_KV, 1, HEAD_DIM + 4)
-        self.seq_lens = self.seq_lens_host.to(torch.int32).to(DEVICE)
-        width = int(pages.max())
-        starts = torch.cumsum(pages, 0) - pages
-        slot = torch.arange(width)
-        self.tables = []
-        for _ in range(sets):
-            order = torch.randperm(self.total_pages, generator=gen) + 1
-            index = (starts[:, None] + slot[None, :]).clamp(max=self.total_pages - 1)
-            table = torch.where(slot[None, :] < pages[:, None], order[index], 0)
-            self.tables.append(table.to(torch.int32).to(DEVICE))
+        self.seq_lens = torch.tensor(self.lengths, dtype=torch.int32, device=DEVICE)
+        # Further sets read the same cache through other page orders, so no set stays in L2.
+        total = sum(pages_of(self.lengths))
+        self.tables = [first_table] + [
+            page_table_for(self.lengths, physical=torch.randperm(total, generator=gen) + 1, device=DEVICE)
+            for _ in range(sets - 1)
+        ]
         self.sets = sets
 
     def inputs(self, next_n: int, layout: Layout, seed: int) -> list[tuple]:
@@ -109,20 +88,8 @@ class Batch:
         return out
 
     def floor_terms(self, next_n: int) -> tuple[float, float]:
-        """(bytes, flops) the problem needs at minimum, whatever the layout."""
-        batch = self.seq_lens.shape[0]
-        kv = self.total_pages * BLOCK_KV * (HEAD_DIM + 4)
-        small = batch * next_n * HEADS * (HEAD_DIM + 4)
-        logits = batch * next_n * self.max_len * 4
-        visible = sum(max(int(L) - next_n + j + 1, 0) for L in self.seq_lens_host for j in range(next_n))
-        return kv + small + logits, 2.0 * HEADS * HEAD_DIM * visible
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
-    mask_ok = bool(torch.equal(torch.isinf(out), torch.isinf(ref))) and not bool(torch.isnan(out).any())
-    visible = torch.isfinite(ref)
-    err = ((out[visible] - ref[visible]).norm() / ref[visible].norm()).item()
-    return err, mask_ok
+        """(bytes, flops) the problem needs at minimum, whatever the layout (the bench's floor)."""
+        return logits_floor_counts(LogitsShape(len(self.lengths), next_n, self.max_len, HEADS, HEAD_DIM), self.lengths)
 
 
 def sweep(args) -> None:
@@ -136,7 +103,7 @@ def _sweep(args, log) -> None:
 
     props = torch.cuda.get_device_properties(0)
     # A profiler run (ncu) times nothing; it needs only the kernel's launches.
-    ceilings = {"copy_GBps": 4273.0, "fp8_TFLOPs": 1260.0} if args.profile else measure_ceilings()
+    ceilings = {"copy_GBps": 4273.0, "fp8_TFLOPs": 1260.0} if args.profile else measure_ceilings().as_dict()
     print(f"{props.name}, {props.multi_processor_count} SMs; ceilings {ceilings}", flush=True)
     log.write(json.dumps({"device": props.name, **ceilings, "date": time.strftime("%Y-%m-%d %H:%M")}) + "\n")
     batch = Batch(args.batch, args.low, args.high, sets=args.sets, seed=args.seed)
@@ -159,15 +126,15 @@ def _sweep(args, log) -> None:
             record = {"shape": name, "next_n": next_n, "layout": layout.value, "config": config.__dict__,
                       "default": config == default}
             try:
-                err, mask_ok = relative_error(paged_mqa_logits(*sets[0], config=config), ref)
+                err, check = compare_logits(triton_paged_mqa_logits(*sets[0], config=config), ref, TOLERANCE)
                 if args.profile:
-                    paged_mqa_logits(*sets[1], config=config)
+                    triton_paged_mqa_logits(*sets[1], config=config)
                     torch.cuda.synchronize()
-                    print(f"{name} {config}: err {err:.1e} mask {'ok' if mask_ok else 'BAD'}; launched for the profiler")
+                    print(f"{name} {config}: {check}; launched for the profiler")
                     continue
                 seconds = do_bench(_rotating(sets, config), warmup=args.warmup_ms, rep=args.rep_ms,
                                    return_mode="median") * 1e-3
-                record.update(err=err, mask_ok=mask_ok, us=seconds * 1e6, floor_us=floor_s * 1e6,
+                record.update(err=err, check=check, us=seconds * 1e6, floor_us=floor_s * 1e6,
                               of_floor=seconds / floor_s, GBps=nbytes / seconds / 1e9, TFLOPs=flops / seconds / 1e12)
             except Exception as error:  # a config that fails to compile (shared memory) is a result too
                 record.update(error=f"{type(error).__name__}: {str(error)[:300]}")
@@ -179,7 +146,7 @@ def _sweep(args, log) -> None:
         torch.cuda.empty_cache()
     print("\nbest per shape:")
     for name in dict.fromkeys(r["shape"] for r in rows):
-        timed = [r for r in rows if r["shape"] == name and "us" in r and r["mask_ok"] and r["err"] < 1e-3]
+        timed = [r for r in rows if r["shape"] == name and "us" in r and r["check"] == "ok"]
         if timed:
             best = min(timed, key=lambda r: r["us"])
             print(_row(best))
@@ -191,7 +158,7 @@ def _sweep(args, log) -> None:
 def _rotating(sets: list[tuple], config: LaunchConfig):
     """A call that takes the next input set each time, so no set stays in L2 between calls."""
     turn = iter(range(1 << 62))
-    return lambda: paged_mqa_logits(*sets[next(turn) % len(sets)], config=config)
+    return lambda: triton_paged_mqa_logits(*sets[next(turn) % len(sets)], config=config)
 
 
 def _row(r: dict) -> str:
@@ -200,7 +167,7 @@ def _row(r: dict) -> str:
     if "error" in r:
         return f"{r['shape']:11s} {cfg:30s} ERROR {r['error'][:120]}"
     return (f"{r['shape']:11s} {cfg:30s} {r['us']:8.1f} us  floor {r['floor_us']:6.1f} us  x{r['of_floor']:.2f}  "
-            f"{r['GBps']:6.0f} GB/s  {r['TFLOPs']:6.1f} TFLOP/s  err {r['err']:.1e}  mask {'ok' if r['mask_ok'] else 'BAD'}")
+            f"{r['GBps']:6.0f} GB/s  {r['TFLOPs']:6.1f} TFLOP/s  err {r['err'] if r['err'] is not None else float('nan'):.1e}  {r['check']}")
 
 
 def resources() -> None:

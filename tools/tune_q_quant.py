@@ -5,8 +5,8 @@
 Every launch config is compared byte for byte with the torch reference run on the CPU (the CUDA-run
 reference picked twice the scale for some amax exactly on FP8_MAX * 2^k; this run prints how often),
 then timed with triton.testing.do_bench (median, after warm-up); a mismatch is reported with its
-time. Achieved bandwidth = (bytes read + bytes written) / time, next to a device-to-device copy of a
-2 GiB tensor (read + write counted) measured in the same run. The bar: 16384 tokens x 64 heads x
+time. Achieved bandwidth = (bytes read + bytes written) / time, next to dispatch.bench's device-to-device copy of
+1 GiB each way (read + write counted) measured in the same run. The bar: 16384 tokens x 64 heads x
 128 dims bf16 in at least 70% of copy bandwidth.
 Imports no pydantic (the GPU machine has none).
 """
@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.testing
 
-from backends.reference.q_quant import indexer_q_quant as reference
+from backends.reference.q_quant import reference_indexer_q_quant as reference
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.q_quant import launch, launch_config
+from dispatch.bench.ceilings import measure_copy_bandwidth
 from dispatch.key import Fp8Dtype
 from dispatch.rope import RopeSpec
 
@@ -41,13 +42,6 @@ CASES = {
 
 def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def copy_bandwidth_gbs() -> float:
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").uniform_()  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * 2**31 / (ms * 1e-3) / 1e9
 
 
 def make_inputs(tokens: int, seed: int = 0):
@@ -114,8 +108,8 @@ def main() -> None:
 
     say(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    copy_gbs = copy_bandwidth_gbs()
-    say(f"device-to-device copy (2 GiB, read + write): {copy_gbs:.0f} GB/s")
+    copy_gbs = measure_copy_bandwidth("cuda") / 1e9
+    say(f"device-to-device copy (1 GiB each way, read + write): {copy_gbs:.0f} GB/s")
     inputs = make_inputs(args.tokens)
     nbytes = traffic_bytes(*inputs)
     say(f"shape T={args.tokens} H={HEADS} D={HEAD_DIM} rot={ROT_DIM} bf16; traffic {nbytes / 1e6:.1f} MB; "

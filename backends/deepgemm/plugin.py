@@ -6,6 +6,8 @@
 | deepgemm.sm90.flatten | flatten | sm90  | >= 1   | every token its own request: next_n 1 in the kernel |
 
 All take e4m3fn only (the kernels read OCP fp8) in the paged modes (decode, target_verify, draft_extend).
+The availability probe checks the cheap facts first (a GPU, its arch), so a machine that could never
+run the kernel does not load deep_gemm's CUDA extension just to say no.
 """
 
 from __future__ import annotations
@@ -13,13 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import ModuleType
 
-from backends.deepgemm.availability import probe_for
-from backends.deepgemm.library import import_deep_gemm
-from backends.deepgemm.paged_logits import DeepGemmPagedLogits
-from dispatch.backend import PAGED_MODES, Backend, Support
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Arch, Fp8Dtype, Op
-from dispatch.layout import Layout
+import torch
+
+from backends.deepgemm.adapter import DeepGemmPagedLogits, import_deep_gemm, missing_symbols, version_of
+from dispatch import detect
+from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
 
 _E4M3FN = frozenset({Fp8Dtype.E4M3FN})
 
@@ -29,6 +29,35 @@ _TABLE = (
     ("deepgemm.sm90", Layout.NATIVE, Arch.SM90, 2, "DeepGEMM fp8 paged MQA logits, SM90, native (next_n 1-2)"),
     ("deepgemm.sm90.flatten", Layout.FLATTEN, Arch.SM90, None, "DeepGEMM fp8 paged MQA logits, SM90, flatten"),
 )
+
+
+def deepgemm_availability(
+    required: Arch, *, host: Arch, gpu_visible: bool, load: Callable[[], ModuleType]
+) -> Availability:
+    """Availability of a backend built for `required` on a machine of arch `host`."""
+    if not gpu_visible:
+        return Availability.no(f"no CUDA GPU is visible to torch (host arch {host.value})")
+    if host is not required:
+        return Availability.no(f"DeepGEMM kernels for {required.value}; this machine is {host.value}")
+    try:
+        module = load()
+    except (ImportError, OSError) as error:
+        return Availability.no(f"deep_gemm cannot be imported: {type(error).__name__}: {error}")
+    missing = missing_symbols(module)
+    if missing:
+        return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(missing)}")
+    return Availability.yes()
+
+
+def probe_for(required: Arch, load: Callable[[], ModuleType] = import_deep_gemm) -> Callable[[], Availability]:
+    """A Backend.probe: this machine's facts, read when the probe runs (detect_arch honours DISPATCH_ARCH)."""
+
+    def probe() -> Availability:
+        return deepgemm_availability(
+            required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load
+        )
+
+    return probe
 
 
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
@@ -48,6 +77,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
                 run=impl.run,
                 probe=probe_for(arch, load),
                 prepare=impl.prepare,
+                refresh_state=impl.refresh_state,
                 description=description,
             )
         )

@@ -13,11 +13,11 @@ import math
 
 import torch
 
-from backends.reference.kv_cache import split_kv_cache
+from dispatch.kv_cache import split_kv_cache
 from dispatch.key import Fp8Dtype
 
 
-def paged_mqa_logits(
+def reference_paged_mqa_logits(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     weights: torch.Tensor,

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from backends.reference.paged_mqa_logits import paged_mqa_logits
-from backends.reference.q_quant import indexer_q_quant
-from dispatch.backend import ALL_ARCHS, PAGED_MODES, Backend, Support
-from dispatch.checks import check_logits_inputs
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Op
-from dispatch.layout import Layout
+from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
+from backends.reference.q_quant import reference_indexer_q_quant
+from backends.reference.topk import topk_indices
+from dispatch.contract import ALL_ARCHS, PAGED_MODES, Backend, Layout, Op, Support, check_logits_inputs, hookimpl
 
 
 def run_paged_mqa_logits(plan, q, kv_cache, weights):
     # Both reference backends run the same function, which reads the layout from the tensors' tag.
     check_logits_inputs(plan, q, kv_cache, weights)
-    return paged_mqa_logits(
+    return reference_paged_mqa_logits(
         q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype
     )
 
@@ -42,8 +39,19 @@ def register_backends(register):
             op=Op.INDEXER_Q_QUANT,
             layout=Layout.TOKENS,
             supports=Support(archs=ALL_ARCHS),
-            run=indexer_q_quant,
+            run=reference_indexer_q_quant,
             version=torch.__version__,
             description="plain torch RoPE + power-of-two fp8 quantisation",
+        )
+    )
+    register(
+        Backend(
+            name="torch.reference",
+            op=Op.TOPK,
+            layout=Layout.ROWS,
+            supports=Support(archs=ALL_ARCHS),
+            run=topk_indices,
+            version=torch.__version__,
+            description="plain torch two-key stable sort: visible first, then by value; NaN never selected",
         )
     )

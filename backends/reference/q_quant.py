@@ -45,7 +45,7 @@ def power_of_two_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(amax_mantissa), exponent)
 
 
-def indexer_q_quant(
+def reference_indexer_q_quant(
     q: torch.Tensor,
     weights: torch.Tensor,
     positions: torch.Tensor,

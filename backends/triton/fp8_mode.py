@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from dispatch.detect import rocm_gcn_arch
 from dispatch.key import Fp8Dtype
 
 
@@ -34,11 +35,7 @@ class Fp8Mode(str, enum.Enum):
 @functools.lru_cache(maxsize=1)
 def fnuz_mode_for_here() -> Fp8Mode:
     """Native fnuz only where the hardware has it (ROCm gfx94x); emulated on NVIDIA and the CPU."""
-    if getattr(torch.version, "hip", None) and torch.cuda.is_available():
-        gcn = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "gcnArchName", "")
-        if gcn.startswith("gfx94"):
-            return Fp8Mode.FNUZ_NATIVE
-    return Fp8Mode.FNUZ_EMULATED
+    return Fp8Mode.FNUZ_NATIVE if rocm_gcn_arch().startswith("gfx94") else Fp8Mode.FNUZ_EMULATED
 
 
 def fp8_mode(fp8_dtype: Fp8Dtype, fnuz_mode: Fp8Mode | None = None) -> Fp8Mode:

@@ -141,7 +141,7 @@ def default_config(next_n: int, device: torch.device) -> LaunchConfig:
     return LaunchConfig(tokens=4, pages=1, pages_per_split=32, num_warps=4, num_stages=5)
 
 
-def paged_mqa_logits(
+def triton_paged_mqa_logits(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     weights: torch.Tensor,

@@ -12,11 +12,7 @@ from backends.triton.availability import (
     triton_version,
 )
 from backends.triton.fp8_mode import Fp8Mode
-from dispatch.backend import PAGED_MODES, Backend, Support
-from dispatch.checks import check_logits_inputs
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Fp8Dtype, Op
-from dispatch.layout import Layout
+from dispatch.contract import PAGED_MODES, Backend, Fp8Dtype, Layout, Op, Support, check_logits_inputs, hookimpl
 
 # The native kernel holds a row's tokens x heads in one program's tile; past 8 tokens it is untested.
 NATIVE_NEXT_N_MAX = 8
@@ -27,9 +23,9 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
 
     def run(plan, q, kv_cache, weights):
         check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
-        from backends.triton.paged_mqa_logits import paged_mqa_logits
+        from backends.triton.paged_mqa_logits import triton_paged_mqa_logits
 
-        return paged_mqa_logits(
+        return triton_paged_mqa_logits(
             q,
             kv_cache,
             weights,
@@ -89,11 +85,9 @@ def logits_backends() -> list[Backend]:
 
 
 def run_q_quant(*args, **kwargs):
-    from backends.triton.q_quant import (
-        indexer_q_quant,  # imports triton, which the probe found
-    )
+    from backends.triton.q_quant import triton_indexer_q_quant  # imports triton, which the probe found
 
-    return indexer_q_quant(*args, **kwargs)
+    return triton_indexer_q_quant(*args, **kwargs)
 
 
 def q_quant_backends() -> list[Backend]:

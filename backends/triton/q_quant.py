@@ -155,7 +155,7 @@ def _indexer_q_quant_kernel(
     tl.store(w_out_ptr + vectors, w * scale * weight_factor, mask=w_ok)
 
 
-def indexer_q_quant(
+def triton_indexer_q_quant(
     q: torch.Tensor,
     weights: torch.Tensor,
     positions: torch.Tensor,

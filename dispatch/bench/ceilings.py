@@ -19,12 +19,17 @@ class Ceilings:
 
 
 def measure_ceilings(device: str = "cuda") -> Ceilings:
-    elements = 1 << 30  # 1 GiB each way: far past the L2
     n = 8192
     return Ceilings(
-        copy_bytes_per_s=2 * elements / _copy_seconds(elements, device),
+        copy_bytes_per_s=measure_copy_bandwidth(device),
         fp8_flops_per_s=2.0 * n**3 / _fp8_matmul_seconds(n, device),
     )
+
+
+def measure_copy_bandwidth(device: str = "cuda") -> float:
+    """Bytes per second of a device-to-device copy, read and write counted."""
+    elements = 1 << 30  # 1 GiB each way: far past the L2
+    return 2 * elements / _copy_seconds(elements, device)
 
 
 def _copy_seconds(elements: int, device: str) -> float:

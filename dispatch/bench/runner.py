@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dispatch.bench.ceilings import Ceilings
+from dispatch.bench.compare import compare_logits, compare_q_quant, compare_topk
 from dispatch.bench.timing import time_host, time_rotating
 from dispatch.bench.workload import (
     LogitsShape,
@@ -16,10 +17,12 @@ from dispatch.bench.workload import (
     logits_inputs,
     quant_floor_bytes,
     quant_inputs,
+    topk_floor_bytes,
 )
+from dispatch.calling import call_backend
 from dispatch.dispatcher import Dispatcher
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.ops import paged_mqa_logits
+from dispatch.ops import paged_mqa_logits, topk
 from dispatch.plan import ForwardBatch, build_plan
 from dispatch.rope import RopeSpec
 
@@ -66,13 +69,14 @@ def _floor(bytes_: float, flops: float, ceilings: Ceilings | None) -> float | No
 
 
 def _candidates(dispatcher: Dispatcher, op: Op, key: DispatchKey, wanted: set[str] | None) -> list[str]:
+    """The backends the dispatcher finds eligible for `key` (disabled ones included: a benchmark
+    compares every path that can run), less the reference unless asked for by name."""
     names = []
-    for backend in dispatcher.catalog.for_op(op):
+    for backend in dispatcher.eligible(op, key, respect_disabled=False):
         # The reference is the yardstick, not a contender: timed only when asked for by name.
         if (wanted and backend.name not in wanted) or (not wanted and backend.name.startswith(REFERENCE)):
             continue
-        if backend.supports.why_not(key) is None and backend.availability().ok:
-            names.append(backend.name)
+        names.append(backend.name)
     return names
 
 
@@ -88,7 +92,7 @@ def bench_logits(
     wanted: set[str] | None,
 ) -> list[Row]:
     mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
-    key = DispatchKey(dispatcher.host_arch, mode, shape.next_n, fp8_dtype)
+    key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
     first = logits_inputs(shape, fp8_dtype, device, seed=0)
     data_bytes = first.kv_cache.numel()
     sets = [first] + [logits_inputs(shape, fp8_dtype, device, seed=s) for s in range(1, 3 if data_bytes < 3 * L2_BYTES else 1)]
@@ -116,7 +120,7 @@ def bench_logits(
     return rows
 
 
-def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_dtype: Fp8Dtype):
+def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_dtype: Fp8Dtype, op: Op = Op.PAGED_MQA_LOGITS):
     batch = ForwardBatch(
         seq_lens=inputs.seq_lens,
         page_table=inputs.page_table,
@@ -125,28 +129,13 @@ def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_d
         next_n=inputs.q_tokens.shape[0] // inputs.seq_lens.shape[0],
     )
     return build_plan(
-        dispatcher, batch, kv_fp8_dtype=fp8_dtype, pinned={Op.PAGED_MQA_LOGITS: backend}, allow_disabled=True
+        dispatcher, batch, kv_fp8_dtype=fp8_dtype, pinned={op: backend}, allow_disabled=True
     )
 
 
 def _run_logits(dispatcher, backend, mode, inputs, fp8_dtype):
     plan = _plan(dispatcher, backend, mode, inputs, fp8_dtype)
     return paged_mqa_logits(plan, inputs.q_tokens, inputs.kv_cache, inputs.weights)
-
-
-def compare_logits(out: torch.Tensor, reference: torch.Tensor, tolerance: float) -> tuple[float | None, str]:
-    """(relative error over visible positions, verdict). The -inf pattern must match exactly."""
-    if out.shape != reference.shape:
-        return None, f"shape {list(out.shape)} != reference {list(reference.shape)}"
-    if torch.isnan(out).any():
-        return None, "NaN in output"
-    masked = torch.isinf(reference)
-    if not torch.equal(torch.isinf(out) & (out < 0), masked):
-        return None, "-inf pattern differs from the reference"
-    visible = ~masked
-    diff = (out[visible] - reference[visible]).double().norm()
-    error = float(diff / reference[visible].double().norm().clamp(min=1e-30))
-    return error, "ok" if error <= tolerance else f"error {error:.2e} > {tolerance:.0e}"
 
 
 def bench_quant(
@@ -159,25 +148,64 @@ def bench_quant(
     repeats: int,
     wanted: set[str] | None,
 ) -> list[Row]:
-    key = DispatchKey(dispatcher.host_arch, ForwardMode.DECODE, 1, fp8_dtype)
+    key = DispatchKey(dispatcher.target_arch, ForwardMode.DECODE, 1, fp8_dtype)
     inputs = quant_inputs(shape, device, seed=0)
     bytes_ = quant_floor_bytes(shape)
     floor = _floor(bytes_, 0.0, ceilings)
     settings = dict(fp8_dtype=fp8_dtype, rope=RopeSpec.neox_head(), softmax_scale=shape.head_dim**-0.5, head_scale=shape.heads**-0.5)
-    reference = dispatcher.catalog.get(Op.INDEXER_Q_QUANT, REFERENCE).run(**inputs, **settings)
+    reference = call_backend(dispatcher.pin(Op.INDEXER_Q_QUANT, key, REFERENCE, allow_disabled=True), **inputs, **settings)
     rows = []
     for name in _candidates(dispatcher, Op.INDEXER_Q_QUANT, key, wanted):
         decision = dispatcher.pin(Op.INDEXER_Q_QUANT, key, name, allow_disabled=True)
         row = Row(Op.INDEXER_Q_QUANT.value, name, decision.layout.value, shape.label(), bytes=bytes_, floor_seconds=floor)
-        q_fp8, weights = decision.impl.run(**inputs, **settings)
-        mismatched = (q_fp8.view(torch.uint8) != reference[0].view(torch.uint8)).sum().item()
-        weights_equal = torch.equal(weights, reference[1])
-        row.error = mismatched / q_fp8.numel()
-        row.check = "ok" if mismatched == 0 and weights_equal else f"{mismatched} fp8 bytes differ; weights equal: {weights_equal}"
-        if row.check == "ok":
-            call = [lambda: decision.impl.run(**inputs, **settings)]
-            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
         rows.append(row)
+        try:
+            out = call_backend(decision, **inputs, **settings)
+        except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
+            row.check = f"failed: {type(error).__name__}: {error}"
+            continue
+        row.error, row.check = compare_q_quant(out, reference)
+        if row.check == "ok":
+            call = [lambda: call_backend(decision, **inputs, **settings)]
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
+    return rows
+
+
+def bench_topk(
+    dispatcher: Dispatcher,
+    shape: LogitsShape,
+    fp8_dtype: Fp8Dtype,
+    *,
+    k: int,
+    device: str,
+    ceilings: Ceilings | None,
+    repeats: int,
+    wanted: set[str] | None,
+) -> list[Row]:
+    """Top-k alone, per eligible backend, on the logits the decided logits backend gives this workload,
+    over the plan's per-token lengths; checked against torch.topk."""
+    mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
+    key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
+    inputs = logits_inputs(shape, fp8_dtype, device, seed=0)
+    decided = _plan(dispatcher, dispatcher.decide(Op.PAGED_MQA_LOGITS, key).backend, mode, inputs, fp8_dtype)
+    logits = paged_mqa_logits(decided, inputs.q_tokens, inputs.kv_cache, inputs.weights)
+    floor = _floor(topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k), 0.0, ceilings)
+    label = f"{shape.label()} k={k}"
+    rows = []
+    for name in _candidates(dispatcher, Op.TOPK, key, wanted):
+        plan = _plan(dispatcher, name, mode, inputs, fp8_dtype, op=Op.TOPK)
+        bytes_ = topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k)
+        row = Row(Op.TOPK.value, name, plan.topk.layout.value, label, bytes=bytes_, floor_seconds=floor)
+        rows.append(row)
+        try:
+            out = topk(plan, logits, k)
+        except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
+            row.check = f"failed: {type(error).__name__}: {error}"
+            continue
+        row.error, row.check = compare_topk(out, logits, plan.token_lengths, k)
+        if row.check == "ok":
+            call = [lambda plan=plan: topk(plan, logits, k)]
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
     return rows
 
 
@@ -185,8 +213,8 @@ def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 
     """Host cost of a cached decide, and of building a B=128 plan, in microseconds."""
     from dispatch.detect import platform_fp8_dtype
 
-    fp8 = platform_fp8_dtype(dispatcher.host_arch)
-    key = DispatchKey(dispatcher.host_arch, ForwardMode.TARGET_VERIFY, next_n, fp8)
+    fp8 = platform_fp8_dtype(dispatcher.target_arch)
+    key = DispatchKey(dispatcher.target_arch, ForwardMode.TARGET_VERIFY, next_n, fp8)
     dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
     loops = 10000
     decide_s = time_host(lambda: [dispatcher.decide(Op.PAGED_MQA_LOGITS, key) for _ in range(loops)], repeats=5) / loops

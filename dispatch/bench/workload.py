@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from dispatch.bench.paged_cache import build_paged_kv_cache
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Fp8Dtype
-
-BLOCK_KV = 64
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class LogitsInputs:
     seq_lens: torch.Tensor  # int32 [B], on device
     seq_lens_host: list[int]
     page_table: torch.Tensor  # int32 [B, max_pages]
-    kv_cache: torch.Tensor  # uint8 [num_blocks, 64, 1, D + 4]
+    kv_cache: torch.Tensor  # uint8 [num_blocks, BLOCK_KV, 1, D + 4]
     q_tokens: torch.Tensor  # fp8 [B*N, H, D]
     weights: torch.Tensor  # fp32 [B*N, H]
 
@@ -42,32 +40,23 @@ def ragged_lengths(shape: LogitsShape, generator: torch.Generator) -> list[int]:
 
 
 def logits_inputs(shape: LogitsShape, fp8_dtype: Fp8Dtype, device: str, seed: int) -> LogitsInputs:
+    """One paged batch built on `device`: ragged lengths, keys quantised into shuffled pages (so no kernel
+    profits from contiguous pages), fp8 q in the cache's dtype, fp32 head weights."""
     generator = torch.Generator().manual_seed(seed)
     lengths = ragged_lengths(shape, generator)
-    pages = [math.ceil(n / BLOCK_KV) for n in lengths]
-    num_blocks = sum(pages)
-    # A random permutation of physical blocks, so no kernel profits from contiguous pages.
-    physical = torch.randperm(num_blocks, generator=generator).to(torch.int32)
-    page_table = torch.zeros(shape.batch_size, max(pages), dtype=torch.int32)
-    start = 0
-    for row, count in enumerate(pages):
-        page_table[row, :count] = physical[start : start + count]
-        start += count
-    fp8 = torch_dtype(fp8_dtype)
-    fp8_max = FP8_MAX[fp8_dtype]
     on = torch.Generator(device=device).manual_seed(seed)
-    values = (torch.randn(num_blocks, BLOCK_KV * shape.head_dim, device=device, generator=on) * fp8_max / 4)
-    values = values.clamp(-fp8_max, fp8_max).to(fp8).view(torch.uint8)
-    scales = torch.rand(num_blocks, BLOCK_KV, device=device, generator=on) * 0.01 + 1e-3
-    cache = torch.cat([values, scales.view(torch.uint8)], dim=1)
+    keys = [torch.randn(n, shape.head_dim, device=device, generator=on) for n in lengths]
+    cache, page_table = build_paged_kv_cache(keys, fp8_dtype, generator=on)
+    del keys
+    fp8_max = FP8_MAX[fp8_dtype]
     tokens = shape.batch_size * shape.next_n
     q = torch.randn(tokens, shape.heads, shape.head_dim, device=device, generator=on) * fp8_max / 4
     return LogitsInputs(
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
         seq_lens_host=lengths,
-        page_table=page_table.to(device),
-        kv_cache=cache.view(num_blocks, BLOCK_KV, 1, shape.head_dim + 4),
-        q_tokens=q.clamp(-fp8_max, fp8_max).to(fp8),
+        page_table=page_table,
+        kv_cache=cache,
+        q_tokens=q.clamp(-fp8_max, fp8_max).to(torch_dtype(fp8_dtype)),
         weights=torch.randn(tokens, shape.heads, device=device, generator=on),
     )
 
@@ -109,3 +98,13 @@ def quant_floor_bytes(shape: QuantShape) -> float:
     elements = shape.tokens * shape.heads * shape.head_dim
     # bf16 q in, fp8 q out, fp32 weights in and out, positions and one cos/sin row per token.
     return float(elements * 2 + elements + shape.tokens * shape.heads * 8 + shape.tokens * (8 + shape.rot_dim * 2))
+
+
+def visible_token_count(lengths: list[int], next_n: int) -> int:
+    """How many (token, key) pairs a batch's tokens see: token j of a request of length L sees L - N + j + 1."""
+    return sum(max(length - next_n + j + 1, 0) for length in lengths for j in range(next_n))
+
+
+def topk_floor_bytes(lengths: list[int], next_n: int, k: int) -> float:
+    """Every visible logit read once (fp32) and every row's k int32 indices written once."""
+    return float(visible_token_count(lengths, next_n) * 4 + len(lengths) * next_n * k * 4)

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from dispatch.backend import BACKEND_NAME
 from dispatch.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 
 
@@ -27,7 +28,7 @@ def _one_or_many(item: object) -> object:
     return Annotated[tuple[item, ...], BeforeValidator(_as_tuple, json_schema_input_type=item | list[item])]
 
 
-BackendName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.\-]*$")]
+BackendName = Annotated[str, Field(pattern=f"^{BACKEND_NAME}$")]
 NameList = _one_or_many(BackendName)
 ArchList = _one_or_many(Arch)
 ModeList = _one_or_many(ForwardMode)
@@ -47,9 +48,6 @@ class NextNRange(Strict):
 
     def contains(self, next_n: int) -> bool:
         return self.min <= next_n and (self.max is None or next_n <= self.max)
-
-    def text(self) -> str:
-        return f"{self.min}..{'' if self.max is None else self.max}"
 
 
 def _next_n(value: object) -> object:

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from dispatch.backend import ALL_ARCHS, PAGED_MODES, Backend, Support
-from dispatch.checks import check_logits_inputs
-from dispatch.fp8 import torch_dtype
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Op
-from dispatch.layout import Layout
+from dispatch.contract import (
+    ALL_ARCHS,
+    PAGED_MODES,
+    Backend,
+    Layout,
+    Op,
+    Support,
+    check_logits_inputs,
+    hookimpl,
+    split_kv_cache,
+)
 
 CHUNK = 8
 
@@ -19,9 +24,7 @@ def run(plan, q, kv_cache, weights):
     check_logits_inputs(plan, q, kv_cache, weights, consumes=Layout.NATIVE)
     batch, next_n, heads, head_dim = q.shape
     num_blocks, block_kv = kv_cache.shape[:2]
-    flat = kv_cache.view(num_blocks, -1)
-    keys = flat[:, : block_kv * head_dim].view(torch_dtype(plan.fp8_dtype)).view(num_blocks, block_kv, head_dim)
-    scales = flat[:, block_kv * head_dim :].view(torch.float32)
+    keys, scales = split_kv_cache(kv_cache, plan.fp8_dtype)  # [num_blocks, block_kv, D], [num_blocks, block_kv]
     pages = -(-plan.max_context_len // block_kv)
     table = plan.block_table[:, :pages].long().clamp(0, num_blocks - 1)
     out = torch.empty(batch * next_n, plan.max_context_len, dtype=torch.float32, device=q.device)

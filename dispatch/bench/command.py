@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--next-n", type=_ints, default=[1, 2, 4], metavar="N,N,...", help="tokens scored per request (default: 1,2,4)")
     parser.add_argument("--lengths", type=_ints, default=[8192, 32768], metavar="L,L,...",
                         help="mean lengths; each batch is uniform in [L/2, 3L/2] (default: 8192,32768)")
+    parser.add_argument("--k", type=_ints, default=[2048], metavar="K,K,...", help="keys kept per token, for topk (default: 2048)")
     parser.add_argument("--tokens", type=_ints, default=[16384], metavar="T,T,...", help="tokens for indexer_q_quant (default: 16384)")
     parser.add_argument("--heads", type=int, default=64, help="indexer heads H (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="indexer head dim D (default: %(default)s)")
@@ -55,7 +56,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from dispatch.bench.ceilings import measure_ceilings
-    from dispatch.bench.runner import bench_logits, bench_quant, dispatch_overhead
+    from dispatch.bench.runner import bench_logits, bench_quant, bench_topk, dispatch_overhead
     from dispatch.bench.workload import LogitsShape, QuantShape
     from dispatch.detect import platform_fp8_dtype
     from dispatch.runtime import load_dispatcher
@@ -63,33 +64,44 @@ def run_bench(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.batch_sizes, args.lengths, args.tokens, args.repeats = [2], [256], [64], min(args.repeats, 3)
+        args.k = [min(k, 64) for k in args.k]
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
-    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.host_arch)
+    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
     if device == "cpu":
         _cpu_note()
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
-    rows = []
+    common = dict(device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
     logits_shapes = [
         LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
         for batch_size in args.batch_sizes
         for length in args.lengths
         for next_n in args.next_n
-    ] if args.op in ("all", Op.PAGED_MQA_LOGITS.value) else []
-    quant_shapes = [QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens] if args.op in ("all", Op.INDEXER_Q_QUANT.value) else []
-    total = len(logits_shapes) + len(quant_shapes)
-    for number, shape in enumerate(logits_shapes, 1):
-        _progress(f"[{number}/{total}] paged_mqa_logits {shape.label()}")
-        rows += bench_logits(
-            dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats,
-            tolerance=tolerance, wanted=wanted,
-        )
+    ]
+    # One job per (op, shape), labelled for the progress line on stderr.
+    jobs = {
+        Op.INDEXER_Q_QUANT: [
+            (shape.label(), lambda shape=shape: bench_quant(dispatcher, shape, fp8, **common))
+            for shape in (QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens)
+        ],
+        Op.PAGED_MQA_LOGITS: [
+            (shape.label(), lambda shape=shape: bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common))
+            for shape in logits_shapes
+        ],
+        Op.TOPK: [
+            (f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(dispatcher, shape, fp8, k=k, **common))
+            for shape in logits_shapes
+            for k in args.k
+        ],
+    }
+    chosen = [(op, label, job) for op in Op if args.op in ("all", op.value) for label, job in jobs[op]]
+    rows = []
+    for number, (op, label, job) in enumerate(chosen, 1):
+        _progress(f"[{number}/{len(chosen)}] {op.value} {label}")
+        rows += job()
         if device == "cuda":
             torch.cuda.empty_cache()
-    for number, shape in enumerate(quant_shapes, len(logits_shapes) + 1):
-        _progress(f"[{number}/{total}] indexer_q_quant {shape.label()}")
-        rows += bench_quant(dispatcher, shape, fp8, device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
     report = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
         "date": datetime.date.today().isoformat(),

@@ -1,0 +1,191 @@
+"""DeepGEMM behind dispatch: the one import of deep_gemm, the bridge over its API generations, the
+input checks its extension would assert, and the paged MQA logits backend (prepare and run).
+
+deep_gemm is imported only when a backend is probed, prepared or run (never at module load): the
+packaged builds link libtorch and load CUDA libraries, which fails or is slow where they cannot run.
+A build works only with the torch whose headers it was compiled against (it calls libtorch's inline
+accessors). On torch 2.11 + CUDA 13 (H200, 2026-11-29): sgl-deep-gemm 0.1.3 to 0.1.5 and
+tokenspeed-deepgemm 2.3.0 to 2.5.0.post20260629 run; later builds of either were compiled for a newer torch.
+
+The paged logits API, tolerant of the generations in the field:
+- `fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule, max_context_len,
+  clean_logits)`: the first generation; q is the fp8 tensor.
+- `fp8_fp4_paged_mqa_logits(...)`, same arguments, q a (values, scales) pair: fp8 q goes as `(q, None)`
+  because some builds read a bare tensor as packed FP4. Builds that have it keep the first name as a
+  legacy alias, so the newer name is tried first.
+- Newer builds accept only 2-D context lens; plans always hold 2-D lens (native [B, N], flatten
+  [B*N, 1]), which every generation that has a 2-D path reads the same way.
+- `get_num_sms()` is what the kernel launches with, so the schedule must use it; builds without it fall
+  back to the device's SM count.
+
+Every function takes the module as its first argument, so tests can hand in a recording stand-in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from dispatch.errors import LayoutError
+from dispatch.input_checks import check_logits_inputs
+from dispatch.kv_cache import BLOCK_KV
+from dispatch.layout import Layout
+from dispatch.plan import IndexerPlan
+
+MODULE_NAME = "deep_gemm"
+SCHEDULE = "get_paged_mqa_logits_metadata"
+LOGITS_FP8_FP4 = "fp8_fp4_paged_mqa_logits"
+LOGITS_FP8 = "fp8_paged_mqa_logits"
+# SM90 and SM100 kernels are instantiated for these head counts only.
+HEAD_COUNTS = (32, 64)
+
+
+# --- the library ------------------------------------------------------------------------------------
+
+
+def import_deep_gemm() -> ModuleType:
+    """The deep_gemm module. Raises ImportError (or OSError) when it is missing or fails to load."""
+    return importlib.import_module(MODULE_NAME)
+
+
+def version_of(module: ModuleType) -> str:
+    return str(getattr(module, "__version__", "") or "(version unknown)")
+
+
+def missing_symbols(module: ModuleType) -> list[str]:
+    """The API names this adapter needs and `module` lacks, as they would read in a message."""
+    missing = [] if hasattr(module, SCHEDULE) else [f"`{SCHEDULE}`"]
+    if not (hasattr(module, LOGITS_FP8_FP4) or hasattr(module, LOGITS_FP8)):
+        missing.append(f"`{LOGITS_FP8_FP4}` or `{LOGITS_FP8}`")
+    return missing
+
+
+# --- paged MQA logits (decode, target_verify, draft_extend) -----------------------------------------
+
+
+def num_sms(module: ModuleType, device: torch.device) -> int:
+    if hasattr(module, "get_num_sms"):
+        return int(module.get_num_sms())
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def build_schedule(module: ModuleType, context_lens: torch.Tensor, sms: int) -> torch.Tensor:
+    """int32 [sms + 1, 2]: the split of the batch's KV pages over the SMs, for exactly these lens."""
+    return getattr(module, SCHEDULE)(context_lens, BLOCK_KV, sms)
+
+
+def launch_paged_mqa_logits(
+    module: ModuleType,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule: torch.Tensor,
+    max_context_len: int,
+) -> torch.Tensor:
+    """fp32 [rows * next_n, max_context_len]; positions past a token's length hold garbage.
+
+    clean_logits stays off: it accepts only 1-D lens, and plans hold 2-D lens.
+    """
+    if hasattr(module, LOGITS_FP8_FP4):
+        kernel, q_arg = getattr(module, LOGITS_FP8_FP4), (q, None)
+    else:
+        kernel, q_arg = getattr(module, LOGITS_FP8), q
+    # Positional: the eight leading parameters sit in the same places in every generation and binding.
+    return kernel(q_arg, kv_cache, weights, context_lens, block_table, schedule, max_context_len, False)
+
+
+def check_kernel_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    """Raise LayoutError for anything deep_gemm's host code would assert, so a mistake names the tensor
+    instead of surfacing inside the C++ extension; shapes and dtypes against the tag are checked already."""
+    # The kernel builds TMA descriptors from these pointers and assumes dense rows.
+    if not q.is_contiguous():
+        raise LayoutError(f"deep_gemm needs a contiguous q; got strides {list(q.stride())}")
+    if q.shape[2] not in HEAD_COUNTS:
+        raise LayoutError(f"deep_gemm supports {HEAD_COUNTS} indexer heads; q has {q.shape[2]}")
+    if not weights.is_contiguous() or weights.dtype != torch.float32:
+        raise LayoutError(
+            f"deep_gemm needs contiguous fp32 weights; got {weights.dtype}, strides {list(weights.stride())}"
+        )
+    if kv_cache.shape[1] != BLOCK_KV:
+        raise LayoutError(f"the schedule is built for block_kv={BLOCK_KV}; kv_cache has block_kv={kv_cache.shape[1]}")
+    if kv_cache.stride(1) != kv_cache.shape[3] or kv_cache.stride(3) != 1:
+        raise LayoutError(f"deep_gemm needs kv_cache rows of D+4 dense bytes; got strides {list(kv_cache.stride())}")
+    if context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
+        raise LayoutError(f"deep_gemm needs contiguous int32 context_lens; got {context_lens.dtype}")
+    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise LayoutError(f"deep_gemm needs an int32 block_table with unit column stride; got {block_table.dtype}")
+
+
+def mask_past_lengths(logits: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Write -inf in row r at every position >= context_lens.flatten()[r], in place; returns `logits`.
+
+    deep_gemm leaves those positions unspecified; the contract says -inf. What it costs: one extra pass
+    over the logits per layer, in place. For every position of the [B*N, max_context_len] output: a
+    1-byte mask written and read back, and the logits read and written (4 + 4 bytes), in three small
+    launches (positions, compare, fill). At next_n = 4 the kernel moves about 148 B per cached token,
+    the pass about 40 B, more where lengths are ragged, since it covers max_context_len in every row.
+
+    The mask is built on each call from the plan's lens rather than once per batch: under CUDA graphs
+    the plan's lens are refreshed in place between replays, and the mask must follow them. deep_gemm's
+    own clean_logits would make the pass inside the extension but takes only 1-D lens, and plans hold
+    2-D ones; a top-k that takes the lengths could skip the pass altogether.
+    """
+    positions = torch.arange(logits.shape[1], device=logits.device, dtype=context_lens.dtype)
+    return logits.masked_fill_(positions[None, :] >= context_lens.reshape(-1, 1), float("-inf"))
+
+
+@dataclass(frozen=True)
+class DeepGemmPagedLogits:
+    """The paged logits op through deep_gemm, for plans tagged with `layout`.
+
+    prepare builds deep_gemm's schedule once per batch, from the very plan.context_lens tensor every
+    layer's kernel call then receives, and the plan keeps it as this backend's state. refresh_state
+    rewrites that schedule in place, so a CUDA-graph replay sees the new batch's split."""
+
+    layout: Layout
+    load: Callable[[], ModuleType]
+
+    def prepare(self, plan: IndexerPlan) -> torch.Tensor:
+        """The batch's schedule, int32 [num_sms + 1, 2], built from plan.context_lens itself."""
+        module = self.load()
+        lens = plan.context_lens
+        return build_schedule(module, lens, num_sms(module, lens.device))
+
+    @staticmethod
+    def refresh_state(captured: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Write a fresh batch's schedule into the captured plan's, in place (same shape: [num_sms + 1, 2])."""
+        captured.copy_(fresh)
+
+    def run(self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
+        self._check_schedule(plan)
+        check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
+        logits = launch_paged_mqa_logits(
+            self.load(), q, kv_cache, weights, plan.context_lens, plan.block_table, plan.state, plan.max_context_len
+        )
+        return mask_past_lengths(logits, plan.context_lens)
+
+    def _check_schedule(self, plan: IndexerPlan) -> None:
+        state = plan.state
+        if not isinstance(state, torch.Tensor) or state.dim() != 2 or state.dtype != torch.int32:
+            raise LayoutError(
+                f"the plan holds no DeepGEMM schedule (state is {type(state).__name__}); build it with build_plan"
+            )
+
+
+# --- ragged MQA logits (extend / prefill) -----------------------------------------------------------
+# The second DeepGEMM entry point, fp8_mqa_logits (non-paged, ragged [ks, ke) per token), goes here:
+# its symbol names beside LOGITS_FP8 above, a launch_mqa_logits(module, ...) bridging its generations,
+# and a backend class like DeepGemmPagedLogits. plugin.py then adds its rows to its table.

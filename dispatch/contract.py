@@ -1,0 +1,138 @@
+"""The plugin contract in one module: everything a backend plugin imports.
+
+A plugin registers `Backend` values through `hookimpl`-marked `register_backends(register)`. Each op's
+`run` follows the op's call convention, written below as a typed Protocol; OP_CONTRACTS says, per op,
+which Protocol and which layouts a backend of it may declare. The types live in small modules
+(backend, key, layout, input_checks, hookspecs); this module is the one a plugin needs.
+
+A backend that raises (a kernel launch failure, a missing symbol) surfaces as BackendError naming the
+backend, op, key and rule, chained to the original. The project's own errors (LayoutError and
+DtypeMismatchError from a backend's input checks) and CUDA out-of-memory pass through unchanged.
+There is no fallback to another backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from dispatch.backend import ALL_ARCHS, ALL_FP8_DTYPES, ALL_MODES, PAGED_MODES, Availability, Backend, Support
+from dispatch.errors import BackendError, DtypeMismatchError, LayoutError
+from dispatch.fp8 import torch_dtype
+from dispatch.hookspecs import hookimpl
+from dispatch.input_checks import check_logits_inputs
+from dispatch.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.kv_cache import BLOCK_KV, split_kv_cache
+from dispatch.layout import Layout
+from dispatch.rope import RopeSpec
+
+if TYPE_CHECKING:
+    from dispatch.plan import IndexerPlan
+
+__all__ = [
+    "ALL_ARCHS",
+    "ALL_FP8_DTYPES",
+    "ALL_MODES",
+    "BLOCK_KV",
+    "FP8_MAX",
+    "OP_CONTRACTS",
+    "PAGED_MODES",
+    "Arch",
+    "Availability",
+    "Backend",
+    "BackendError",
+    "DispatchKey",
+    "DtypeMismatchError",
+    "Fp8Dtype",
+    "ForwardMode",
+    "IndexerQQuantRun",
+    "Layout",
+    "LayoutError",
+    "Op",
+    "OpContract",
+    "PagedMqaLogitsRun",
+    "RopeSpec",
+    "Support",
+    "TopkRun",
+    "check_logits_inputs",
+    "hookimpl",
+    "split_kv_cache",
+    "torch_dtype",
+]
+
+
+class PagedMqaLogitsRun(Protocol):
+    """run(plan, q, kv_cache, weights) -> fp32 logits [B*N, plan.max_context_len].
+
+    q is fp8 in plan.layout (native [B, N, H, D]; flatten [B*N, 1, H, D]), kv_cache uint8
+    [num_blocks, block_kv, 1, D + 4], weights fp32 [B*N, H]. The run checks its inputs with
+    check_logits_inputs and writes -inf at every position past a token's length."""
+
+    def __call__(
+        self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class IndexerQQuantRun(Protocol):
+    """run(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_scale, head_scale)
+    -> (q fp8 [T, H, D], fp32 weights [T, H]). fp8_dtype comes from the decision's key, never from
+    the backend."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        *,
+        fp8_dtype: Fp8Dtype,
+        rope: RopeSpec,
+        softmax_scale: float,
+        head_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TopkRun(Protocol):
+    """run(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted) -> int32 [rows, k].
+
+    logits fp32 [rows, W] (last dim contiguous); row r's visible keys are columns starts[r] ..
+    starts[r] + lengths[r] - 1 (starts None: 0), and nothing outside them is read. Output: positions
+    relative to starts[r] of the k largest visible logits, -1 past the number selectable; a NaN is
+    never selected, -inf is. With page_table [P, M] and page_rows [rows], each position p becomes the
+    physical KV slot page_table[page_rows[r], p // block_size] * block_size + p % block_size.
+    sorted=True orders each row by value, descending, -1s last."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        lengths: torch.Tensor,
+        k: int,
+        *,
+        starts: torch.Tensor | None = None,
+        page_table: torch.Tensor | None = None,
+        page_rows: torch.Tensor | None = None,
+        block_size: int = BLOCK_KV,
+        sorted: bool = False,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class OpContract:
+    """What a backend of one op promises: its run's call convention and the layouts it may consume."""
+
+    run: type
+    layouts: tuple[Layout, ...]
+    summary: str
+
+
+OP_CONTRACTS: dict[Op, OpContract] = {
+    Op.INDEXER_Q_QUANT: OpContract(
+        IndexerQQuantRun, (Layout.TOKENS,), "RoPE, power-of-two scale, fp8 store, scale folded into weights"
+    ),
+    Op.PAGED_MQA_LOGITS: OpContract(
+        PagedMqaLogitsRun, (Layout.NATIVE, Layout.FLATTEN), "fp32 logits of every visible cached key"
+    ),
+    Op.TOPK: OpContract(TopkRun, (Layout.ROWS,), "the k largest visible logits per row, -1 padded"),
+}

@@ -1,0 +1,106 @@
+"""What a backend checks before it launches: the tensors it is handed against its plan's tag (logits),
+or against the op's call convention (top-k). Shared by every backend of an op, so they refuse alike."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dispatch.errors import DtypeMismatchError, LayoutError
+from dispatch.fp8 import torch_dtype
+from dispatch.layout import Layout, rows_and_tokens
+
+if TYPE_CHECKING:
+    from dispatch.plan import IndexerPlan
+
+
+def check_logits_inputs(
+    plan: IndexerPlan,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    consumes: Layout | None = None,
+) -> None:
+    """Raise LayoutError / DtypeMismatchError naming the tensor, the expected and the actual shape.
+
+    `consumes` is the layout the calling backend runs: a plan tagged for another layout is refused
+    even where its shapes happen to fit (B equal to next_n, say)."""
+    layout = plan.layout
+    if consumes is not None and layout is not consumes:
+        raise LayoutError(
+            f"backend consumes layout `{consumes.value}`; the plan is tagged `{layout.value}` "
+            f"(backend `{plan.logits.backend}`, {plan.logits.chosen_by})"
+        )
+    rows, tokens = rows_and_tokens(layout, plan.batch_size, plan.next_n)
+    tag = f"layout `{layout.value}` (decided by {plan.logits.rule}, backend `{plan.logits.backend}`)"
+    if q.dim() != 4 or tuple(q.shape[:2]) != (rows, tokens):
+        raise LayoutError(f"{tag} expects q [{rows}, {tokens}, H, D]; got q {list(q.shape)}")
+    heads, head_dim = q.shape[2], q.shape[3]
+    _expect(tag, "context_lens", plan.context_lens, (rows, tokens))
+    if plan.block_table.dim() != 2 or plan.block_table.shape[0] != rows:
+        raise LayoutError(f"{tag} expects block_table [{rows}, M]; got {list(plan.block_table.shape)}")
+    _expect(tag, "weights", weights, (rows * tokens, heads))
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != head_dim + 4:
+        raise LayoutError(
+            f"{tag} expects kv_cache [num_blocks, block_kv, 1, D+4={head_dim + 4}]; got {list(kv_cache.shape)}"
+        )
+    if kv_cache.dtype != torch.uint8:
+        raise LayoutError(f"kv_cache has dtype {kv_cache.dtype}; expected torch.uint8 (fp8 values + fp32 scales)")
+    expected_q = torch_dtype(plan.fp8_dtype)
+    if q.dtype != expected_q:
+        raise DtypeMismatchError(
+            f"q has dtype {q.dtype} but the plan's K cache is {plan.fp8_dtype.value} ({expected_q}); "
+            "quantise Q through the plan so both use the same fp8 dtype"
+        )
+
+
+def _expect(tag: str, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise LayoutError(f"{tag} expects {name} {list(shape)}; got {list(tensor.shape)}")
+
+
+def check_topk_inputs(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    starts: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_rows: torch.Tensor | None = None,
+    block_size: int = 64,
+) -> None:
+    """Raise LayoutError naming the tensor for anything the top-k contract (dispatch.contract.TopkRun)
+    refuses. Lengths and starts are checked against the logits' width only where that needs no device
+    sync (host tensors); a kernel clamps its reads to the width anyway."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise LayoutError(f"top-k expects fp32 logits [rows, W]; got {logits.dtype} {list(logits.shape)}")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise LayoutError(f"top-k expects logits with a contiguous last dim; got strides {list(logits.stride())}")
+    rows, width = logits.shape
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise LayoutError(f"top-k expects k an integer >= 1; got {k!r}")
+    _expect_rows("lengths", lengths, rows)
+    if starts is not None:
+        _expect_rows("starts", starts, rows)
+    if (page_table is None) != (page_rows is None):
+        raise LayoutError("top-k's page transform needs both page_table and page_rows, or neither")
+    if page_table is not None:
+        if page_table.dim() != 2 or page_table.shape[1] == 0 or page_table.dtype != torch.int32:
+            raise LayoutError(f"top-k expects an int32 page_table [P, M]; got {page_table.dtype} {list(page_table.shape)}")
+        _expect_rows("page_rows", page_rows, rows)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise LayoutError(f"top-k expects block_size an integer >= 1; got {block_size!r}")
+    if lengths.device.type == "cpu" and rows:
+        first = starts if starts is not None else torch.zeros_like(lengths)
+        if bool((lengths < 0).any()) or bool((first < 0).any()):
+            raise LayoutError("top-k lengths and starts must be >= 0")
+        end = int((first.long() + lengths.long()).max())
+        if end > width:
+            raise LayoutError(f"top-k starts + lengths reach column {end}; the logits are {width} wide")
+
+
+def _expect_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
+    if tensor.dim() != 1 or tensor.shape[0] != rows or tensor.dtype != torch.int32:
+        raise LayoutError(f"top-k expects {name} int32 [{rows}]; got {tensor.dtype} {list(tensor.shape)}")
