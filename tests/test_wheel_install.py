@@ -107,7 +107,7 @@ def check_installed(python: Path, installed_under: Path, folder: Path) -> str:
     assert all(path.startswith(str(installed_under)) for path in report["files"]), report["files"]
     assert report["explain"]["code"] == 0, report["explain"]["err"]
     decisions = json.loads(report["explain"]["out"])["decisions"]
-    assert [d["op"] for d in decisions] == ["paged_mqa_logits", "indexer_q_quant"] and all(d["backend"] for d in decisions)
+    assert [d["op"] for d in decisions] == ["paged_mqa_logits", "indexer_q_quant", "topk"] and all(d["backend"] for d in decisions)
     assert report["validate"]["code"] == 0 and report["validate"]["out"].startswith("ok: "), report["validate"]
     missing = report["missing"]
     assert missing["code"] == 2 and "Traceback" not in missing["err"]
