@@ -26,9 +26,31 @@ DESCRIPTION = (
 EXIT_BROKEN_PIPE = 141
 
 
+class _UsageError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser, self.message = parser, message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises on a usage error instead of exiting, so that main answers in JSON to a
+    `--json` caller here too (subcommand parsers are of this class as well)."""
+
+    def error(self, message: str):
+        raise _UsageError(self, message)
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the CLI; `prog` is how usage names the program (default: the invoked script's name)."""
-    args = _parser(prog).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parser(prog).parse_args(argv)
+    except _UsageError as usage:
+        usage.parser.print_usage(sys.stderr)
+        print(f"{usage.parser.prog}: error: {usage.message}", file=sys.stderr)
+        if "--json" in argv:
+            _print_json_error("UsageError", EXIT_INVALID, usage.message)
+        return EXIT_INVALID
     from dispatch.logs import show_logs
 
     show_logs(args.verbose)
@@ -49,8 +71,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 def _fail(args: argparse.Namespace, error: DispatchError, code: int) -> int:
     print(f"dispatch: {error}", file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps({"error": {"type": type(error).__name__, "exit_code": code, "message": str(error)}}, indent=2))
+        _print_json_error(type(error).__name__, code, str(error))
     return code
+
+
+def _print_json_error(kind: str, code: int, message: str) -> None:
+    print(json.dumps({"error": {"type": kind, "exit_code": code, "message": message}}, indent=2))
 
 
 def _version() -> str:
@@ -66,7 +92,7 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     from dispatch.environment import environment_text
 
     codes = "exit codes:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES)
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description=DESCRIPTION,
         epilog=f"{environment_text()}\n\n{codes}",
