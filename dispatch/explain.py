@@ -20,6 +20,7 @@ from dispatch.key import DispatchKey, Op
 if TYPE_CHECKING:
     from dispatch.plan import IndexerPlan
 
+
 @dataclass(frozen=True)
 class Explanation:
     """The decisions for a key, and with seq_lens the plan an engine would build for that batch."""

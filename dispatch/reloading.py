@@ -22,8 +22,8 @@ from dispatch.catalog import Catalog
 from dispatch.dispatcher import Dispatcher
 from dispatch.errors import RegistryError
 from dispatch.key import Arch
-from dispatch.registry.document import load_registry
 from dispatch.plugins import collect_backends
+from dispatch.registry.document import load_registry
 from dispatch.runtime import build_dispatcher, load_plugins, registry_path
 
 
