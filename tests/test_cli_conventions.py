@@ -107,11 +107,12 @@ def test_verbose_shows_each_decision_on_stderr(capsys):
     assert capsys.readouterr().err == ""  # quiet without -v
 
 
-def test_the_trace_works_from_the_cli():
-    result = cli("explain", "--arch", "cpu", env={"DISPATCH_TRACE": "1"})
-    assert result.returncode == 0, result.stderr
-    assert "dispatch.trace INFO: hook register_backends -> ['backends.reference.plugin']" in result.stderr
-    assert "dispatch INFO: dispatch trace: {'op': 'paged_mqa_logits'" in result.stderr
+def test_the_trace_works_from_the_cli(capsys, clean_environment):
+    clean_environment.setenv("DISPATCH_TRACE", "1")
+    assert main(["explain", "--arch", "cpu", "--forward-mode", "draft_extend", "--next-n", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "dispatch.trace INFO: hook register_backends -> ['backends.reference.plugin']" in err
+    assert "dispatch INFO: dispatch trace: {'op': 'paged_mqa_logits'" in err
 
 
 def test_json_errors_are_json_objects(capsys):
