@@ -15,7 +15,8 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
      "`1` logs every hook call and each decision in full, at INFO (the CLI shows it without -v)"),
     ("TRITON_INTERPRET", "`dispatch/detect.py` (and Triton)",
      "`1` runs the Triton kernels on the CPU under Triton's interpreter; the Triton backends are then available without a GPU"),
-    ("OUT", "`tools/tune_*.py`", "where the tuners write their results (default: the current folder)"),
+    ("OUT", "`tools/tune_*.py`, `tools/probe_prefill.py`",
+     "where the tuners write their results (default: the current folder; the probe writes nothing without it)"),
 )
 
 
