@@ -13,6 +13,9 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("DISPATCH_FP8_DTYPE", "`dispatch/detect.py`", "the platform's fp8 dtype, instead of the arch's (e4m3fn, e4m3fnuz)"),
     ("DISPATCH_TRACE", "`dispatch/plugins.py`, `dispatch/dispatcher.py`, `dispatch/logs.py`",
      "`1` logs every hook call and each decision in full, at INFO (the CLI shows it without -v)"),
+    ("DISPATCH_DEBUG_BOUNDS", "`dispatch/bounds.py`",
+     "`1` makes the Triton and DeepGEMM wrappers check pages, lengths and positions on the host before each launch "
+     "(one sync a call) and raise `IndexBoundsError` at once"),
     ("TRITON_INTERPRET", "`dispatch/detect.py` (and Triton)",
      "`1` runs the Triton kernels on the CPU under Triton's interpreter; the Triton backends are then available without a GPU"),
     ("OUT", "`tools/tune_*.py`, `tools/probe_prefill.py`",

@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=_ints, default=[8192, 32768], metavar="L,L,...",
                         help="mean lengths; each batch is uniform in [L/2, 3L/2] (default: 8192,32768)")
     parser.add_argument("--k", type=_ints, default=[2048], metavar="K,K,...", help="keys kept per token, for topk (default: 2048)")
-    parser.add_argument("--tokens", type=_ints, default=[16384], metavar="T,T,...", help="tokens for indexer_q_quant (default: 16384)")
+    parser.add_argument("--tokens", type=_ints, default=[64, 512, 16384], metavar="T,T,...",
+                        help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost; "
+                             "default: 64,512,16384)")
     parser.add_argument("--heads", type=int, default=64, help="indexer heads H (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="indexer head dim D (default: %(default)s)")
     parser.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the platform's")
