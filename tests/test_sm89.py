@@ -90,12 +90,17 @@ _COMPILE_FOR_SM89 = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from backends.triton.paged_mqa_logits import _paged_mqa_logits_kernel as kernel
+    from backends.triton import paged_mqa_logits as module
+    from backends.triton.fp8_mode import Fp8Mode
 
+    kernel = module._paged_mqa_logits_kernel
     pointers = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}
-    values = {"N": 4, "TG": 4, "H": 64, "D": 128, "BLOCK_KV": 64, "PAGES": 1, "PRODUCT_SCALE": 1.0}
+    values = {"N": 4, "TG": 4, "H": 64, "D": 128, "BLOCK_KV": 64, "PAGES": 1, "PRODUCT_SCALE": 1.0,
+              "NAN_BYTES": module.nan_bytes_mode(Fp8Mode.E4M3FN)}
     names = kernel.arg_names
     constexpr = {p.name for p in kernel.params if p.is_constexpr}
+    # Other constexprs are the module's constants of the same name (flag bits, scan widths), as launched.
+    values |= {name: getattr(module, name) for name in constexpr - set(values) if hasattr(module, name)}
     missing = constexpr - set(values)
     assert not missing, f"give the sm89 compile test a value for the kernel's new constexprs {missing}"
     signature = {n: "constexpr" if n in constexpr else pointers.get(n, "*i32" if n.endswith("_ptr") else "i32")
