@@ -21,7 +21,7 @@ from dispatch.key import Arch, DispatchKey, Op
 from dispatch.registry.document import RegistryDocument
 
 logger = logging.getLogger("dispatch")
-# The torch reference's plugin: correct everywhere, and far slower than a GPU kernel.
+# The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
 REFERENCE_PLUGIN = "backends.reference.plugin"
 _warned_reference: set[tuple[Op, Arch]] = set()  # once per process, not once per dispatcher or reload
 
@@ -199,23 +199,26 @@ class Dispatcher:
         return disabled
 
     def _warn_if_reference_on_a_gpu(self, decision: Decision) -> None:
-        """A GPU that lands on the torch reference is far slower than it should be: say so, and why, once."""
+        """A GPU that lands on the torch reference, because no rule had a GPU path for the key or the
+        backends its rule named could not run, is slower than the registry meant: say so, and why, once.
+        A reference the registry chose on purpose (a rule or a cluster naming it first) stays quiet."""
         if not self.check_availability or self.target_arch is Arch.CPU or decision.plugin != REFERENCE_PLUGIN:
             return  # a what-if describes another machine; on a CPU the reference is the fast path
-        if not decision.rejected or (decision.op, self.target_arch) in _warned_reference:
-            return  # an op whose only backend is the reference (top-k today) has no faster path to miss
+        named = [r for r in decision.rejected if " names it, but " in r.reason]  # what the registry tried first
+        if decision.source == "cluster-prefer" or (decision.source == "rule" and not named):
+            return
+        if (decision.op, self.target_arch) in _warned_reference:
+            return
         _warned_reference.add((decision.op, self.target_arch))
-        # The backends the registry named first are the why; the rest never had a chance.
-        named = [r for r in decision.rejected if " names it, but " in r.reason] or list(decision.rejected)
         logger.warning(
-            "%s on this %s GPU runs on the torch reference `%s` (correct, but far slower than a GPU kernel), "
-            "chosen by %s at %s; %s (python -m dispatch explain shows every candidate)",
+            "%s on this %s GPU runs on the torch reference `%s`, chosen by %s at %s, not on a GPU kernel "
+            "backend: %s (python -m dispatch explain shows every candidate)",
             decision.op.value,
             self.target_arch.value,
             decision.backend,
             decision.chosen_by,
             decision.key,
-            "; ".join(f"{r.backend}: {r.reason}" for r in named),
+            "; ".join(f"{r.backend}: {r.reason}" for r in named or decision.rejected) or "none is registered",
         )
 
     def _log(self, decision: Decision) -> None:

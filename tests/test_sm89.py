@@ -62,18 +62,27 @@ def test_a_gpu_on_the_reference_warns_once_per_op_with_the_reason(warnings_reset
     on_an_a100 = load_dispatcher(DEFAULT_REGISTRY, arch="sm80", cluster=None, check_availability=True)
     for next_n in (1, 2, 3):
         mode = "decode" if next_n == 1 else "target_verify"
-        for op in Op:
+        for op in (Op.PAGED_MQA_LOGITS, Op.INDEXER_Q_QUANT):
             assert on_an_a100.decide(op, DispatchKey("sm80", mode, next_n, "e4m3fn")).backend == "torch.reference"
     messages = reference_warnings(warnings_reset)
-    # once per op, not per key; not for top-k, whose only backend is the reference (torch.topk on the GPU)
-    assert sorted(m.split()[0] for m in messages) == ["indexer_q_quant", "paged_mqa_logits"]
+    assert sorted(m.split()[0] for m in messages) == ["indexer_q_quant", "paged_mqa_logits"]  # once per op
     logits = next(m for m in messages if m.startswith("paged_mqa_logits"))
-    assert "on this sm80 GPU runs on the torch reference `torch.reference`" in logits
-    assert "chosen by fallback[1]" in logits
+    assert "on this sm80 GPU runs on the torch reference `torch.reference`, chosen by fallback[1]" in logits
     assert "triton: fallback[0] names it, but arch sm80 not supported" in logits
+    quant = next(m for m in messages if m.startswith("indexer_q_quant"))
+    assert "chosen by fallback[0]" in quant and "triton: arch sm80 not supported" in quant  # no rule for sm80
     again = load_dispatcher(DEFAULT_REGISTRY, arch="sm80", cluster=None, check_availability=True)  # a reload
     again.decide(Op.PAGED_MQA_LOGITS, DispatchKey("sm80", "decode", 1, "e4m3fn"))
     assert len(reference_warnings(warnings_reset)) == 2
+
+
+def test_a_reference_the_registry_chose_on_purpose_is_quiet(warnings_reset):
+    on_an_h200 = load_dispatcher(DEFAULT_REGISTRY, arch="sm90", cluster="reference-only", check_availability=True)
+    key = DispatchKey("sm90", "target_verify", 2, "e4m3fn")
+    assert on_an_h200.decide(Op.PAGED_MQA_LOGITS, key).source == "cluster-prefer"  # bisecting on purpose
+    topk = load_dispatcher(DEFAULT_REGISTRY, arch="sm90", cluster=None, check_availability=True).decide(Op.TOPK, key)
+    assert (topk.backend, topk.source) == ("torch.reference", "rule")  # the registry's own top-k choice
+    assert reference_warnings(warnings_reset) == []
 
 
 def test_no_warning_on_a_cpu_or_in_a_what_if(warnings_reset):
