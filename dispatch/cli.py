@@ -10,6 +10,7 @@ import sys
 
 from dispatch.errors import BackendError, DispatchError, NoBackendError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
+from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
 
 EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID, EXIT_BACKEND = 0, 1, 2, 3
 EXIT_CODES = (
@@ -115,13 +116,14 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                          help="explain for this arch, a what-if when it is not this machine's (default: this machine's)")
     explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode",
                          help="the batch's forward mode (default: %(default)s)")
-    explain.add_argument("--next-n", type=int, default=None,
-                         help="tokens scored per request (default: 1 for decode, else 2)")
+    explain.add_argument("--next-n", type=_next_n, default=None,
+                         help=f"tokens scored per request (default: 1 for decode, else 2; at most {MAX_CLI_NEXT_N})")
     explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype],
                          help="the K cache's fp8 dtype (default: the arch's platform dtype)")
-    explain.add_argument("--seq-lens", type=_lengths, metavar="L,L,...",
+    explain.add_argument("--seq-lens", type=_seq_lens, metavar="L,L,...",
                          help="explain a whole batch plan: each request's total length L, drafts included, "
-                              "each at least next-n (e.g. 130,64,7; a leading minus needs --seq-lens=-5,3)")
+                              f"each at least next-n (e.g. 130,64,7); at most {MAX_CLI_BATCH} requests of at most "
+                              f"{MAX_CLI_SEQ_LEN} tokens")
     _common(explain)
 
     validate = command("validate", "validate and lint a registry file", _validate)
@@ -143,11 +145,35 @@ def _verbosity(parser: argparse.ArgumentParser, default) -> None:
                         help="show dispatch's log on stderr: -v each decision (INFO), -vv debug")
 
 
-def _lengths(text: str) -> list[int]:
+def _bounded(text: str, what: str, high: int, low: int | None = 1) -> int:
+    """An int in low..high, refused (argparse: exit 2) before anything is built from it: a huge next_n
+    or length would otherwise build a plan for minutes or overflow a tensor."""
     try:
-        return [int(part) for part in text.split(",")]
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(f"{what} {text[:40]!r} is not an integer") from None
+    if value > high or (low is not None and value < low):
+        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+        raise argparse.ArgumentTypeError(f"{what} is {shown}; it must be from 1 to {high}")
+    return value
+
+
+def _next_n(text: str) -> int:
+    return _bounded(text, "--next-n", MAX_CLI_NEXT_N, low=None)  # below 1: the key's own message
+
+
+def _seq_lens(text: str) -> list[int]:
+    parts = text.split(",")
+    if len(parts) > MAX_CLI_BATCH:
+        raise argparse.ArgumentTypeError(f"--seq-lens lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
+    # Only the upper bound here: a length below next_n is ForwardBatch's to refuse, naming the request.
+    lens = [_bounded(part.strip(), "a --seq-lens length", MAX_CLI_SEQ_LEN, low=None) for part in parts]
+    if len(lens) * max(lens) > MAX_CLI_PLAN_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"--seq-lens: {len(lens)} requests x the longest ({max(lens)}) is past {MAX_CLI_PLAN_TOKENS} tokens, "
+            "too large a block table to print"
+        )
+    return lens
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -181,20 +207,24 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from dispatch.registry.checks import lint
-    from dispatch.runtime import load_dispatcher
+    """Every problem of the file in one run, in file order: schema errors (all, or nothing else can be
+    checked), else unknown backend names, lint and coverage together. Imports no torch, so it checks
+    what an engine's assembly (load_dispatcher) checks except this machine's cluster match."""
+    from dispatch.plugins import collect_backends
+    from dispatch.registry.checks import findings, unknown_backend_names
+    from dispatch.registry.document import load_registry
+    from dispatch.runtime import load_plugins, registry_path
 
-    dispatcher = load_dispatcher(args.path)  # the same assembly an engine runs: names checked, cluster resolved
-    document = dispatcher.document
-    findings = [str(f) for f in lint(document, dispatcher.catalog)]
-    findings += [
-        f"{document.path}: ops.{op.value}: no table for this op; every {op.value} decision would fail"
-        for op in Op
-        if op not in document.registry.ops
-    ]
-    for finding in findings:
-        print(f"lint: {finding}", file=sys.stderr)
-    if findings:
+    document = load_registry(registry_path(args.path))
+    catalog = collect_backends(load_plugins())
+    unknown = unknown_backend_names(document, catalog)
+    found = sorted(
+        [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)],
+        key=lambda pair: pair[1].line or 0,
+    )
+    for label, finding in found:
+        print(f"{label}: {finding}", file=sys.stderr)
+    if found:
         return EXIT_INVALID
     tables = document.registry.ops
     rules = sum(len(t.rules) for t in tables.values())

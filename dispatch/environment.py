@@ -8,7 +8,8 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("DISPATCH_REGISTRY", "`dispatch/runtime.py`", "the registry file, instead of the packaged registry.yaml (--registry wins)"),
     ("DISPATCH_CLUSTER", "`dispatch/clusters.py`", "the cluster overlay, instead of a declared `match` (--cluster wins)"),
     ("DISPATCH_PLUGINS", "`dispatch/plugins.py`",
-     "third-party plugins to load: entry-point or distribution names, comma-separated, `*` for all; unset or empty: none"),
+     "third-party plugins to load: entry-point or distribution names (the latter normalized), comma-separated, "
+     "`*` for all; unset or empty: none; an entry matching nothing is a warning"),
     ("DISPATCH_ARCH", "`dispatch/detect.py`", "this machine's arch, instead of detecting it (sm80, sm89, sm90, ...)"),
     ("DISPATCH_FP8_DTYPE", "`dispatch/detect.py`", "the platform's fp8 dtype, instead of the arch's (e4m3fn, e4m3fnuz)"),
     ("DISPATCH_TRACE", "`dispatch/plugins.py`, `dispatch/dispatcher.py`, `dispatch/logs.py`",
