@@ -396,4 +396,4 @@ def test_explain_refuses_a_batch_that_cannot_occur(capsys, argv, words):
 
 def test_seq_lens_that_are_not_integers_are_a_usage_error(capsys):
     assert main(["explain", "--seq-lens", "3,x"]) == 2
-    assert "'3,x' is not a comma-separated list of integers" in capsys.readouterr().err
+    assert "a --seq-lens length 'x' is not an integer" in capsys.readouterr().err
