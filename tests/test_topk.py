@@ -226,7 +226,8 @@ def test_the_rank_fingerprint_covers_topk():
 
 def test_gpu_archs_decide_the_triton_topk_before_the_reference():
     # A what-if for each GPU arch (availability is not checked for another machine's key).
-    for arch, fp8 in [("sm90", "e4m3fn"), ("sm100", "e4m3fn"), ("gfx942", "e4m3fnuz"), ("gfx950", "e4m3fn")]:
+    for arch, fp8 in [("sm80", "e4m3fn"), ("sm89", "e4m3fn"), ("sm90", "e4m3fn"), ("sm100", "e4m3fn"),
+                      ("gfx942", "e4m3fnuz"), ("gfx950", "e4m3fn")]:
         decision = load_dispatcher(arch=arch).decide(Op.TOPK, DispatchKey(arch, "target_verify", 2, fp8))
         assert (decision.backend, decision.rule) == ("triton", "gpu-triton"), arch
         assert decision.layout.value == "rows"
