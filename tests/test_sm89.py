@@ -76,11 +76,16 @@ def test_a_gpu_on_the_reference_warns_once_per_op_with_the_reason(warnings_reset
     assert len(reference_warnings(warnings_reset)) == 2
 
 
-def test_a_reference_the_registry_chose_on_purpose_is_quiet(warnings_reset):
+def test_a_reference_the_registry_chose_on_purpose_is_quiet(warnings_reset, tmp_path):
     on_an_h200 = load_dispatcher(DEFAULT_REGISTRY, arch="sm90", cluster="reference-only", check_availability=True)
     key = DispatchKey("sm90", "target_verify", 2, "e4m3fn")
     assert on_an_h200.decide(Op.PAGED_MQA_LOGITS, key).source == "cluster-prefer"  # bisecting on purpose
-    topk = load_dispatcher(DEFAULT_REGISTRY, arch="sm90", cluster=None, check_availability=True).decide(Op.TOPK, key)
+    # A rule that names the reference first (the shipped top-k rule names Triton first).
+    shipped = Path(DEFAULT_REGISTRY).read_text()
+    assert "use: [triton, flashinfer, torch.reference]" in shipped
+    registry = tmp_path / "registry.yaml"
+    registry.write_text(shipped.replace("use: [triton, flashinfer, torch.reference]", "use: [torch.reference, triton]"))
+    topk = load_dispatcher(registry, arch="sm90", cluster=None, check_availability=True).decide(Op.TOPK, key)
     assert (topk.backend, topk.source) == ("torch.reference", "rule")  # the registry's own top-k choice
     assert reference_warnings(warnings_reset) == []
 
