@@ -1,4 +1,4 @@
-"""`python -m dispatch`: explain, validate, backends, schema, bench. The one place that turns the
+"""`python -m dispatch`: explain, validate, backends, schema, bench, tune. The one place that turns the
 project's errors into messages and exit codes: 0 success, 1 no backend fits, 2 invalid input."""
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="check then time every backend available here")
     _bench_arguments(bench)
+
+    tune = commands.add_parser("tune", help="measure a cluster's workload here and write its measured overlay")
+    _tune_arguments(tune)
     return parser
 
 
@@ -116,6 +119,7 @@ def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from dispatch.registry.checks import lint
+    from dispatch.registry.measured import stale_evidence
     from dispatch.runtime import load_dispatcher
 
     dispatcher = load_dispatcher(args.path)  # the same assembly an engine runs: names checked, cluster resolved
@@ -130,12 +134,15 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"lint: {finding}", file=sys.stderr)
     if findings:
         return EXIT_INVALID
+    for warning in stale_evidence(document, dispatcher.catalog):
+        print(f"warning: {warning}", file=sys.stderr)
     tables = document.registry.ops
     rules = sum(len(t.rules) for t in tables.values())
     per_op = ", ".join(f"{op.value} {len(tables[op].rules)}" for op in Op if op in tables)
     print(
         f"ok: {document.path}: {rules} rules over {len(tables)} ops ({per_op}), "
-        f"{len(document.registry.clusters)} clusters (fingerprint {document.fingerprint})"
+        f"{len(document.registry.clusters)} clusters, {len(document.measured)} measured overlays "
+        f"(fingerprint {document.fingerprint})"
     )
     return EXIT_OK
 
@@ -168,3 +175,16 @@ def _bench(args: argparse.Namespace) -> int:
     from dispatch.bench.command import run_bench
 
     return run_bench(args)
+
+
+def _tune_arguments(parser: argparse.ArgumentParser) -> None:
+    from dispatch.bench.tune import add_arguments
+
+    add_arguments(parser)
+    parser.set_defaults(command=_tune)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from dispatch.bench.tune import run_tune
+
+    return run_tune(args)

@@ -90,6 +90,7 @@ def bench_logits(
     repeats: int,
     tolerance: float,
     wanted: set[str] | None,
+    budget_s: float | None = None,
 ) -> list[Row]:
     mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
@@ -116,7 +117,7 @@ def bench_logits(
                 (lambda inputs=inputs: paged_mqa_logits(plan_of[id(inputs)], inputs.q_tokens, inputs.kv_cache, inputs.weights))
                 for inputs in sets
             ]
-            row.seconds, row.extra["timing"] = time_rotating(calls, on_gpu=device != "cpu", repeats=repeats)
+            row.seconds, row.extra["timing"] = time_rotating(calls, on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 
@@ -147,6 +148,7 @@ def bench_quant(
     ceilings: Ceilings | None,
     repeats: int,
     wanted: set[str] | None,
+    budget_s: float | None = None,
 ) -> list[Row]:
     key = DispatchKey(dispatcher.target_arch, ForwardMode.DECODE, 1, fp8_dtype)
     inputs = quant_inputs(shape, device, seed=0)
@@ -167,7 +169,7 @@ def bench_quant(
         row.error, row.check = compare_q_quant(out, reference)
         if row.check == "ok":
             call = [lambda: call_backend(decision, **inputs, **settings)]
-            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 
@@ -181,6 +183,7 @@ def bench_topk(
     ceilings: Ceilings | None,
     repeats: int,
     wanted: set[str] | None,
+    budget_s: float | None = None,
 ) -> list[Row]:
     """Top-k alone, per eligible backend, on the logits the decided logits backend gives this workload,
     over the plan's per-token lengths; checked against torch.topk."""
@@ -205,7 +208,7 @@ def bench_topk(
         row.error, row.check = compare_topk(out, logits, plan.token_lengths, k)
         if row.check == "ok":
             call = [lambda plan=plan: topk(plan, logits, k)]
-            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 

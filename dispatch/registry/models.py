@@ -121,12 +121,30 @@ class ClusterMatch(Strict):
     hostname: str | None = None  # shell-style glob over socket.gethostname()
 
 
+Positive = Annotated[int, Field(ge=1, strict=True)]
+Positives = Annotated[tuple[Positive, ...], Field(min_length=1)]
+
+
+class Workload(Strict):
+    """The shapes `python -m dispatch tune` measures for a cluster. The defaults cover serving
+    (README, "Choosing by measurement"); a cluster names only what it changes."""
+
+    batch_sizes: Positives = (1, 8, 32, 128, 256)
+    lengths: Positives = (2048, 8192, 32768, 131072)  # mean lengths; each batch uniform in [L/2, 3L/2]
+    next_n: Annotated[tuple[NextN, ...], Field(min_length=1)] = (1, 2, 4)
+    fp8_dtype: Fp8Dtype | None = None  # default: the platform's
+    tokens: Positives = (64, 512, 16384)  # token counts for indexer_q_quant
+    k: Positives = (2048,)  # keys kept per token, for topk
+
+
 class Cluster(Strict):
     description: str = ""
     match: ClusterMatch | None = None
     enable: NameList = ()  # backends the registry disables by default, switched on here
     disable: NameList = ()  # backends this cluster must never use
-    prefer: NameList = ()  # tried, in order, before the rules (each only where it supports the key)
+    prefer: NameList = ()  # tried, in order, before the measured order and the rules (each only where it supports the key)
+    workload: Workload | None = None  # what `tune` measures for this cluster (default: Workload())
+    measured: Annotated[str, Field(min_length=1)] | None = None  # an overlay `tune` wrote, relative to the registry file
 
 
 ClusterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
