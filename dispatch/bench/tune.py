@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import math
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.registry.measured import geometric_mean
 from dispatch.registry.models import Workload
 
 BUDGET_S = 0.5  # timing per backend and shape at most about this long: a slow reference takes 3 repeats
@@ -38,30 +38,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from dispatch.runtime import load_dispatcher
+
+    started = time.perf_counter()
+    dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
+    cluster = dispatcher.document.registry.clusters.get(dispatcher.cluster) if dispatcher.cluster else None
+    output = args.output or (_beside(dispatcher.document.path, cluster.measured) if cluster and cluster.measured else None)
+    text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text)
+        print(f"tune: wrote {output} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 1 if failures else 0
+
+
+def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, output: str | None = None) -> tuple[str, int]:
+    """(the overlay's YAML text, how many keys had a backend fail its check) for the dispatcher's
+    cluster (its workload, else the default), measured on this machine. The text is validated by the
+    loader `validate` uses before it is returned."""
     import torch
 
     from dispatch.detect import platform_fp8_dtype
     from dispatch.registry.measured import parse_measured
-    from dispatch.runtime import load_dispatcher
 
-    dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
-    cluster = dispatcher.document.registry.clusters.get(dispatcher.cluster) if dispatcher.cluster else None
+    name = dispatcher.cluster
+    cluster = dispatcher.document.registry.clusters.get(name) if name else None
     workload = (cluster.workload if cluster and cluster.workload else None) or Workload()
     fp8 = workload.fp8_dtype or platform_fp8_dtype(dispatcher.target_arch)
-    repeats = args.repeats
-    if args.quick:
+    if quick:
         small_n = tuple(n for n in workload.next_n if n <= 2) or (1,)
         workload = workload.model_copy(update=dict(QUICK, next_n=small_n, k=tuple(min(k, 64) for k in workload.k)))
         repeats = min(repeats, 3)
     workload = workload.model_copy(update={"fp8_dtype": fp8})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    started = time.perf_counter()
-    tuner = _Tuner(dispatcher, workload, fp8, device, repeats, started)
+    tuner = _Tuner(dispatcher, workload, fp8, device, repeats, time.perf_counter())
     ops = {op: tuner.measure(op) for op in Op}
-    output = args.output or (_beside(dispatcher.document.path, cluster.measured) if cluster and cluster.measured else None)
     overlay = {
         "version": 1,
-        "cluster": dispatcher.cluster,
+        "cluster": name,
         "machine": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({_cpu_name()})",
         "date": datetime.date.today(),
         "dispatch": _version("dispatch-dsa") or "unknown",
@@ -71,15 +87,9 @@ def run_tune(args: argparse.Namespace) -> int:
         "ops": {op.value: table for op, table in ops.items() if table["preferences"]},
     }
     relative = os.path.relpath(output, Path(dispatcher.document.path).parent) if output else None
-    text = _header(dispatcher.cluster, overlay, relative) + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None, width=120)
+    text = _header(name, overlay, relative) + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None, width=120)
     parse_measured(text, output or "<tune output>")  # what validate will read: refuse here, not there
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(text)
-        print(f"tune: wrote {output} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    else:
-        print(text, end="")
-    return 1 if tuner.failures else 0
+    return text, tuner.failures
 
 
 class _Tuner:
@@ -186,8 +196,7 @@ class _Tuner:
 
 
 def _geomean(times: dict[str, dict[str, float]], name: str) -> float:
-    values = [by[name] for by in times.values()]
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+    return geometric_mean([by[name] for by in times.values()])
 
 
 def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:

@@ -89,26 +89,17 @@ class Preference(Strict):
 
     def mean_us(self, backend: str) -> float:
         """Geometric mean of `backend`'s median times over this key's shapes."""
-        times = [shape.median_us[backend] for shape in self.shapes]
-        return math.exp(sum(math.log(t) for t in times) / len(times))
+        return geometric_mean([shape.median_us[backend] for shape in self.shapes])
+
+
+def geometric_mean(values: list[float]) -> float:
+    """The one aggregate `tune` orders by and the loader checks the order with (a single value exactly)."""
+    return values[0] if len(values) == 1 else math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 class MeasuredOp(Strict):
     versions: dict[BackendName, str] = {}  # each measured backend's Backend.version when measured
     preferences: tuple[Preference, ...] = ()
-
-    @model_validator(mode="after")
-    def _one_entry_per_key(self) -> "MeasuredOp":
-        seen: dict[DispatchKey, int] = {}
-        for index, preference in enumerate(self.preferences):
-            for key in preference.key.keys():
-                if key in seen:
-                    raise ValueError(f"preferences[{index}] measures {key} again (also preferences[{seen[key]}])")
-                seen[key] = index
-            unversioned = sorted((set(preference.order) | set(preference.failed)) - set(self.versions))
-            if unversioned:
-                raise ValueError(f"preferences[{index}] names {_ticks(unversioned)}, which `versions` lacks")
-        return self
 
 
 class MeasuredOverlay(Strict):
@@ -158,7 +149,24 @@ def parse_measured(text: str, path: str = "<measured>") -> MeasuredDocument:
         first = error.errors()[0]
         location = tuple(part for part in first["loc"] if not _is_validator_tag(part))
         raise located_error(path, _deepest_line(lines, location), location, _message(first)) from None
+    for location, message in _across_preferences(overlay):
+        raise located_error(path, _deepest_line(lines, location), location, message)
     return MeasuredDocument(overlay=overlay, path=path, lines=lines)
+
+
+def _across_preferences(overlay: MeasuredOverlay):
+    """What one preference cannot check alone: a key measured twice, a backend without a version."""
+    for op, table in overlay.ops.items():
+        seen: dict[DispatchKey, int] = {}
+        for index, preference in enumerate(table.preferences):
+            here = ("ops", op.value, "preferences", index)
+            for key in preference.key.keys():
+                if key in seen:
+                    yield here + ("key",), f"measures {key} again (also preferences[{seen[key]}])"
+                seen[key] = index
+            for name in sorted((set(preference.order) | set(preference.failed)) - set(table.versions)):
+                where = ("order", preference.order.index(name)) if name in preference.order else ("failed", name)
+                yield here + where, f"`{name}` has no entry in ops.{op.value}.versions"
 
 
 def load_measured(path: str | Path) -> MeasuredDocument:
