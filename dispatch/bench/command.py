@@ -51,6 +51,14 @@ def run_bench(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
     common = dict(device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
+
+    def freed(rows: list) -> list:
+        # One shape's inputs at a time: give the allocator's blocks back between shapes, so a grid's
+        # peak is its largest shape, not a sum of cached sizes.
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return rows
+
     logits_shapes = [
         LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
         for batch_size in args.batch_sizes
@@ -65,10 +73,10 @@ def run_bench(args: argparse.Namespace) -> int:
             for row in bench_quant(dispatcher, QuantShape(tokens, args.heads, args.head_dim), fp8, **common)
         ],
         Op.PAGED_MQA_LOGITS: lambda: [
-            row for shape in logits_shapes for row in bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common)
+            row for shape in logits_shapes for row in freed(bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common))
         ],
         Op.TOPK: lambda: [
-            row for shape in logits_shapes for k in args.k for row in bench_topk(dispatcher, shape, fp8, k=k, **common)
+            row for shape in logits_shapes for k in args.k for row in freed(bench_topk(dispatcher, shape, fp8, k=k, **common))
         ],
     }
     rows = []

@@ -189,13 +189,16 @@ def bench_topk(
     over the plan's per-token lengths; checked against torch.topk."""
     mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
+    candidates = _candidates(dispatcher, Op.TOPK, key, wanted)
+    if not candidates:  # a grid's worth of inputs and logits for nothing to time
+        return []
     inputs = logits_inputs(shape, fp8_dtype, device, seed=0)
     decided = _plan(dispatcher, dispatcher.decide(Op.PAGED_MQA_LOGITS, key).backend, mode, inputs, fp8_dtype)
     logits = paged_mqa_logits(decided, inputs.q_tokens, inputs.kv_cache, inputs.weights)
     floor = _floor(topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k), 0.0, ceilings)
     label = f"{shape.label()} k={k}"
     rows = []
-    for name in _candidates(dispatcher, Op.TOPK, key, wanted):
+    for name in candidates:
         plan = _plan(dispatcher, name, mode, inputs, fp8_dtype, op=Op.TOPK)
         bytes_ = topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k)
         row = Row(Op.TOPK.value, name, plan.topk.layout.value, label, bytes=bytes_, floor_seconds=floor)
