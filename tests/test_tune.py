@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -314,3 +315,12 @@ def test_workload_block_is_validated_in_the_registry(tmp_path):
     with pytest.raises(RegistryError) as error:
         load_registry(tmp_path / "registry.yaml")
     assert str(error.value).startswith(f"{tmp_path / 'registry.yaml'}:15: clusters.ci-cpu.workload.next_n[0]: ")
+
+
+def test_the_readme_overlay_example_is_one_the_loader_accepts():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("**The overlay**"):]
+    example = section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml\n") + 8)]
+    measured = parse_measured(example, "README.md")
+    key = DispatchKey(Arch.SM90, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)
+    assert measured.find(Op.PAGED_MQA_LOGITS, key)[1].order[0] == "triton"
