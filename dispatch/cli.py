@@ -130,12 +130,12 @@ def _validate(args: argparse.Namespace) -> int:
         for op in Op
         if op not in document.registry.ops
     ]
+    for warning in stale_evidence(document, dispatcher.catalog):  # warned, not failed: the choice still stands
+        print(f"warning: {warning}", file=sys.stderr)
     for finding in findings:
         print(f"lint: {finding}", file=sys.stderr)
     if findings:
         return EXIT_INVALID
-    for warning in stale_evidence(document, dispatcher.catalog):
-        print(f"warning: {warning}", file=sys.stderr)
     tables = document.registry.ops
     rules = sum(len(t.rules) for t in tables.values())
     per_op = ", ".join(f"{op.value} {len(tables[op].rules)}" for op in Op if op in tables)

@@ -120,7 +120,8 @@ class _Tuner:
             preference = self._preference(rows)
             if preference is None:
                 continue
-            key = {"arch": self.dispatcher.target_arch.value, "forward_mode": [m.value for m in modes], "next_n": next_n, "fp8_dtype": self.fp8.value}
+            arch = self.dispatcher.target_arch.value
+            key = {"arch": arch, "forward_mode": [m.value for m in modes], "next_n": next_n, "fp8_dtype": self.fp8.value}
             preferences.append({"key": key, **preference})
             for name in names:
                 versions[name] = str(self.dispatcher.catalog.get(op, name).version)
