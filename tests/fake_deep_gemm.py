@@ -4,6 +4,10 @@ It records every call's arguments (the objects themselves, so tests can check id
 real host code asserts on, and computes the logits with the torch reference, then leaves garbage (NaN or
 random values) past each token's length and hands back a slice of a wider 256-aligned buffer, as the
 real kernel does. A backend that passes tests against it must mask on its own.
+
+The ragged (prefill) logits follow the same generations: "fp8_fp4" exposes fp8_fp4_mqa_logits (q as a
+(values, scales) pair), "fp8" the first-generation fp8_mqa_logits (q a bare tensor, no max_seqlen_k).
+Without clean_logits they leave garbage outside each row's [ks, ke); with it, -inf.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
+from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
 
 # The real kernels split KV into 256-token chunks and allocate the logits row stride to match.
 SPLIT_KV = 256
+# The ragged kernel's logits rows: S + one 256-key block, rounded up to 64 floats (128-byte TMA rows).
+RAGGED_ROW_ALIGN = 64
 
 
 @dataclass
@@ -46,8 +53,10 @@ class FakeDeepGemm(types.ModuleType):
             self.get_num_sms = lambda: self._num_sms
         if generation == "fp8_fp4":
             self.fp8_fp4_paged_mqa_logits = self._logits_fp8_fp4
+            self.fp8_fp4_mqa_logits = self._ragged_fp8_fp4
         elif generation == "fp8":
             self.fp8_paged_mqa_logits = self._logits_fp8
+            self.fp8_mqa_logits = self._ragged_fp8
         elif generation != "none":
             raise ValueError(f"unknown generation {generation!r}")
 
@@ -98,6 +107,52 @@ class FakeDeepGemm(types.ModuleType):
         else:
             buffer = torch.randn(rows * next_n, stride) * 1e3
         out = buffer[:, :max_context_len]
+        visible = exact != float("-inf")
+        out[visible] = exact[visible]
+        self.outputs.append(out)
+        return out
+
+
+    def _ragged_fp8_fp4(self, q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0,
+                        logits_dtype=torch.float32):
+        self.calls.append(Call("fp8_fp4_mqa_logits", (q, kv, weights, ks, ke, clean_logits),
+                               {"max_seqlen_k": max_seqlen_k, "logits_dtype": logits_dtype}))
+        _require(isinstance(q, tuple) and len(q) == 2 and q[1] is None, "q passed as (q_fp8, None)")
+        _require(logits_dtype == torch.float32, "fp32 logits")
+        _require(max_seqlen_k == 0, "max_seqlen_k == 0 (full-width logits)")
+        return self._ragged(q[0], kv, weights, ks, ke, clean_logits)
+
+    def _ragged_fp8(self, q, kv, weights, ks, ke, clean_logits=True):
+        self.calls.append(Call("fp8_mqa_logits", (q, kv, weights, ks, ke, clean_logits)))
+        _require(isinstance(q, torch.Tensor), "q a tensor")
+        return self._ragged(q, kv, weights, ks, ke, clean_logits)
+
+    def _ragged(self, q, kv, weights, ks, ke, clean_logits):
+        _require(isinstance(kv, tuple) and len(kv) == 2, "kv passed as (k_fp8, scales)")
+        k, scales = kv
+        rows, heads, head_dim = q.shape
+        _require(q.is_contiguous() and q.dtype == torch.float8_e4m3fn, "contiguous e4m3fn q")
+        _require(heads in (32, 64) and head_dim in (32, 64, 128), "num_heads in (32, 64), head_dim in (32, 64, 128)")
+        _require(k.dim() == 2 and k.shape[1] == head_dim, "k [S, D]")
+        _require(k.is_contiguous() and k.dtype == torch.float8_e4m3fn, "contiguous e4m3fn k")
+        _require(tuple(scales.shape) == (k.shape[0],), "scales [S]")
+        _require(scales.is_contiguous() and scales.dtype == torch.float32, "contiguous fp32 scales")
+        _require(tuple(weights.shape) == (rows, heads), "weights [M, H]")
+        _require(weights.is_contiguous() and weights.dtype == torch.float32, "contiguous fp32 weights")
+        for bound in (ks, ke):
+            _require(tuple(bound.shape) == (rows,) and bound.dtype == torch.int32, "ks / ke int32 [M]")
+            _require(bound.is_contiguous(), "contiguous ks / ke")
+        _require(isinstance(clean_logits, bool), "clean_logits a bool")
+        exact = reference_ragged_mqa_logits(q, k, scales, weights, ks, ke)
+        keys = k.shape[0]
+        stride = math.ceil((keys + SPLIT_KV) / RAGGED_ROW_ALIGN) * RAGGED_ROW_ALIGN
+        if clean_logits:
+            buffer = torch.full((rows, stride), float("-inf"))
+        elif self._garbage == "nan":
+            buffer = torch.full((rows, stride), float("nan"))
+        else:
+            buffer = torch.randn(rows, stride) * 1e3
+        out = buffer[:, :keys]
         visible = exact != float("-inf")
         out[visible] = exact[visible]
         self.outputs.append(out)

@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=_ints, default=[32, 128])
     parser.add_argument("--next-n", type=_ints, default=[1, 2, 4])
     parser.add_argument("--lengths", type=_ints, default=[8192, 32768], help="mean lengths; each batch is uniform in [L/2, 3L/2]")
-    parser.add_argument("--tokens", type=_ints, default=[16384], help="tokens for indexer_q_quant")
+    parser.add_argument("--tokens", type=_ints, default=[64, 512, 16384],
+                        help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost)")
     parser.add_argument("--k", type=_ints, default=[2048], help="keys kept per token, for topk")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=128)

@@ -1,0 +1,45 @@
+"""Gather a batch's keys out of the paged indexer cache into one contiguous buffer, in plain torch.
+
+The cache is uint8 [num_blocks, block_kv, 1, D + 4], block-major (kv_cache.py). Gathered key i is the
+cache's physical slot slots[i] = block * block_kv + offset; the result is (fp8 k [S, D], fp32 scales
+[S]), what the ragged logits kernels take. A slot outside the cache is an error here, never clamped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dispatch.kv_cache import split_kv_cache
+from dispatch.errors import LayoutError
+from dispatch.key import Fp8Dtype
+
+
+def reference_gather_keys(
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN,
+    *,
+    key_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k fp8 [S, D], scales fp32 [S]) for int32 slots [S].
+
+    `key_offsets` (int [B + 1], request r owns gathered keys [offsets[r], offsets[r + 1])) only makes
+    the error for a bad slot name its request.
+    """
+    keys, scales = split_kv_cache(kv_cache, fp8_dtype)
+    num_blocks, block_kv, head_dim = keys.shape
+    num_slots = num_blocks * block_kv
+    slots_host = slots.long().cpu()
+    bad = ((slots_host < 0) | (slots_host >= num_slots)).nonzero().flatten()
+    if bad.numel():
+        position = int(bad[0])
+        where = f"gathered key {position}"
+        if key_offsets is not None:
+            request = int(torch.searchsorted(key_offsets.long().cpu(), position, right=True)) - 1
+            where += f" (request {request}, its key {position - int(key_offsets[request])})"
+        raise LayoutError(
+            f"{where} maps to slot {int(slots_host[position])}, outside the cache's [0, {num_slots}) "
+            f"({num_blocks} blocks of {block_kv}); {bad.numel()} bad slot(s) in all"
+        )
+    index = slots.long()
+    return keys.reshape(num_slots, head_dim)[index], scales.reshape(num_slots)[index]

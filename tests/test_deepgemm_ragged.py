@@ -1,0 +1,85 @@
+"""The DeepGEMM ragged (prefill) logits adapter against the recording stand-in: the exact arguments
+per API generation, -inf outside each row's range, and what it refuses before the extension would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.deepgemm.ragged_logits import launch_ragged_mqa_logits, missing_ragged_symbols
+from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
+from dispatch.errors import DtypeMismatchError, LayoutError
+from dispatch.key import Fp8Dtype
+from tests.fake_deep_gemm import FakeDeepGemm
+from tests.prefill_batch import prefill_case
+
+
+def inputs(seed=0):
+    case = prefill_case([70, 0, 5], [6, 40, 1], seed=seed)
+    k, scales = case.gathered()
+    return case.q, k, scales, case.weights, case.metadata.ks, case.metadata.ke
+
+
+def test_newest_generation_gets_q_as_a_pair_and_clean_logits():
+    fake = FakeDeepGemm("fp8_fp4")
+    q, k, scales, weights, ks, ke = args = inputs()
+    out = launch_ragged_mqa_logits(fake, *args)
+    (call,) = fake.calls_to("fp8_fp4_mqa_logits")
+    q_arg, kv_arg, w_arg, ks_arg, ke_arg, clean = call.args
+    assert q_arg[0] is q and q_arg[1] is None
+    assert kv_arg[0] is k and kv_arg[1] is scales
+    assert w_arg is weights and ks_arg is ks and ke_arg is ke and clean is True
+    assert call.kwargs == {"max_seqlen_k": 0, "logits_dtype": torch.float32}  # the defaults: full-width logits
+    assert out is fake.outputs[0] and out.stride(0) > out.shape[1]  # a slice of the wider buffer, as returned
+    assert torch.equal(out, reference_logits(*args))
+
+
+def test_first_generation_gets_a_bare_q():
+    fake = FakeDeepGemm("fp8")
+    args = inputs(1)
+    out = launch_ragged_mqa_logits(fake, *args)
+    (call,) = fake.calls_to("fp8_mqa_logits")
+    assert call.args[0] is args[0] and call.args[5] is True and len(call.args) == 6
+    assert torch.equal(out, reference_logits(*args))
+
+
+@pytest.mark.parametrize("garbage", ["nan", "random"])
+def test_without_clean_logits_only_the_ranges_are_defined(garbage):
+    fake = FakeDeepGemm("fp8_fp4", garbage=garbage)
+    args = inputs(2)
+    out = launch_ragged_mqa_logits(fake, *args, clean_logits=False)
+    assert fake.calls[-1].args[5] is False
+    ref = reference_logits(*args)
+    visible = torch.isfinite(ref)
+    assert torch.equal(out[visible], ref[visible]) and not torch.isneginf(out[~visible]).any()
+
+
+def test_missing_ragged_symbols():
+    assert missing_ragged_symbols(FakeDeepGemm("fp8_fp4")) == [] and missing_ragged_symbols(FakeDeepGemm("fp8")) == []
+    assert missing_ragged_symbols(FakeDeepGemm("none")) == ["`fp8_fp4_mqa_logits` or `fp8_mqa_logits`"]
+
+
+def test_refuses_what_the_extension_would_assert_on():
+    fake = FakeDeepGemm("fp8_fp4")
+    q, k, scales, weights, ks, ke = inputs(3)
+    fnuz = prefill_case([10], [4], fp8_dtype=Fp8Dtype.E4M3FNUZ, seed=3)
+    with pytest.raises(DtypeMismatchError, match="e4m3fn only"):
+        launch_ragged_mqa_logits(fake, fnuz.q, *fnuz.gathered(), fnuz.weights, fnuz.metadata.ks, fnuz.metadata.ke)
+    with pytest.raises(LayoutError, match="contiguous q"):
+        launch_ragged_mqa_logits(fake, q.transpose(0, 1).contiguous().transpose(0, 1), k, scales, weights, ks, ke)
+    with pytest.raises(LayoutError, match="H in"):
+        launch_ragged_mqa_logits(fake, q[:, :16].contiguous(), k, scales, weights[:, :16].contiguous(), ks, ke)
+    with pytest.raises(LayoutError, match="weights"):
+        launch_ragged_mqa_logits(fake, q, k, scales, weights.T.contiguous().T, ks, ke)
+    with pytest.raises(LayoutError, match="scales"):
+        launch_ragged_mqa_logits(fake, q, k, scales.double(), weights, ks, ke)
+    with pytest.raises(LayoutError, match="ke"):
+        launch_ragged_mqa_logits(fake, q, k, scales, weights, ks, ke.long())
+    assert fake.calls == []
+
+
+def test_empty_sides_do_not_launch():
+    fake = FakeDeepGemm("fp8_fp4")
+    q, k, scales, weights, ks, ke = inputs(4)
+    out = launch_ragged_mqa_logits(fake, q, k[:0], scales[:0], weights, ks, ke)
+    assert out.shape == (q.shape[0], 0) and fake.calls == []
