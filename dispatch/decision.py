@@ -36,7 +36,8 @@ class Evidence:
         if len(self.shapes) == 1:
             shape, times = self.shapes[0]
             return f"measured on {self.machine}, {self.date}: {_times(times)} at {shape}"
-        return f"measured on {self.machine}, {self.date}: {_times(self.means)} (geometric mean over {len(self.shapes)} shapes)"
+        over = f"geometric mean over {len(self.shapes)} shapes"
+        return f"measured on {self.machine}, {self.date}: {_times(self.means)} ({over})"
 
     def details(self) -> list[str]:
         """One line per shape (when there are several), then each backend that failed the check."""

@@ -200,7 +200,8 @@ class Dispatcher:
     @staticmethod
     def _measured_slower(preference, backend: str, chosen: str) -> str:
         over = "" if len(preference.shapes) == 1 else f", geometric mean over {len(preference.shapes)} shapes"
-        return f"measured slower: {preference.mean_us(backend):.1f} us vs {preference.mean_us(chosen):.1f} us ({chosen}{over})"
+        slower, faster = preference.mean_us(backend), preference.mean_us(chosen)
+        return f"measured slower: {slower:.1f} us vs {faster:.1f} us ({chosen}{over})"
 
     def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:
         if respect_disabled and backend.name in self._disabled:

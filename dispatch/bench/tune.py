@@ -32,7 +32,9 @@ QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="whose workload to measure (default: DISPATCH_CLUSTER, else a declared match)")
     parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else registry.yaml)")
-    parser.add_argument("-o", "--output", help="overlay file to write (default: the cluster's `measured` path, else stdout)")
+    parser.add_argument(
+        "-o", "--output", help="overlay file to write (default: the cluster's `measured` path, else stdout)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes and next_n <= 2, for a CPU run")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per backend and shape, at most")
 
@@ -43,7 +45,8 @@ def run_tune(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     cluster = dispatcher.document.registry.clusters.get(dispatcher.cluster) if dispatcher.cluster else None
-    output = args.output or (_beside(dispatcher.document.path, cluster.measured) if cluster and cluster.measured else None)
+    declared = _beside(dispatcher.document.path, cluster.measured) if cluster and cluster.measured else None
+    output = args.output or declared
     text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +111,8 @@ class _Tuner:
             modes = self._modes(op, next_n)
             names = self._eligible(op, DispatchKey(self.dispatcher.target_arch, modes[0], next_n, self.fp8))
             if len(names) < 2:
-                self._say(f"{op.value} next_n={next_n}: only {', '.join(names) or 'no backend'} eligible; nothing to choose")
+                only = ", ".join(names) or "no backend"
+                self._say(f"{op.value} next_n={next_n}: only {only} eligible; nothing to choose")
                 continue
             if op is Op.INDEXER_Q_QUANT:
                 quant_rows = quant_rows if quant_rows is not None else self._rows(op, None, None)
@@ -155,7 +159,8 @@ class _Tuner:
             for length in w.lengths:
                 shape = LogitsShape(batch_size, next_n, length)
                 if op is Op.PAGED_MQA_LOGITS:
-                    rows += self._report(bench_logits(d, shape, self.fp8, tolerance=tolerance, wanted=names, **self.common))
+                    measured = bench_logits(d, shape, self.fp8, tolerance=tolerance, wanted=names, **self.common)
+                    rows += self._report(measured)
                 else:
                     for k in w.k:
                         rows += self._report(bench_topk(d, shape, self.fp8, k=k, wanted=names, **self.common))
@@ -164,7 +169,7 @@ class _Tuner:
 
     def _report(self, rows: list) -> list:
         if rows:
-            times = ", ".join(f"{r.backend} {r.seconds * 1e6:.1f} us" if r.seconds else f"{r.backend} {r.check}" for r in rows)
+            times = ", ".join(f"{r.backend} " + (f"{r.seconds * 1e6:.1f} us" if r.seconds else r.check) for r in rows)
             self._say(f"{rows[0].op} {rows[0].shape}: {times}")
         return rows
 

@@ -199,7 +199,8 @@ def attach_measured(document: RegistryDocument) -> RegistryDocument:
             raise document.error(location, f"the measured overlay {path} is not a file")
         overlay = load_measured(path)  # its own errors name its own file and line
         if overlay.overlay.cluster not in (None, name):
-            raise document.error(location, f"{overlay.path} was measured for cluster `{overlay.overlay.cluster}`, not `{name}`")
+            measured_for = overlay.overlay.cluster
+            raise document.error(location, f"{overlay.path} was measured for cluster `{measured_for}`, not `{name}`")
         measured[name] = overlay
     return dataclasses.replace(document, measured=measured) if measured else document
 
@@ -220,7 +221,8 @@ def stale_evidence(document: RegistryDocument, catalog) -> list[str]:
                     problem = f"`{name}` was measured at version {version or '-'}; it is {backend.version or '-'} now"
                 else:
                     continue
-                warnings.append(f"{where}: stale evidence: {problem}; re-run `python -m dispatch tune --cluster {cluster}`")
+                rerun = f"python -m dispatch tune --cluster {cluster}"
+                warnings.append(f"{where}: stale evidence: {problem}; re-run `{rerun}`")
     return warnings
 
 
