@@ -29,3 +29,17 @@ def test_compare_logits_catches_a_wrong_mask_and_nan():
     assert compare_logits(torch.tensor([[float("nan"), 2.0, float("-inf")]]), reference, 1e-5)[1] == "NaN in output"
     error, verdict = compare_logits(torch.tensor([[1.1, 2.0, float("-inf")]]), reference, 1e-5)
     assert verdict.startswith("error") and abs(error - 0.1 / 5**0.5) < 1e-6
+
+
+def test_quick_bench_times_the_whole_step_per_backend_combination(capsys):
+    code = main(["bench", "--quick", "--op", "step", "--next-n", "2", "--k", "16",
+                 "--backends", "triton,torch.reference", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    combos = {r["backend"] for r in report["rows"]}
+    # Every eligible logits backend named, each with every eligible top-k backend.
+    assert {"triton + torch.reference", "torch.reference + torch.reference"} <= combos
+    for row in report["rows"]:
+        assert row["op"] == "indexer_step" and row["check"] == "ok"
+        assert row["quant_us"] > 0 and row["logits_us"] > 0 and row["topk_us"] > 0
+        assert abs(row["x_logits"] - row["median_us"] / row["logits_us"]) < 1e-6 * row["x_logits"]
