@@ -324,3 +324,21 @@ def test_the_readme_overlay_example_is_one_the_loader_accepts():
     measured = parse_measured(example, "README.md")
     key = DispatchKey(Arch.SM90, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)
     assert measured.find(Op.PAGED_MQA_LOGITS, key)[1].order[0] == "triton"
+
+
+def test_every_overlay_error_is_listed_in_file_order():
+    text = OVERLAY.replace("date: 2026-11-30", "date: yesterday").replace("triton: 161.9,", "triton: 0,")
+    with pytest.raises(RegistryError) as error:
+        parse_measured(text, "h200.yaml")
+    lines = str(error.value).splitlines()
+    assert [line.split(": ")[0] for line in lines] == ["h200.yaml:4", "h200.yaml:17"], lines
+
+
+def test_a_workload_is_bounded_to_what_one_machine_measures_in_minutes(tmp_path):
+    text = REGISTRY.replace("workload: {next_n: [1, 2]}", "workload: {next_n: [1, 100000], batch_sizes: []}")
+    (tmp_path / "registry.yaml").write_text(text)
+    with pytest.raises(RegistryError) as error:
+        load_registry(tmp_path / "registry.yaml")
+    message = str(error.value)
+    assert "clusters.ci-cpu.workload.batch_sizes: name at least one" in message, message
+    assert "clusters.ci-cpu.workload.next_n[1]: Input should be less than or equal to 64" in message, message

@@ -16,9 +16,6 @@ import importlib.metadata
 from collections.abc import Callable
 from types import ModuleType
 
-import torch
-
-from backends.deepgemm.adapter import DeepGemmPagedLogits, import_deep_gemm, missing_symbols, version_of
 from dispatch import detect
 from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
 
@@ -30,6 +27,41 @@ _TABLE = (
     ("deepgemm.sm90", Layout.NATIVE, Arch.SM90, 2, "DeepGEMM fp8 paged MQA logits, SM90, native (next_n 1-2)"),
     ("deepgemm.sm90.flatten", Layout.FLATTEN, Arch.SM90, None, "DeepGEMM fp8 paged MQA logits, SM90, flatten"),
 )
+
+
+# The adapter imports torch; registering must not (`validate` runs without torch), so the adapter, deep_gemm
+# and torch are imported when a probe or a backend first runs.
+def import_deep_gemm() -> ModuleType:
+    from backends.deepgemm.adapter import import_deep_gemm as load
+
+    return load()
+
+
+class _OnFirstUse:
+    """The adapter's DeepGemmPagedLogits for one layout, built on first use."""
+
+    def __init__(self, layout: Layout, load: Callable[[], ModuleType]) -> None:
+        self._args = (layout, load)
+        self._impl = None
+
+    def _built(self):
+        if self._impl is None:
+            from backends.deepgemm.adapter import DeepGemmPagedLogits
+
+            self._impl = DeepGemmPagedLogits(*self._args)
+        return self._impl
+
+    def run(self, plan, q, kv_cache, weights):
+        return self._built().run(plan, q, kv_cache, weights)
+
+    def prepare(self, plan):
+        return self._built().prepare(plan)
+
+    @staticmethod
+    def refresh_state(captured, fresh) -> None:
+        from backends.deepgemm.adapter import DeepGemmPagedLogits
+
+        DeepGemmPagedLogits.refresh_state(captured, fresh)
 
 
 def deepgemm_availability(
@@ -44,6 +76,8 @@ def deepgemm_availability(
         module = load()
     except (ImportError, OSError) as error:
         return Availability.no(f"deep_gemm cannot be imported: {type(error).__name__}: {error}")
+    from backends.deepgemm.adapter import missing_symbols, version_of
+
     missing = missing_symbols(module)
     if missing:
         return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(missing)}")
@@ -54,6 +88,8 @@ def probe_for(required: Arch, load: Callable[[], ModuleType] = import_deep_gemm)
     """A Backend.probe: this machine's facts, read when the probe runs (detect_arch honours DISPATCH_ARCH)."""
 
     def probe() -> Availability:
+        import torch
+
         return deepgemm_availability(
             required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load
         )
@@ -80,7 +116,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
     """The three backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
     for name, layout, arch, next_n_max, description in _TABLE:
-        impl = DeepGemmPagedLogits(layout, load)
+        impl = _OnFirstUse(layout, load)
         support = Support(
             archs=frozenset({arch}), forward_modes=PAGED_MODES, fp8_dtypes=_E4M3FN, next_n_max=next_n_max
         )

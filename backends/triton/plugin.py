@@ -4,6 +4,7 @@ lists these backends, and their probe says why they cannot run."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from backends.triton.availability import (
     FNUZ_ARCHS,
@@ -11,8 +12,10 @@ from backends.triton.availability import (
     probe_for,
     triton_version,
 )
-from backends.triton.fp8_mode import Fp8Mode
-from dispatch.contract import PAGED_MODES, Backend, Fp8Dtype, Layout, Op, Support, check_logits_inputs, hookimpl
+from dispatch.contract import PAGED_MODES, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
+
+if TYPE_CHECKING:  # fp8_mode and the input checks import torch; registering must not (`validate` runs without it)
+    from backends.triton.fp8_mode import Fp8Mode
 
 # The native kernel holds a row's tokens x heads in one program's tile; past 8 tokens it is untested.
 NATIVE_NEXT_N_MAX = 8
@@ -22,6 +25,8 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
     """run(plan, q, kv_cache, weights) for one layout; `fnuz_mode` None lets the machine choose."""
 
     def run(plan, q, kv_cache, weights):
+        from dispatch.contract import check_logits_inputs
+
         check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
         from backends.triton.paged_mqa_logits import triton_paged_mqa_logits
 

@@ -27,9 +27,10 @@ from dispatch.registry.document import (
     _deepest_line,
     _is_validator_tag,
     _message,
+    _read_bounded,
     _safe_load_with_lines,
     dotted,
-    located_error,
+    errors_in_file_order,
 )
 from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
 
@@ -61,12 +62,14 @@ class ShapeTimes(Strict):
 
 class Preference(Strict):
     key: MeasuredKey
-    order: Annotated[NameList, Field(min_length=1)]  # fastest first; only backends that passed the check
-    shapes: Annotated[tuple[ShapeTimes, ...], Field(min_length=1)]
+    order: NameList  # fastest first; only backends that passed the check
+    shapes: tuple[ShapeTimes, ...]
     failed: dict[BackendName, str] = {}  # backend -> why its output differed from the reference
 
     @model_validator(mode="after")
     def _consistent(self) -> "Preference":
+        if not self.order or not self.shapes:
+            raise ValueError("a preference needs at least one backend in `order` and one shape")
         if len(set(self.order)) != len(self.order):
             raise ValueError(f"`order` names a backend twice: {', '.join(self.order)}")
         for shape in self.shapes:
@@ -146,11 +149,14 @@ def parse_measured(text: str, path: str = "<measured>") -> MeasuredDocument:
     try:
         overlay = MeasuredOverlay.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        location = tuple(part for part in first["loc"] if not _is_validator_tag(part))
-        raise located_error(path, _deepest_line(lines, location), location, _message(first)) from None
-    for location, message in _across_preferences(overlay):
-        raise located_error(path, _deepest_line(lines, location), location, message)
+        problems = []
+        for detail in error.errors():
+            location = tuple(part for part in detail["loc"] if not _is_validator_tag(part))
+            problems.append((_deepest_line(lines, location), location, _message(detail)))
+        raise errors_in_file_order(path, problems) from None
+    problems = [(_deepest_line(lines, at), at, message) for at, message in _across_preferences(overlay)]
+    if problems:
+        raise errors_in_file_order(path, problems)
     return MeasuredDocument(overlay=overlay, path=path, lines=lines)
 
 
@@ -175,10 +181,7 @@ def load_measured(path: str | Path) -> MeasuredDocument:
 
 
 def _read(path: Path) -> str:
-    try:
-        raw = path.read_bytes()
-    except OSError as error:
-        raise RegistryError(f"cannot read the measured overlay {path}: {error.strerror or error}") from None
+    raw = _read_bounded(path)  # the registry's size bound, and no hanging on a FIFO
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
