@@ -90,7 +90,7 @@ def test_validate_accepts_it_and_a_cluster_decides_by_it(tuned, capsys):
     preference = load_measured(overlay_path).find(Op.PAGED_MQA_LOGITS, VERIFY)[1]
     args = ["explain", "--registry", str(registry), "--cluster", "ci-cpu", "--forward-mode", "target_verify", "--next-n", "2"]
     assert main(args + ["--json"]) == 0
-    decision = json.loads(capsys.readouterr().out)
+    decision = json.loads(capsys.readouterr().out)["decisions"][0]
     assert decision["source"] == "measured" and decision["backend"] == preference.order[0]
     assert decision["rule_at"].startswith(f"{overlay_path}:")
     evidence = decision["evidence"]
