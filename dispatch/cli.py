@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from dispatch.errors import DispatchError, NoBackendError
+from dispatch.errors import DispatchError, InvalidKeyError, NoBackendError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
 
 EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID = 0, 1, 2
@@ -33,12 +33,24 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--op", choices=[o.value for o in Op] + ["all"], default=Op.PAGED_MQA_LOGITS.value)
     explain.add_argument("--arch", choices=[a.value for a in Arch], help="default: this machine's")
     explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode")
-    explain.add_argument("--next-n", type=int, default=None, help="default: 1 (decode), else 2")
+    explain.add_argument("--next-n", type=int, default=None, help="default: 1 (decode, extend), else 2")
     explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the arch's platform dtype")
     explain.add_argument(
         "--seq-lens",
         type=lambda text: [int(part) for part in text.split(",")],
-        help="explain a whole batch plan: each request's total length L, drafts included (e.g. 130,64,7)",
+        help="explain a whole batch plan: each request's total length L, drafts included (e.g. 130,64,7); "
+        "with --forward-mode extend, each request's new tokens",
+    )
+    explain.add_argument(
+        "--prefix-lens",
+        type=lambda text: [int(part) for part in text.split(",")],
+        help="with --forward-mode extend and --seq-lens: each request's keys already cached (default: all 0)",
+    )
+    explain.add_argument(
+        "--logits-budget",
+        type=int,
+        default=None,
+        help="with --forward-mode extend and --seq-lens: each chunk's fp32 logits budget in bytes (default: 512 MiB)",
     )
     _common(explain)
     explain.set_defaults(command=_explain)
@@ -69,17 +81,23 @@ def _explain(args: argparse.Namespace) -> int:
     from dispatch.detect import detect_arch, platform_fp8_dtype
     from dispatch.explain import decision_text
     from dispatch.key import DispatchKey
+    from dispatch.plan import ops_for
     from dispatch.runtime import load_dispatcher
 
     arch = Arch(args.arch) if args.arch else detect_arch()
     mode = ForwardMode(args.forward_mode)
-    next_n = args.next_n if args.next_n is not None else (1 if mode is ForwardMode.DECODE else 2)
+    single = mode in (ForwardMode.DECODE, ForwardMode.EXTEND)
+    next_n = args.next_n if args.next_n is not None else (1 if single else 2)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(arch)
     key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8)
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster, arch=arch)
+    if args.prefix_lens is not None and (mode is not ForwardMode.EXTEND or not args.seq_lens):
+        raise InvalidKeyError("--prefix-lens goes with --forward-mode extend and --seq-lens")
+    if args.seq_lens and mode is ForwardMode.EXTEND:
+        return _explain_extend_plan(dispatcher, key, args.seq_lens, args.prefix_lens, args.logits_budget, args.json)
     if args.seq_lens:
         return _explain_plan(dispatcher, key, args.seq_lens, args.json)
-    ops = list(Op) if args.op == "all" else [Op(args.op)]
+    ops = list(ops_for(mode)) if args.op == "all" else [Op(args.op)]
     decisions = [dispatcher.decide(op, key) for op in ops]
     if args.json:
         payload = [d.as_dict() for d in decisions]
@@ -109,6 +127,40 @@ def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
     print(f"plan for B={plan.batch_size}, next_n={plan.next_n}, max_context_len={plan.max_context_len}")
     print(f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {payload['context_lens']}")
     print(f"  block_table {list(plan.block_table.shape)}: {payload['block_table']}")
+    print()
+    print("\n\n".join(decision_text(d, dispatcher) for d in plan.decisions.values()))
+    return EXIT_OK
+
+
+def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: list[int] | None,
+                         budget: int | None, as_json: bool) -> int:
+    """Build the extend plan an engine would build for this batch (on the CPU) and show its decisions,
+    ragged metadata shapes and chunks."""
+    from dispatch.bench.paged_cache import page_table_for
+    from dispatch.explain import decision_text
+    from dispatch.extend import build_extend_plan
+    from dispatch.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
+
+    prefix = prefix_lens or [0] * len(extend_lens)
+    if len(prefix) != len(extend_lens):
+        raise InvalidKeyError(f"--prefix-lens has {len(prefix)} requests, --seq-lens {len(extend_lens)}")
+    table = page_table_for([p + e for p, e in zip(prefix, extend_lens)])
+    budget = DEFAULT_LOGITS_BYTES if budget is None else budget
+    batch = ExtendBatch.from_lengths(prefix, extend_lens, table)
+    plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype=key.fp8_dtype, arch=key.arch, logits_byte_budget=budget)
+    meta = plan.metadata
+    payload = {**plan.as_dict(), "ks": meta.ks.tolist(), "ke": meta.ke.tolist()}
+    if as_json:
+        print(json.dumps(payload, indent=2))
+        return EXIT_OK
+    print(f"extend plan for B={len(extend_lens)}: M={meta.total_tokens} query rows, S={meta.total_keys} gathered keys")
+    print(f"  ks, ke [{meta.total_tokens}] int32; gather_slots [{meta.total_keys}]; row_request [{meta.total_tokens}]; "
+          f"key_offsets {meta.key_offsets.tolist()}")
+    print(f"  chunks under {plan.logits_byte_budget} bytes of fp32 logits (largest {plan.peak_logits_bytes}):")
+    for c in plan.chunks:
+        chunk = c.chunk
+        print(f"    rows [{chunk.row_begin}, {chunk.row_end}) x keys [{chunk.key_begin}, {chunk.key_end}): "
+              f"logits [{chunk.row_end - chunk.row_begin}, {chunk.key_end - chunk.key_begin}], {chunk.logits_bytes} bytes")
     print()
     print("\n\n".join(decision_text(d, dispatcher) for d in plan.decisions.values()))
     return EXIT_OK

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.deepgemm.ragged_logits import launch_ragged_mqa_logits, missing_ragged_symbols
+from backends.deepgemm.adapter import launch_ragged_mqa_logits, missing_ragged_symbols
 from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.key import Fp8Dtype

@@ -1,11 +1,14 @@
-"""Registers DeepGEMM's paged MQA logits backends. Each one's whole contract is its row below.
+"""Registers DeepGEMM's MQA logits backends. Each one's whole contract is its row below.
 
-| backend               | layout  | arch  | next_n | why                                                 |
-| deepgemm.sm100        | native  | sm100 | >= 1   | SM100 kernels take any next_n (odd ones padded)     |
-| deepgemm.sm90         | native  | sm90  | 1, 2   | SM90 kernels are instantiated for next_n 1 and 2    |
-| deepgemm.sm90.flatten | flatten | sm90  | >= 1   | every token its own request: next_n 1 in the kernel |
+| backend               | op                | layout  | arch  | next_n | why                                        |
+| deepgemm.sm100        | paged_mqa_logits  | native  | sm100 | >= 1   | SM100 kernels take any next_n (odd padded) |
+| deepgemm.sm90         | paged_mqa_logits  | native  | sm90  | 1, 2   | SM90 kernels exist for next_n 1 and 2      |
+| deepgemm.sm90.flatten | paged_mqa_logits  | flatten | sm90  | >= 1   | every token its own request: next_n 1      |
+| deepgemm.sm100        | ragged_mqa_logits | ragged  | sm100 | any    | fp8_mqa_logits, every mode                 |
+| deepgemm.sm90         | ragged_mqa_logits | ragged  | sm90  | any    | fp8_mqa_logits, every mode                 |
 
-All take e4m3fn only (the kernels read OCP fp8) in the paged modes (decode, target_verify, draft_extend).
+All take e4m3fn only (the kernels read OCP fp8); the paged ones in the paged modes (decode,
+target_verify, draft_extend), the ragged ones in any (extend is what they are for).
 The availability probe checks the cheap facts first (a GPU, its arch), so a machine that could never
 run the kernel does not load deep_gemm's CUDA extension just to say no.
 """
@@ -17,7 +20,14 @@ from types import ModuleType
 
 import torch
 
-from backends.deepgemm.adapter import DeepGemmPagedLogits, import_deep_gemm, missing_symbols, version_of
+from backends.deepgemm.adapter import (
+    DeepGemmPagedLogits,
+    DeepGemmRaggedLogits,
+    import_deep_gemm,
+    missing_ragged_symbols,
+    missing_symbols,
+    version_of,
+)
 from dispatch import detect
 from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
 
@@ -32,9 +42,15 @@ _TABLE = (
 
 
 def deepgemm_availability(
-    required: Arch, *, host: Arch, gpu_visible: bool, load: Callable[[], ModuleType]
+    required: Arch,
+    *,
+    host: Arch,
+    gpu_visible: bool,
+    load: Callable[[], ModuleType],
+    missing: Callable[[ModuleType], list[str]] = missing_symbols,
 ) -> Availability:
-    """Availability of a backend built for `required` on a machine of arch `host`."""
+    """Availability of a backend built for `required` on a machine of arch `host`; `missing` names the
+    API symbols the backend needs that the module lacks (the paged ones by default)."""
     if not gpu_visible:
         return Availability.no(f"no CUDA GPU is visible to torch (host arch {host.value})")
     if host is not required:
@@ -43,25 +59,29 @@ def deepgemm_availability(
         module = load()
     except (ImportError, OSError) as error:
         return Availability.no(f"deep_gemm cannot be imported: {type(error).__name__}: {error}")
-    missing = missing_symbols(module)
-    if missing:
-        return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(missing)}")
+    absent = missing(module)
+    if absent:
+        return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(absent)}")
     return Availability.yes()
 
 
-def probe_for(required: Arch, load: Callable[[], ModuleType] = import_deep_gemm) -> Callable[[], Availability]:
+def probe_for(
+    required: Arch,
+    load: Callable[[], ModuleType] = import_deep_gemm,
+    missing: Callable[[ModuleType], list[str]] = missing_symbols,
+) -> Callable[[], Availability]:
     """A Backend.probe: this machine's facts, read when the probe runs (detect_arch honours DISPATCH_ARCH)."""
 
     def probe() -> Availability:
         return deepgemm_availability(
-            required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load
+            required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load, missing=missing
         )
 
     return probe
 
 
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
-    """The three backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
+    """The five backends (three paged, two ragged), resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
     for name, layout, arch, next_n_max, description in _TABLE:
         impl = DeepGemmPagedLogits(layout, load)
@@ -79,6 +99,20 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
                 prepare=impl.prepare,
                 refresh_state=impl.refresh_state,
                 description=description,
+            )
+        )
+    for arch in (Arch.SM100, Arch.SM90):
+        ragged = DeepGemmRaggedLogits(load)
+        backends.append(
+            Backend(
+                name=f"deepgemm.{arch.value}",
+                op=Op.RAGGED_MQA_LOGITS,
+                layout=Layout.RAGGED,
+                supports=Support(archs=frozenset({arch}), fp8_dtypes=_E4M3FN),
+                run=ragged.run,
+                probe=probe_for(arch, load, missing_ragged_symbols),
+                prepare=ragged.prepare,
+                description=f"DeepGEMM fp8_mqa_logits (ragged, prefill), {arch.value.upper()}; Triton K gather",
             )
         )
     return backends

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from backends.reference.kv_gather import ReferenceKeyGather
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
 from backends.reference.q_quant import reference_indexer_q_quant
+from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
 from backends.reference.topk import topk_indices
-from dispatch.contract import ALL_ARCHS, PAGED_MODES, Backend, Layout, Op, Support, check_logits_inputs, hookimpl
+from dispatch.contract import (
+    ALL_ARCHS,
+    PAGED_MODES,
+    Backend,
+    Layout,
+    Op,
+    Support,
+    check_logits_inputs,
+    check_ragged_logits_inputs,
+    hookimpl,
+)
 
 
 def run_paged_mqa_logits(plan, q, kv_cache, weights):
@@ -16,6 +28,12 @@ def run_paged_mqa_logits(plan, q, kv_cache, weights):
     return reference_paged_mqa_logits(
         q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype
     )
+
+
+def run_ragged_mqa_logits(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
+    # Always writes -inf outside [ks, ke): what clean_logits=False leaves unspecified may be -inf too.
+    check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
+    return reference_ragged_mqa_logits(q, k, scales, weights, ks, ke)
 
 
 @hookimpl
@@ -53,5 +71,17 @@ def register_backends(register):
             run=topk_indices,
             version=torch.__version__,
             description="plain torch two-key stable sort: visible first, then by value; NaN never selected",
+        )
+    )
+    register(
+        Backend(
+            name="torch.reference",
+            op=Op.RAGGED_MQA_LOGITS,
+            layout=Layout.RAGGED,
+            supports=Support(archs=ALL_ARCHS),
+            run=run_ragged_mqa_logits,
+            prepare=ReferenceKeyGather.for_plan,
+            version=torch.__version__,
+            description="plain torch ragged logits over [ks, ke), -inf elsewhere; torch gather (raises on a bad slot)",
         )
     )
