@@ -97,7 +97,7 @@ def _explain(args: argparse.Namespace) -> int:
         return _explain_extend_plan(dispatcher, key, args.seq_lens, args.prefix_lens, args.logits_budget, args.json)
     if args.seq_lens:
         return _explain_plan(dispatcher, key, args.seq_lens, args.json)
-    ops = list(ops_for(mode)) if args.op == "all" else [Op(args.op)]
+    ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
     decisions = [dispatcher.decide(op, key) for op in ops]
     if args.json:
         payload = [d.as_dict() for d in decisions]
