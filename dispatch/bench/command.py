@@ -62,8 +62,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.quick:
         args.batch_sizes, args.lengths, args.tokens, args.repeats = [2], [256], [64], min(args.repeats, 3)
         args.prefill_shapes = args.prefill_shapes or QUICK_PREFILL_SHAPES
-    args.prefill_shapes = args.prefill_shapes or PREFILL_SHAPES
         args.k = [min(k, 64) for k in args.k]
+    args.prefill_shapes = args.prefill_shapes or PREFILL_SHAPES
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
