@@ -310,3 +310,54 @@ def test_explain_a_whole_batch_plan_as_json(capsys):
     flatten = explain_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
                            "--seq-lens", "5,9", "--cluster", "reference-only")
     assert flatten["context_lens_shape"] == [2, 2]
+
+
+# --- extend (prefill) batches --------------------------------------------------------------------
+
+EXTEND_RULES = {
+    "sm100": ("deepgemm.sm100", "sm100-deepgemm-ragged"),
+    "sm90": ("deepgemm.sm90", "sm90-deepgemm-ragged"),
+    "gfx942": ("rocm.fnuz", "gfx942-fnuz-ragged"),
+    "gfx950": ("triton", "portable-triton-ragged"),
+    "sm120": ("triton", "portable-triton-ragged"),
+    "sm80": ("torch.reference", "fallback[1]"),
+    "cpu": ("torch.reference", "cpu-reference-ragged"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(EXTEND_RULES))
+def test_explain_extend_decides_every_op_of_the_ragged_step_on_every_arch(capsys, arch):
+    code, out, err = run(capsys, "explain", "--arch", arch, "--forward-mode", "extend", "--op", "ragged_mqa_logits")
+    backend, rule = EXTEND_RULES[arch]
+    assert code == 0, err
+    assert f"chosen:   {backend}" in out and (f"rule `{rule}`" in out or rule in out)
+    payload = explain_json(capsys, "--arch", arch, "--forward-mode", "extend", "--op", "all")
+    assert [d["op"] for d in payload] == ["indexer_q_quant", "topk", "ragged_mqa_logits"]
+    assert {d["key"]["next_n"] for d in payload} == {1}
+
+
+def test_explain_an_extend_batch_shows_its_ragged_plan_and_chunks(capsys):
+    code, out, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "extend", "--seq-lens", "100,3,700",
+                         "--prefix-lens", "0,500,64", "--logits-budget", "400000")
+    assert code == 0, err
+    assert "M=803 query rows, S=1367 gathered keys" in out and "key_offsets [0, 100, 603, 1367]" in out
+    assert "rows [0, 141) x keys [0, 705): logits [141, 705], 397620 bytes" in out
+    assert "chosen:   deepgemm.sm90" in out and "rule `sm90-deepgemm-ragged`" in out
+    payload = explain_json(capsys, "--arch", "gfx942", "--forward-mode", "extend", "--seq-lens", "3,2",
+                           "--prefix-lens", "1,0")
+    assert payload["ks"] == [0, 0, 0, 4, 4] and payload["ke"] == [2, 3, 4, 5, 6]
+    assert payload["chunks"] == [{"row_begin": 0, "row_end": 5, "key_begin": 0, "key_end": 6}]
+    assert {op: d["backend"] for op, d in payload["decisions"].items()} == {
+        "indexer_q_quant": "rocm.fnuz", "ragged_mqa_logits": "rocm.fnuz", "topk": "torch.reference"}
+
+
+def test_explain_extend_refuses_what_cannot_be_planned(capsys):
+    code, _, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "extend", "--seq-lens", "100",
+                       "--logits-budget", "100")
+    assert code == 2 and "query row 25 sees 26 keys" in err and "more than the budget of 100" in err
+    code, _, err = run(capsys, "explain", "--forward-mode", "decode", "--seq-lens", "5", "--prefix-lens", "1")
+    assert code == 2 and "--prefix-lens goes with --forward-mode extend" in err
+    code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--seq-lens", "5,6", "--prefix-lens", "1")
+    assert code == 2 and "--prefix-lens has 1 requests, --seq-lens 2" in err
+    code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--op", "paged_mqa_logits")
+    assert code == 1 and "forward_mode extend not supported" in err
