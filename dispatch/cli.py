@@ -30,7 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     explain = commands.add_parser("explain", help="the chosen path for a key, the rule that chose it, and every rejection")
-    explain.add_argument("--op", choices=[o.value for o in Op] + ["all"], default=Op.PAGED_MQA_LOGITS.value)
+    explain.add_argument(
+        "--op",
+        choices=[o.value for o in Op] + ["all"],
+        default=None,
+        help="default: the mode's logits op (ragged_mqa_logits for extend, paged_mqa_logits otherwise)",
+    )
     explain.add_argument("--arch", choices=[a.value for a in Arch], help="default: this machine's")
     explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode")
     explain.add_argument("--next-n", type=int, default=None, help="default: 1 (decode, extend), else 2")
@@ -97,6 +102,8 @@ def _explain(args: argparse.Namespace) -> int:
         return _explain_extend_plan(dispatcher, key, args.seq_lens, args.prefix_lens, args.logits_budget, args.json)
     if args.seq_lens:
         return _explain_plan(dispatcher, key, args.seq_lens, args.json)
+    if args.op is None:
+        args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
     decisions = [dispatcher.decide(op, key) for op in ops]
     if args.json:
