@@ -161,7 +161,8 @@ def test_exit_1_when_no_backend_fits(capsys, tmp_path):
         """,
     )
     code, out, err = run(
-        capsys, "explain", "--registry", str(path), "--arch", "cpu", "--forward-mode", "extend", "--next-n", "2"
+        capsys, "explain", "--registry", str(path), "--arch", "cpu", "--forward-mode", "extend", "--next-n", "2",
+        "--op", "paged_mqa_logits",
     )
     assert code == 1
     assert out == "" and "Traceback" not in err
