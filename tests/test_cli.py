@@ -330,7 +330,7 @@ EXTEND_RULES = {
 def test_explain_extend_decides_every_op_of_the_ragged_step_on_every_arch(capsys, arch):
     # Issue 12's symptom: `explain --forward-mode extend` exited 1 on every arch.
     code, out, err = run(capsys, "explain", "--arch", arch, "--forward-mode", "extend")
-    assert out.splitlines()[1].startswith("ragged_mqa_logits for ")
+    assert f"ragged_mqa_logits for arch={arch} forward_mode=extend next_n=1" in out
     backend, rule = EXTEND_RULES[arch]
     assert code == 0, err
     assert f"chosen:   {backend}" in out and (f"rule `{rule}`" in out or rule in out)
