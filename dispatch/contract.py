@@ -71,7 +71,12 @@ class PagedMqaLogitsRun(Protocol):
 
     q is fp8 in plan.layout (native [B, N, H, D]; flatten [B*N, 1, H, D]), kv_cache uint8
     [num_blocks, block_kv, 1, D + 4], weights fp32 [B*N, H]. The run checks its inputs with
-    check_logits_inputs and writes -inf at every position past a token's length."""
+    check_logits_inputs and writes -inf at every position past a token's length. Bounds and NaN
+    (dispatch/bounds.py): it never follows a page-table entry outside [0, num_blocks) that a visible
+    key needs; that token's row, like the row of a token whose length passes max_context_len, is NaN
+    in every column, and the bit is ORed into plan.error_flags (a torch reference raises
+    IndexBoundsError instead). A NaN q element or weight, a NaN key byte or a non-finite key scale
+    makes the logits it touches NaN."""
 
     def __call__(
         self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
@@ -79,9 +84,13 @@ class PagedMqaLogitsRun(Protocol):
 
 
 class IndexerQQuantRun(Protocol):
-    """run(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_scale, head_scale)
-    -> (q fp8 [T, H, D], fp32 weights [T, H]). fp8_dtype comes from the decision's key, never from
-    the backend."""
+    """run(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_scale, head_scale,
+    error_flags) -> (q fp8 [T, H, D], fp32 weights [T, H]). fp8_dtype comes from the decision's key,
+    never from the backend. Numerics are the engines': the RoPE output rounded to bf16 before the amax,
+    the weight folded as w * scale * softmax_scale * head_scale one fp32 product at a time. A head
+    vector with NaN or inf after RoPE gets the format's NaN byte and a NaN folded weight; a position
+    outside the cos/sin cache is never read, poisons its token the same way and ORs BAD_POSITION into
+    error_flags (the plan's int32 [1]; a torch reference raises IndexBoundsError instead)."""
 
     def __call__(
         self,
@@ -94,6 +103,7 @@ class IndexerQQuantRun(Protocol):
         rope: RopeSpec,
         softmax_scale: float,
         head_scale: float,
+        error_flags: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

@@ -39,3 +39,7 @@ class RankDisagreementError(DispatchError):
 
 class BackendError(DispatchError):
     """The decided backend raised while running; names backend, op, key and rule, chained to the cause."""
+
+
+class IndexBoundsError(DispatchError, IndexError):
+    """An engine passed a page, position or length outside the tensor it indexes; names request, token and bound."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dispatch.bounds import new_error_flags, raise_for_flags
 from dispatch.decision import Decision
 from dispatch.errors import LayoutError
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
@@ -58,8 +59,25 @@ class ExtendPlan:
     block_kv: int
     logits_byte_budget: int
     states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
-    # int32 [1] on the batch's device: the GPU gather sets bit 1 (BAD_PAGE) for a slot outside the cache.
+    # int32 [1] on the batch's device (dispatch/bounds.py bits): the GPU gather ORs BAD_PAGE for a slot
+    # outside the cache, Q quant BAD_POSITION for a position outside the cos/sin cache.
     error_flags: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.error_flags is None:
+            object.__setattr__(self, "error_flags", new_error_flags(self.page_table.device))
+
+    def check_errors(self) -> None:
+        """Sync, read and clear the error flags; raise IndexBoundsError naming what a backend saw (as
+        IndexerPlan.check_errors): call it where the engine syncs anyway."""
+        bits = int(self.error_flags.item())
+        if bits:
+            self.error_flags.zero_()
+            raise_for_flags(bits, f"extend plan for {self.key}")
+
+    def reset_errors(self) -> None:
+        """Zero the flags in place, with no sync."""
+        self.error_flags.zero_()
 
     def decision(self, op: Op) -> Decision:
         if op not in self.decisions:
@@ -145,7 +163,6 @@ def build_extend_plan(
         page_table=batch.page_table,
         block_kv=batch.block_kv,
         logits_byte_budget=logits_byte_budget,
-        error_flags=torch.zeros(1, dtype=torch.int32, device=batch.page_table.device),
     )
     states = prepare_states(decisions, plan)
     return dataclasses.replace(plan, states=states) if states else plan

@@ -39,6 +39,7 @@ def indexer_q_quant(
         rope=rope,
         softmax_scale=softmax_scale,
         head_scale=head_scale,
+        error_flags=plan.error_flags,
     )
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dispatch.bounds import new_error_flags, raise_for_flags
 from dispatch.calling import call_backend
 from dispatch.decision import Decision
 from dispatch.errors import LayoutError
@@ -82,6 +83,28 @@ class IndexerPlan:
     max_context_len: int
     page_rows: torch.Tensor | None = None  # int32 [B*N]: the block_table row that serves each token
     states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
+    # int32 [1] on the plan's device, zeroed here, ORed into by backends (dispatch/bounds.py bits).
+    error_flags: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.error_flags is None:
+            object.__setattr__(self, "error_flags", new_error_flags(self.context_lens.device))
+
+    # --- Error flags (dispatch/bounds.py): the device-side record of out-of-range input. ---
+
+    def check_errors(self) -> None:
+        """Sync, read and clear the error flags; raise IndexBoundsError naming what a backend saw.
+
+        Call it where the engine syncs anyway (the step's end), or after each select in debug runs:
+        a set flag means some rows of this plan's logits are NaN and their top-k is meaningless."""
+        bits = int(self.error_flags.item())
+        if bits:
+            self.error_flags.zero_()
+            raise_for_flags(bits, f"plan for {self.key}")
+
+    def reset_errors(self) -> None:
+        """Zero the flags in place, with no sync (a captured graph's plan is reused across batches)."""
+        self.error_flags.zero_()
 
     def decision(self, op: Op) -> Decision:
         if op not in self.decisions:

@@ -29,6 +29,7 @@ BUILTIN_PLUGINS = (
     "backends.reference.plugin",
     "backends.triton.plugin",
     "backends.deepgemm.plugin",
+    "backends.flashinfer.plugin",
 )
 
 

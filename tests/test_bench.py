@@ -63,3 +63,17 @@ def test_compare_ragged_topk_catches_wrong_rows():
     assert "twice" in compare_ragged_topk(torch.tensor([[0, 0, 2], [1, 2, 0]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
     assert "error" in compare_ragged_topk(torch.tensor([[0, 3, 1], [1, 2, 0]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
     assert "positions in" in compare_ragged_topk(torch.tensor([[0, 3, 2], [1, 2, 3]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
+
+
+def test_quick_bench_times_the_whole_step_per_backend_combination(capsys):
+    code = main(["bench", "--quick", "--op", "step", "--next-n", "2", "--k", "16",
+                 "--backends", "triton,torch.reference", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    combos = {r["backend"] for r in report["rows"]}
+    # Every eligible logits backend named, each with every eligible top-k backend.
+    assert {"triton + torch.reference", "torch.reference + torch.reference"} <= combos
+    for row in report["rows"]:
+        assert row["op"] == "indexer_step" and row["check"] == "ok"
+        assert row["quant_us"] > 0 and row["logits_us"] > 0 and row["topk_us"] > 0
+        assert abs(row["x_logits"] - row["median_us"] / row["logits_us"]) < 1e-6 * row["x_logits"]

@@ -230,7 +230,7 @@ def test_emulated_fnuz_equals_torch_fnuz_cast():
         fnuz_mode=Fp8Mode.FNUZ_EMULATED,
     )
     scale = w_out / weights.float()
-    values = apply_rope(q.float(), positions, cache, rope) / scale[..., None]
+    values = apply_rope(q.float(), positions, cache, rope, rotary_dtype=torch.bfloat16) / scale[..., None]
     assert_same_bytes(q_fp8, values.clamp(-224, 224).to(torch.float8_e4m3fnuz))
 
 
@@ -250,7 +250,8 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
     from dispatch.ops import indexer_q_quant as ops_indexer_q_quant
     from tests.plans import decision_for
 
-    plan = SimpleNamespace(decision=lambda op: decision_for(serving[0], key))  # the op reads only this decision
+    decision = decision_for(serving[0], key)
+    plan = SimpleNamespace(decision=lambda op: decision, error_flags=torch.zeros(1, dtype=torch.int32))
     q, weights, positions, cache = make_inputs(8, 64, seed=9)
     q_fp8, _ = ops_indexer_q_quant(plan, q, weights, positions, cache, rope=RopeSpec.gptj_tail(), softmax_scale=1.0,
                           head_scale=1.0)

@@ -25,9 +25,16 @@ from dispatch.bench.ceilings import measure_ceilings
 from dispatch.bench.compare import compare_logits
 from dispatch.bench.paged_cache import build_paged_kv_cache, page_table_for, pages_of
 from dispatch.bench.workload import LogitsShape, logits_floor_counts
+from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND
 from dispatch.kv_cache import BLOCK_KV
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
-from backends.triton.paged_mqa_logits import LaunchConfig, _paged_mqa_logits_kernel, default_config, triton_paged_mqa_logits
+from backends.triton.paged_mqa_logits import (
+    SCAN_PAGES,
+    LaunchConfig,
+    _paged_mqa_logits_kernel,
+    default_config,
+    triton_paged_mqa_logits,
+)
 from dispatch.key import Fp8Dtype
 from dispatch.layout import Layout
 from dispatch.plan import layout_tensors
@@ -180,7 +187,7 @@ def resources() -> None:
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     names = _paged_mqa_logits_kernel.arg_names
-    pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*fp32"]
+    pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*fp32", "*i32"]
     seen = set()
     for (name, next_n, _), configs in SWEEP.items():
         for config in configs:
@@ -190,10 +197,12 @@ def resources() -> None:
                 continue
             seen.add(key)
             constexprs = {"N": next_n, "TG": tokens, "H": HEADS, "D": HEAD_DIM, "BLOCK_KV": BLOCK_KV,
-                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0}
+                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0, "NAN_BYTES": 0, "SCAN_PAGES": SCAN_PAGES,
+                          "BAD_PAGE": BAD_PAGE, "LENGTH_PAST_BOUND": LENGTH_PAST_BOUND}
             signature = {n: (pointer_types[i] if i < len(pointer_types) else "constexpr" if n in constexprs else "i32")
                          for i, n in enumerate(names)}
-            aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if i < 7 or n.startswith("stride")}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                       if i < len(pointer_types) or n.startswith("stride")}
             source = ASTSource(_paged_mqa_logits_kernel, signature,
                                constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=aligned)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),

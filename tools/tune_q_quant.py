@@ -75,7 +75,8 @@ def run_config(inputs, case, config, round_in_software=False):
     rope, fp8_dtype, mode = CASES[case]
     block_t, block_h, num_warps = config
     return lambda: launch(
-        *inputs, fp8_dtype=fp8_dtype, rope=rope, weight_factor=SOFTMAX_SCALE * HEAD_SCALE, mode=mode,
+        *inputs, fp8_dtype=fp8_dtype, rope=rope, softmax_scale=SOFTMAX_SCALE, head_scale=HEAD_SCALE,
+        error_flags=None, mode=mode,
         round_in_software=round_in_software, block_t=block_t, block_h=block_h, num_warps=num_warps,
     )
 

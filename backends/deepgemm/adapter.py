@@ -20,6 +20,15 @@ The paged logits API, tolerant of the generations in the field:
   back to the device's SM count.
 
 Every function takes the module as its first argument, so tests can hand in a recording stand-in.
+
+Bounds: deep_gemm follows every table entry a length covers without checking it, so run first launches
+backends/triton/page_guard.py (one small kernel, no sync): deep_gemm gets a copy of the table whose
+out-of-range entries point at block 0, the masking pass makes an affected token's row all NaN, and the
+plan's error flag is set. What the guard cannot fix: a length past max_context_len. The lens must stay
+the ones the schedule was built from, so deep_gemm still scores (and writes) that token's keys up to its
+length, past the row's width, into the 256-aligned padding or the next row. The guard flags and poisons
+the row; the engine must still guarantee max_seq_len >= every length (DISPATCH_DEBUG_BOUNDS=1 checks it
+on the host before the launch and raises).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from types import ModuleType
 
 import torch
 
+from dispatch.bounds import check_pages, debug_bounds_on
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.input_checks import check_logits_inputs, check_ragged_logits_inputs
 from dispatch.kv_cache import BLOCK_KV
@@ -129,8 +139,12 @@ def check_kernel_inputs(
         raise LayoutError(f"deep_gemm needs an int32 block_table with unit column stride; got {block_table.dtype}")
 
 
-def mask_past_lengths(logits: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+def mask_past_lengths(
+    logits: torch.Tensor, context_lens: torch.Tensor, fill: torch.Tensor | None = None
+) -> torch.Tensor:
     """Write -inf in row r at every position >= context_lens.flatten()[r], in place; returns `logits`.
+    `fill` (fp32, one value per row) replaces -inf: the page guard gives a poisoned row length 0 and
+    fill NaN, so the same single pass makes that whole row NaN.
 
     deep_gemm leaves those positions unspecified; the contract says -inf. What it costs: one extra pass
     over the logits per layer, in place. For every position of the [B*N, max_context_len] output: a
@@ -144,7 +158,10 @@ def mask_past_lengths(logits: torch.Tensor, context_lens: torch.Tensor) -> torch
     2-D ones; a top-k that takes the lengths could skip the pass altogether.
     """
     positions = torch.arange(logits.shape[1], device=logits.device, dtype=context_lens.dtype)
-    return logits.masked_fill_(positions[None, :] >= context_lens.reshape(-1, 1), float("-inf"))
+    visible = positions[None, :] < context_lens.reshape(-1, 1)
+    if fill is None:
+        return logits.masked_fill_(~visible, float("-inf"))
+    return torch.where(visible, logits, fill.reshape(-1, 1), out=logits)
 
 
 @dataclass(frozen=True)
@@ -173,10 +190,20 @@ class DeepGemmPagedLogits:
         check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
         self._check_schedule(plan)
         check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
-        logits = launch_paged_mqa_logits(
-            self.load(), q, kv_cache, weights, plan.context_lens, plan.block_table, plan.state, plan.max_context_len
+        num_blocks = kv_cache.shape[0]
+        if num_blocks == 0 and plan.max_context_len > 0:
+            raise LayoutError("kv_cache has no blocks, so no page-table entry can be valid")
+        if debug_bounds_on():
+            check_pages(plan.context_lens, plan.block_table, num_blocks, plan.max_context_len, BLOCK_KV)
+        from backends.triton.page_guard import guard_pages  # triton ships with torch on CUDA
+
+        guarded = guard_pages(
+            plan.context_lens, plan.block_table, num_blocks, plan.max_context_len, BLOCK_KV, plan.error_flags
         )
-        return mask_past_lengths(logits, plan.context_lens)
+        logits = launch_paged_mqa_logits(
+            self.load(), q, kv_cache, weights, plan.context_lens, guarded.safe_table, plan.state, plan.max_context_len
+        )
+        return mask_past_lengths(logits, guarded.mask_lens, guarded.fill)
 
     def _check_schedule(self, plan: IndexerPlan) -> None:
         state = plan.state

@@ -5,6 +5,12 @@
 
 The same function serves both layouts: native passes q [B, N, H, D] with ctx [B, N]; flatten passes
 q [B*N, 1, H, D] with ctx [B*N, 1] and a block table repeated per token.
+
+Bounds are checked on the host, where the check is free: a length past max_context_len, or a page-table
+entry outside [0, num_blocks) that a visible key needs, raises IndexBoundsError naming the row (the
+request in the native layout), token, entry and bound; nothing is clamped. Entries no token needs are
+padding and may hold anything. NaN: a NaN q, key or weight makes the logit NaN (relu keeps NaN), and a
+non-finite key scale is made NaN, as in the Triton kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import math
 
 import torch
 
+from dispatch.bounds import check_pages
 from dispatch.kv_cache import split_kv_cache
 from dispatch.key import Fp8Dtype
 
@@ -30,14 +37,21 @@ def reference_paged_mqa_logits(
     rows, next_n, heads, head_dim = q.shape
     block_kv = kv_cache.shape[1]
     keys, scales = split_kv_cache(kv_cache, fp8_dtype)
+    num_blocks = keys.shape[0]
+    check_pages(context_lens, block_table, num_blocks, max_context_len, block_kv)
     pages = math.ceil(max_context_len / block_kv)
     positions = torch.arange(max_context_len, device=q.device)
     out = torch.full((rows * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=q.device)
-    # Pages past a request's length may point anywhere (padding); clamp so the gather stays in bounds.
-    table = block_table[:, :pages].long().clamp(0, keys.shape[0] - 1)
+    if num_blocks == 0:
+        return out  # every length is 0 (check_pages passed), so every position is masked
+    # Entries still out of range are padding no visible key needs (check_pages passed): block 0 stands
+    # in, and the mask below hides what it scores.
+    table = block_table[:, :pages].long()
+    table = torch.where((table >= 0) & (table < num_blocks), table, 0)
     for row in range(rows):
         k = keys[table[row]].reshape(-1, head_dim)[:max_context_len].float()
         s = scales[table[row]].reshape(-1)[:max_context_len]
+        s = torch.where(torch.isfinite(s), s, float("nan"))
         scores = torch.relu(torch.einsum("nhd,td->nht", q[row].float(), k))
         w = weights[row * next_n : (row + 1) * next_n].float()
         logits = torch.einsum("nht,nh->nt", scores, w) * s

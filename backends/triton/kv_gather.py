@@ -4,8 +4,8 @@ function, with the team's device-side bound check instead of an exception.
 A program copies BLOCK_S gathered keys: D fp8 bytes and one fp32 scale each, moved as 32-bit words
 (fp8 bytes need no decoding to be copied, so one kernel serves e4m3fn and e4m3fnuz alike). A slot
 outside [0, num_blocks * block_kv) is never read: its key is written as zeros with a NaN scale, so
-every logit that uses it is NaN and top-k never selects it, and bit 1 of `error_flag[0]` is set for the
-engine to read when it syncs anyway. Nothing here waits on the device.
+every logit that uses it is NaN and top-k never selects it, and BAD_PAGE (1, dispatch/bounds.py) is
+ORed into `error_flag[0]` for the engine to read when it syncs anyway. Nothing here waits on the device.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def triton_gather_keys(
     """(k fp8 [S, D] in `fp8_dtype`, fp32 scales [S]) for int32 slots [S].
 
     `error_flag` is an int32 tensor of at least one element on
-    the cache's device; the kernel only ever ORs bit 1 into element 0 (the caller zeroes it when it reads
+    the cache's device; the kernel only ever ORs BAD_PAGE (1) into element 0 (the caller zeroes it when it reads
     it). `k_out` / `scales_out` are preallocated results (a per-batch workspace).
     """
     num_blocks, block_kv, head_dim = _check(kv_cache, slots, error_flag)

@@ -9,6 +9,16 @@ programs is needed. Per step it loads PAGES pages of keys [T, D] and computes ke
 in one fp8 dot: tokens x heads is the dot's N, so the relu-weighted sum over heads stays inside a
 thread and its quad rather than crossing warps (DeepGEMM's SM90 kernel has the same orientation).
 q^T and the weights are loaded once per program. Pages past every token's length are never read.
+
+Bounds (dispatch/bounds.py): before its loop a program reads the table entries of every page its
+tokens need, across the whole row (a few hundred int32 from L2, against the ~270 KB of keys a split
+reads), so that a token with any out-of-range page, or with a length past max_context_len, gets NaN in
+every column of its row in every split, and the plan's error flag gets BAD_PAGE / LENGTH_PAST_BOUND.
+No out-of-range block is ever dereferenced: its loads are masked off.
+
+NaN: the relu keeps NaN (max.NaN), so a NaN q, key or weight makes the logit NaN rather than vanishing
+in relu; a non-finite key scale is made NaN; where the dot cannot see an fp8 NaN byte (fnuz emulation,
+the interpreter) the kernel finds it itself (NAN_BY_HARDWARE below).
 """
 
 from __future__ import annotations
@@ -20,9 +30,39 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
+from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND, check_pages, debug_bounds_on, scratch_error_flags
+from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
 from dispatch.key import Fp8Dtype
+
+
+# Where the dot reads an fp8 NaN byte as a number, the kernel finds NaN bytes itself (q once per program,
+# keys once per step): fnuz emulated through e4m3fn anywhere (fnuz NaN 0x80 reads as -0), and the
+# interpreter, whose fp8 decoding has no NaN (e4m3fn 0x7F reads as 480, fnuz 0x80 as -0). GPUs decode
+# e4m3fn NaN (and gfx94x fnuz NaN) in the dot itself, so their hot path pays nothing.
+NAN_BY_HARDWARE: tl.constexpr = tl.constexpr(0)
+NAN_E4M3FN_BYTES: tl.constexpr = tl.constexpr(1)
+NAN_FNUZ_BYTE: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _is_nan_byte(x, NAN_BYTES: tl.constexpr):
+    bits = x.to(tl.uint8, bitcast=True)
+    if NAN_BYTES == NAN_E4M3FN_BYTES:
+        nan = (bits & 0x7F) == 0x7F
+    else:
+        nan = bits == 0x80
+    return nan.to(tl.int32)
+
+
+def nan_bytes_mode(mode: Fp8Mode) -> int:
+    """Which NaN-byte check the kernel needs for `mode` here (see NAN_BY_HARDWARE)."""
+    if mode is Fp8Mode.FNUZ_EMULATED:
+        return 2
+    if not triton_interpreter_on():
+        return 0
+    return 1 if mode is Fp8Mode.E4M3FN else 2
 
 
 @triton.jit
@@ -34,6 +74,8 @@ def _paged_mqa_logits_kernel(
     ctx_ptr,  # int32 [R, N]
     table_ptr,  # int32 [R, M]
     out_ptr,  # fp32 [R * N, max_context_len]
+    error_flags_ptr,  # int32 [1]: BAD_PAGE and LENGTH_PAST_BOUND are ORed in
+    num_blocks,  # blocks in the cache: a table entry must lie in [0, num_blocks)
     stride_q_row,
     stride_q_tok,
     stride_q_head,
@@ -50,6 +92,10 @@ def _paged_mqa_logits_kernel(
     BLOCK_KV: tl.constexpr,
     PAGES: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
+    NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
+    SCAN_PAGES: tl.constexpr,  # table entries checked per step of the bounds scan
+    BAD_PAGE: tl.constexpr,
+    LENGTH_PAST_BOUND: tl.constexpr,
 ):
     # The token group varies fastest, so the groups of one row's split run together and the second
     # group's page reads hit L2.
@@ -73,6 +119,21 @@ def _paged_mqa_logits_kernel(
     col_end = tl.minimum(page_end * BLOCK_KV, max_context_len)
     compute_end = tl.minimum(page_end, valid_pages)
 
+    # Bounds, for the whole row (other splits' pages included, so the row is NaN in every split). The
+    # loop keeps, per lane, the lowest out-of-range page it saw: elementwise, no reduction per step.
+    needed = tl.minimum(tl.cdiv(tl.maximum(ctx, 0), BLOCK_KV), num_pages)  # [TG]: pages each token reads
+    first_bad = tl.full((SCAN_PAGES,), 2**30, tl.int32)
+    for first in range(0, valid_pages, SCAN_PAGES):
+        pages = first + tl.arange(0, SCAN_PAGES)
+        entry = tl.load(table_ptr + row * stride_table_row + pages, mask=pages < valid_pages, other=0)
+        first_bad = tl.minimum(first_bad, tl.where((entry < 0) | (entry >= num_blocks), pages, 2**30))
+    page_fault = (needed > tl.min(first_bad, axis=0)).to(tl.int32)  # [TG]: the token needs a bad page
+    past_bound = tok_ok & (ctx > max_context_len)
+    poisoned = tok_ok & ((page_fault > 0) | past_bound)  # [TG]
+    flags = tl.where(tl.max(page_fault, axis=0) > 0, BAD_PAGE, 0)
+    flags |= tl.where(tl.max(past_bound.to(tl.int32), axis=0) > 0, LENGTH_PAST_BOUND, 0)
+    tl.atomic_or(error_flags_ptr, flags, mask=(flags != 0) & (split == 0))
+
     # q rows are token-major (i * H + h); padded tokens load zeros and carry zero weight.
     qk_row = tl.arange(0, GH)
     q_tok = group * TG + qk_row // H
@@ -84,6 +145,8 @@ def _paged_mqa_logits_kernel(
         other=0.0,
     )
     w = tl.load(w_ptr + (row * N + q_tok) * stride_w_row + q_head, mask=q_tok < N, other=0.0) * PRODUCT_SCALE
+    if NAN_BYTES != NAN_BY_HARDWARE:
+        w = tl.where(tl.max(_is_nan_byte(q, NAN_BYTES), axis=1) > 0, float("nan"), w)
     # Transposed outside the loop: Triton then stores q^T to shared memory once per program; a
     # tl.trans inside the loop re-stores the whole tile every step.
     q_t = tl.trans(q)
@@ -95,25 +158,37 @@ def _paged_mqa_logits_kernel(
     for page in range(page_begin, compute_end, PAGES):
         pages_here = page + page_of_t
         block = tl.load(table_ptr + row * stride_table_row + pages_here, mask=pages_here < valid_pages, other=0)
-        block = block.to(tl.int64)
-        keys = tl.load(k_ptr + (block * BLOCK_BYTES + slot_of_t * D)[:, None] + dim[None, :])
-        scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t)
+        # An out-of-range block is never dereferenced (its rows are poisoned); zeros stand in.
+        block_ok = (block >= 0) & (block < num_blocks)
+        block = tl.where(block_ok, block, 0).to(tl.int64)
+        keys = tl.load(k_ptr + (block * BLOCK_BYTES + slot_of_t * D)[:, None] + dim[None, :], mask=block_ok[:, None],
+                       other=0.0)
+        scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t, mask=block_ok, other=0.0)
+        scale = tl.where(tl.abs(scale) <= 3.4028234663852886e38, scale, float("nan"))  # inf scales too
         # Keys are the dot's M and tokens x heads its N: the head sum below stays inside a thread
         # and its quad instead of crossing warps.
         scores = tl.dot(keys, q_t)  # [T, TG * H], fp32 accumulation
-        scores = tl.maximum(scores, 0.0) * w[None, :]
+        scores = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
         logits = tl.sum(tl.reshape(scores, (T, TG, H)), axis=2) * scale[:, None]
+        if NAN_BYTES != NAN_BY_HARDWARE:
+            logits = tl.where(tl.max(_is_nan_byte(keys, NAN_BYTES), axis=1)[:, None] > 0, float("nan"), logits)
         col = page * BLOCK_KV + t
         # A select, not a multiply: bytes past a length are garbage and may decode to NaN.
         logits = tl.where(col[:, None] < ctx[None, :], logits, float("-inf"))
+        logits = tl.where(poisoned[None, :], float("nan"), logits)
         tl.store(out_rows[None, :] + col[:, None], logits, mask=tok_ok[None, :] & (col < col_end)[:, None])
     # The columns no compute step wrote (the last step may run past compute_end; its select wrote
-    # -inf there) get -inf without reading anything.
+    # -inf there) get -inf (NaN in a poisoned row) without reading anything.
     fill_begin = tl.maximum(page_begin, page_begin + tl.cdiv(compute_end - page_begin, PAGES) * PAGES)
-    neg_inf = tl.full((TG, T), float("-inf"), tl.float32)
+    fill = tl.where(poisoned[:, None], float("nan"), tl.full((TG, T), float("-inf"), tl.float32))
     for page in range(fill_begin, page_end, PAGES):
         col = page * BLOCK_KV + t
-        tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=tok_ok[:, None] & (col < col_end)[None, :])
+        tl.store(out_rows[:, None] + col[None, :], fill, mask=tok_ok[:, None] & (col < col_end)[None, :])
+
+
+# Table entries per step of the bounds scan: 256 pages (16K keys) in one 1 KB load (two int32 a thread
+# at 4 warps); a 32K row takes two steps, 128K eight.
+SCAN_PAGES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +228,15 @@ def triton_paged_mqa_logits(
     fnuz_mode: Fp8Mode | None = None,
     config: LaunchConfig | None = None,
     out: torch.Tensor | None = None,
+    error_flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 logits [rows * N, max_context_len], -inf past each token's length. No host-device sync.
 
-    `fnuz_mode` overrides fnuz_mode_for_here() for an e4m3fnuz cache; `config` overrides default_config;
-    `out` is a preallocated result (every element is written, so it needs no initialisation).
+    A token whose length passes max_context_len, or that needs a page-table entry outside
+    [0, num_blocks), gets an all-NaN row, and BAD_PAGE / LENGTH_PAST_BOUND is ORed into `error_flags`
+    (int32 [1], the plan's; a per-device scratch word when None). `fnuz_mode` overrides fnuz_mode_for_here() for
+    an e4m3fnuz cache; `config` overrides default_config; `out` is a preallocated result (every element
+    is written, so it needs no initialisation).
     """
     mode = fp8_mode(fp8_dtype, fnuz_mode)
     rows, next_n, heads, head_dim = _check(q, kv_cache, weights, context_lens, block_table, max_context_len, fp8_dtype)
@@ -168,6 +247,13 @@ def triton_paged_mqa_logits(
     elif out.dtype != torch.float32 or tuple(out.shape) != shape or out.stride(1) != 1 or out.device != q.device:
         raise LayoutError(f"out must be fp32 {list(shape)} contiguous along columns on {q.device}; got "
                           f"{out.dtype} {list(out.shape)}, strides {out.stride()} on {out.device}")
+    if error_flags is None:
+        error_flags = scratch_error_flags(q.device)
+    elif error_flags.dtype != torch.int32 or error_flags.numel() < 1 or error_flags.device != q.device:
+        raise LayoutError(f"error_flags must be int32 with one element on {q.device}; got {error_flags.dtype} "
+                          f"{list(error_flags.shape)} on {error_flags.device}")
+    if debug_bounds_on():
+        check_pages(context_lens, block_table, num_blocks, max_context_len, block_kv)
     if out.numel() == 0:
         return out
     cfg = config or default_config(next_n, q.device)
@@ -186,6 +272,8 @@ def triton_paged_mqa_logits(
         context_lens,
         block_table,
         out,
+        error_flags,
+        num_blocks,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -202,6 +290,10 @@ def triton_paged_mqa_logits(
         BLOCK_KV=block_kv,
         PAGES=cfg.pages,
         PRODUCT_SCALE=mode.product_scale,
+        NAN_BYTES=nan_bytes_mode(mode),
+        SCAN_PAGES=SCAN_PAGES,
+        BAD_PAGE=BAD_PAGE,
+        LENGTH_PAST_BOUND=LENGTH_PAST_BOUND,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

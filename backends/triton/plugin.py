@@ -44,6 +44,7 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
             plan.max_context_len,
             plan.fp8_dtype,
             fnuz_mode=fnuz_mode,
+            error_flags=plan.error_flags,
         )
 
     return run

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
+from dispatch.bounds import BAD_POSITION, check_positions, debug_bounds_on, scratch_error_flags
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
@@ -64,8 +65,9 @@ def _round_to_fp8_grid(y, QUANTUM_MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _to_fp8(y, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
+def _to_fp8(y, poisoned, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
     # One return statement: the compiler types every return of a function, pruned branches included.
+    # `poisoned` vectors get the format's NaN byte (e4m3fn 0x7F, fnuz 0x80) whatever y holds.
     if STORE == STORE_FNUZ_EMULATED:
         y = y * 2.0
     if ROUND_IN_SOFTWARE:
@@ -74,25 +76,73 @@ def _to_fp8(y, STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
         else:
             y = _round_to_fp8_grid(y, -9)  # e4m3fn subnormals step by 2^-9
     if STORE == STORE_FNUZ_NATIVE:
-        out = y.to(tl.float8e4b8)
+        bits = y.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+        out = tl.where(poisoned, 0x80, bits).to(tl.uint8).to(tl.float8e4b8, bitcast=True)
     elif STORE == STORE_E4M3FN:
-        out = y.to(tl.float8e4nv)
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        out = tl.where(poisoned, 0x7F, bits).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     else:
-        out = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        out = tl.where(out == 0x80, tl.zeros_like(out), out)
+        # fnuz has no -0 (e4m3fn's 0x80 becomes 0x00), and 0x80 is its NaN.
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        out = tl.where(poisoned, 0x80, tl.where(bits == 0x80, 0, bits)).to(tl.uint8)
     return out
 
 
 @triton.jit
+def _round_to_bf16(y, IN_SOFTWARE: tl.constexpr):
+    # fp32 -> nearest bf16 (ties to even) -> fp32, as the engines store their RoPE output. The
+    # interpreter's own cast truncates, so there the rounding is done on the bits (NaN kept as is).
+    if IN_SOFTWARE:
+        bits = y.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        out = tl.where(y != y, y, rounded)
+    else:
+        out = y.to(tl.bfloat16).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _nonfinite(x):
+    # 1 where x is NaN or +-inf: |x| <= FLT_MAX is false for exactly those.
+    return (~(tl.abs(x) <= 3.4028234663852886e38)).to(tl.int32)
+
+
+@triton.jit
 def _indexer_q_quant_kernel(
-    q_ptr, w_ptr, pos_ptr, cs_ptr, q_out_ptr, w_out_ptr,
-    num_tokens, num_heads,
-    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_pos, stride_cst, stride_csd,
-    weight_factor,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, ROT_START: tl.constexpr, REST_START: tl.constexpr,
-    INTERLEAVED: tl.constexpr, FP8_MAX_EXP: tl.constexpr, FP8_MAX_MANT: tl.constexpr,
-    STORE: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr,
+    q_ptr,  # bf16/fp16/fp32 [T, H, D], any strides
+    weights_ptr,  # any float [T, H]
+    positions_ptr,  # int32/int64 [T]
+    cos_sin_ptr,  # float [max_pos, rot_dim]: cos in the first half, sin in the second
+    q_out_ptr,  # fp8 (or uint8 for emulated fnuz) [T, H, D], contiguous
+    weights_out_ptr,  # fp32 [T, H], contiguous
+    error_flags_ptr,  # int32 [1]: BAD_POSITION is ORed in when a position is outside the cos/sin cache
+    num_tokens,
+    num_heads,
+    max_pos,  # rows of the cos/sin cache: a position must lie in [0, max_pos)
+    stride_q_token,
+    stride_q_head,
+    stride_q_dim,
+    stride_w_token,
+    stride_w_head,
+    stride_pos,
+    stride_cs_pos,
+    stride_cs_dim,
+    softmax_scale,
+    head_scale,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # rot_dim // 2: the rotary pairs per head
+    ROT_START: tl.constexpr,  # first rotary dim (0: rotary at the head; D - rot_dim: at the tail)
+    REST_START: tl.constexpr,  # first non-rotary dim
+    INTERLEAVED: tl.constexpr,  # GPT-J pairs (2i, 2i+1); else NeoX halves (i, i + HALF)
+    FP8_MAX_EXP: tl.constexpr,  # FP8_MAX's unbiased fp32 exponent
+    FP8_MAX_MANT: tl.constexpr,  # FP8_MAX's 23 fp32 mantissa bits
+    STORE: tl.constexpr,  # STORE_E4M3FN, STORE_FNUZ_NATIVE or STORE_FNUZ_EMULATED
+    ROUND_IN_SOFTWARE: tl.constexpr,  # the interpreter: round to bf16 and fp8 on the bits
+    BAD_POSITION: tl.constexpr,  # the error-flag bit
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_H: tl.constexpr,  # heads per program
+    HALF_BLOCK: tl.constexpr,  # HALF rounded up to a power of two
+    REST_BLOCK: tl.constexpr,  # D - rot_dim rounded up to a power of two (0: no rest)
 ):
     # One program quantises a [BLOCK_T, BLOCK_H] block of head vectors. Each vector is handled as
     # its rotary pairs (x1, x2) and the rest, so every load and store is contiguous and RoPE is the
@@ -102,57 +152,70 @@ def _indexer_q_quant_kernel(
     token_ok = tokens < num_tokens
     w_ok = token_ok[:, None] & (heads < num_heads)[None, :]
     vector_ok = w_ok[:, :, None]
-    rows = q_ptr + tokens[:, None, None] * stride_qt + heads[None, :, None] * stride_qh
+    rows = q_ptr + tokens[:, None, None] * stride_q_token + heads[None, :, None] * stride_q_head
     vectors = tokens[:, None] * num_heads + heads[None, :]
     out_rows = q_out_ptr + vectors[:, :, None] * HEAD_DIM
 
+    # A position outside the cos/sin cache is never followed: its token's vectors are poisoned below.
+    positions = tl.load(positions_ptr + tokens * stride_pos, mask=token_ok, other=0).to(tl.int64)
+    position_ok = (positions >= 0) & (positions < max_pos)
+    bad_positions = tl.sum((token_ok & ~position_ok).to(tl.int32), axis=0)
+    tl.atomic_or(error_flags_ptr, BAD_POSITION, mask=bad_positions > 0)
     halves = tl.arange(0, HALF_BLOCK)
     half_ok = halves < HALF
-    positions = tl.load(pos_ptr + tokens * stride_pos, mask=token_ok, other=0).to(tl.int64)
-    cs_ptrs = cs_ptr + positions[:, None] * stride_cst + halves[None, :] * stride_csd
-    cs_ok = token_ok[:, None] & half_ok[None, :]
+    cs_ptrs = cos_sin_ptr + positions[:, None] * stride_cs_pos + halves[None, :] * stride_cs_dim
+    cs_ok = (token_ok & position_ok)[:, None] & half_ok[None, :]
     cos = tl.load(cs_ptrs, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
-    sin = tl.load(cs_ptrs + HALF * stride_csd, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
+    sin = tl.load(cs_ptrs + HALF * stride_cs_dim, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
 
     if INTERLEAVED:
         pair_dims = tl.arange(0, 2 * HALF_BLOCK)
         pair_ok = vector_ok & (pair_dims < 2 * HALF)[None, None, :]
-        pairs = tl.load(rows + (ROT_START + pair_dims)[None, None, :] * stride_qd, mask=pair_ok, other=0.0)
+        pairs = tl.load(rows + (ROT_START + pair_dims)[None, None, :] * stride_q_dim, mask=pair_ok, other=0.0)
         x1, x2 = tl.split(tl.reshape(pairs.to(tl.float32), (BLOCK_T, BLOCK_H, HALF_BLOCK, 2)))
     else:
         rot_ok = vector_ok & half_ok[None, None, :]
-        x1 = tl.load(rows + (ROT_START + halves)[None, None, :] * stride_qd, mask=rot_ok, other=0.0)
-        x2 = tl.load(rows + (ROT_START + HALF + halves)[None, None, :] * stride_qd, mask=rot_ok, other=0.0)
+        x1 = tl.load(rows + (ROT_START + halves)[None, None, :] * stride_q_dim, mask=rot_ok, other=0.0)
+        x2 = tl.load(rows + (ROT_START + HALF + halves)[None, None, :] * stride_q_dim, mask=rot_ok, other=0.0)
         x1 = x1.to(tl.float32)
         x2 = x2.to(tl.float32)
-    out1 = x1 * cos - x2 * sin
-    out2 = x2 * cos + x1 * sin
+    # The engines (vLLM V3.2 and V4, SGLang) round the RoPE output to bf16 before the amax and the
+    # division; doing the same keeps every fp8 byte and scale equal to theirs.
+    out1 = _round_to_bf16(x1 * cos - x2 * sin, ROUND_IN_SOFTWARE)
+    out2 = _round_to_bf16(x2 * cos + x1 * sin, ROUND_IN_SOFTWARE)
     amax = tl.maximum(tl.max(tl.abs(out1), axis=2), tl.max(tl.abs(out2), axis=2))
+    # A vector with NaN or inf cannot be quantised (tl.max drops NaN on GPUs, so it is counted apart).
+    nonfinite = tl.sum(_nonfinite(out1), axis=2) + tl.sum(_nonfinite(out2), axis=2)
     if REST_BLOCK > 0:
         rest_dims = tl.arange(0, REST_BLOCK)
         rest_ok = vector_ok & (rest_dims < HEAD_DIM - 2 * HALF)[None, None, :]
-        rest = tl.load(rows + (REST_START + rest_dims)[None, None, :] * stride_qd, mask=rest_ok, other=0.0)
+        rest = tl.load(rows + (REST_START + rest_dims)[None, None, :] * stride_q_dim, mask=rest_ok, other=0.0)
         rest = rest.to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=2))
+        nonfinite += tl.sum(_nonfinite(rest), axis=2)
+    poisoned = (nonfinite > 0) | ~position_ok[:, None]  # [BLOCK_T, BLOCK_H]
 
     scale, inv_scale = _power_of_two_scale(amax, FP8_MAX_EXP, FP8_MAX_MANT)
+    scale = tl.where(poisoned, float("nan"), scale)
     inv_scale = inv_scale[:, :, None]
+    poisoned = poisoned[:, :, None]
     # |x| * inv_scale <= FP8_MAX by the choice of scale, so no clamp is needed before the casts.
     if INTERLEAVED:
         rotated = tl.reshape(tl.join(out1, out2), (BLOCK_T, BLOCK_H, 2 * HALF_BLOCK))
         tl.store(out_rows + ROT_START + pair_dims[None, None, :],
-                 _to_fp8(rotated * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=pair_ok)
+                 _to_fp8(rotated * inv_scale, poisoned, STORE, ROUND_IN_SOFTWARE), mask=pair_ok)
     else:
         tl.store(out_rows + ROT_START + halves[None, None, :],
-                 _to_fp8(out1 * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=rot_ok)
+                 _to_fp8(out1 * inv_scale, poisoned, STORE, ROUND_IN_SOFTWARE), mask=rot_ok)
         tl.store(out_rows + ROT_START + HALF + halves[None, None, :],
-                 _to_fp8(out2 * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=rot_ok)
+                 _to_fp8(out2 * inv_scale, poisoned, STORE, ROUND_IN_SOFTWARE), mask=rot_ok)
     if REST_BLOCK > 0:
         tl.store(out_rows + REST_START + rest_dims[None, None, :],
-                 _to_fp8(rest * inv_scale, STORE, ROUND_IN_SOFTWARE), mask=rest_ok)
+                 _to_fp8(rest * inv_scale, poisoned, STORE, ROUND_IN_SOFTWARE), mask=rest_ok)
 
-    w = tl.load(w_ptr + tokens[:, None] * stride_wt + heads[None, :] * stride_wh, mask=w_ok).to(tl.float32)
-    tl.store(w_out_ptr + vectors, w * scale * weight_factor, mask=w_ok)
+    # Folded in the engines' order, one fp32 product at a time: w * scale * softmax_scale * head_scale.
+    w = tl.load(weights_ptr + tokens[:, None] * stride_w_token + heads[None, :] * stride_w_head, mask=w_ok)
+    tl.store(weights_out_ptr + vectors, w.to(tl.float32) * scale * softmax_scale * head_scale, mask=w_ok)
 
 
 def triton_indexer_q_quant(
@@ -165,17 +228,20 @@ def triton_indexer_q_quant(
     rope: RopeSpec,
     softmax_scale: float,
     head_scale: float,
+    error_flags: torch.Tensor | None = None,
     fnuz_mode: Fp8Mode | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H]), as the torch reference.
 
-    `fnuz_mode` (fnuz_native / fnuz_emulated) overrides the machine's choice for e4m3fnuz: native on
-    ROCm gfx94x only."""
+    A head vector with NaN or inf (after RoPE), or whose token's position is outside the cos/sin cache,
+    gets NaN fp8 bytes and a NaN folded weight; a bad position also sets BAD_POSITION in `error_flags`
+    (int32 [1], the plan's; a per-device scratch word when None). `fnuz_mode` (fnuz_native / fnuz_emulated)
+    overrides the machine's choice for e4m3fnuz: native on ROCm gfx94x only."""
     block_t, block_h, num_warps = launch_config(*q.shape[:2]) if q.dim() == 3 else (1, 1, 1)
     return launch(
         q, weights, positions, cos_sin_cache,
-        fp8_dtype=fp8_dtype, rope=rope, weight_factor=softmax_scale * head_scale,
-        mode=fp8_mode(fp8_dtype, fnuz_mode), round_in_software=triton_interpreter_on(),
+        fp8_dtype=fp8_dtype, rope=rope, softmax_scale=softmax_scale, head_scale=head_scale,
+        error_flags=error_flags, mode=fp8_mode(fp8_dtype, fnuz_mode), round_in_software=triton_interpreter_on(),
         block_t=block_t, block_h=block_h, num_warps=num_warps,
     )
 
@@ -190,11 +256,13 @@ def launch_config(num_tokens: int, num_heads: int) -> tuple[int, int, int]:
     return 1, 32, 4
 
 
-def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, weight_factor, mode,
+def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_scale, head_scale, error_flags, mode,
            round_in_software, block_t, block_h, num_warps):
     """Check the inputs, then run the kernel with an explicit fp8 mode and launch config (the tuner
     calls this directly)."""
-    _check(q, weights, positions, cos_sin_cache)
+    _check(q, weights, positions, cos_sin_cache, error_flags)
+    if error_flags is None:
+        error_flags = scratch_error_flags(q.device)
     fp8_dtype = Fp8Dtype(fp8_dtype)
     tokens, heads, head_dim = q.shape
     rot_dim = cos_sin_cache.shape[-1]
@@ -203,17 +271,42 @@ def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, weight_fact
                         device=q.device)
     w_out = torch.empty((tokens, heads), dtype=torch.float32, device=q.device)
     if tokens and heads:
-        max_exp, max_mant = _exponent_and_mantissa(FP8_MAX[fp8_dtype])
+        max_exp, max_mant = _FP8_MAX_BITS[fp8_dtype]
         grid = (triton.cdiv(tokens, block_t), triton.cdiv(heads, block_h))
         _indexer_q_quant_kernel[grid](
-            q, weights, positions, cos_sin_cache, q_out, w_out,
-            tokens, heads, *q.stride(), *weights.stride(), positions.stride(0), *cos_sin_cache.stride(),
-            weight_factor,
-            HEAD_DIM=head_dim, HALF=rot_dim // 2,
-            ROT_START=0 if rope.at_head else head_dim - rot_dim, REST_START=rot_dim if rope.at_head else 0,
-            INTERLEAVED=rope.interleaved, FP8_MAX_EXP=max_exp, FP8_MAX_MANT=max_mant,
-            STORE=_STORE[mode], ROUND_IN_SOFTWARE=round_in_software,
-            BLOCK_T=block_t, BLOCK_H=block_h, HALF_BLOCK=triton.next_power_of_2(rot_dim // 2),
+            q_ptr=q,
+            weights_ptr=weights,
+            positions_ptr=positions,
+            cos_sin_ptr=cos_sin_cache,
+            q_out_ptr=q_out,
+            weights_out_ptr=w_out,
+            error_flags_ptr=error_flags,
+            num_tokens=tokens,
+            num_heads=heads,
+            max_pos=cos_sin_cache.shape[0],
+            stride_q_token=q.stride(0),
+            stride_q_head=q.stride(1),
+            stride_q_dim=q.stride(2),
+            stride_w_token=weights.stride(0),
+            stride_w_head=weights.stride(1),
+            stride_pos=positions.stride(0),
+            stride_cs_pos=cos_sin_cache.stride(0),
+            stride_cs_dim=cos_sin_cache.stride(1),
+            softmax_scale=softmax_scale,
+            head_scale=head_scale,
+            HEAD_DIM=head_dim,
+            HALF=rot_dim // 2,
+            ROT_START=0 if rope.at_head else head_dim - rot_dim,
+            REST_START=rot_dim if rope.at_head else 0,
+            INTERLEAVED=rope.interleaved,
+            FP8_MAX_EXP=max_exp,
+            FP8_MAX_MANT=max_mant,
+            STORE=_STORE[mode],
+            ROUND_IN_SOFTWARE=round_in_software,
+            BAD_POSITION=BAD_POSITION,
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
+            HALF_BLOCK=triton.next_power_of_2(rot_dim // 2),
             REST_BLOCK=triton.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0,
             num_warps=num_warps,
         )
@@ -226,7 +319,11 @@ def _exponent_and_mantissa(value: float) -> tuple[int, int]:
     return ((bits >> 23) & 0xFF) - 127, bits & 0x7FFFFF
 
 
-def _check(q, weights, positions, cos_sin_cache) -> None:
+# Computed once: the launch path is on every layer's host time.
+_FP8_MAX_BITS = {dtype: _exponent_and_mantissa(value) for dtype, value in FP8_MAX.items()}
+
+
+def _check(q, weights, positions, cos_sin_cache, error_flags) -> None:
     if q.dim() != 3:
         raise LayoutError(f"indexer_q_quant expects q [T, H, D]; got q {list(q.shape)}")
     tokens, heads, head_dim = q.shape
@@ -239,6 +336,15 @@ def _check(q, weights, positions, cos_sin_cache) -> None:
     rot_dim = cos_sin_cache.shape[-1]
     if rot_dim % 2 or not 0 < rot_dim <= head_dim:
         raise LayoutError(f"cos_sin_cache rot_dim {rot_dim} must be even and in 2..{head_dim} (the head dim)")
-    for name, tensor in (("weights", weights), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise LayoutError(f"indexer_q_quant expects int32 or int64 positions; got {positions.dtype}")
+    if error_flags is not None and (error_flags.dtype != torch.int32 or error_flags.numel() < 1):
+        raise LayoutError(
+            f"error_flags must be an int32 tensor of one element; got {error_flags.dtype} {list(error_flags.shape)}"
+        )
+    named = [("weights", weights), ("positions", positions), ("cos_sin_cache", cos_sin_cache)]
+    for name, tensor in named + ([("error_flags", error_flags)] if error_flags is not None else []):
         if tensor.device != q.device:
             raise LayoutError(f"{name} is on {tensor.device} but q is on {q.device}")
+    if debug_bounds_on():
+        check_positions(positions, cos_sin_cache.shape[0])

@@ -20,11 +20,13 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", choices=[o.value for o in Op] + ["all"], default="all")
+    parser.add_argument("--op", choices=[o.value for o in Op] + ["step", "all"], default="all",
+                        help="one op, `step` (the whole indexer step per backend combination), or all")
     parser.add_argument("--batch-sizes", type=_ints, default=[32, 128])
     parser.add_argument("--next-n", type=_ints, default=[1, 2, 4])
     parser.add_argument("--lengths", type=_ints, default=[8192, 32768], help="mean lengths; each batch is uniform in [L/2, 3L/2]")
-    parser.add_argument("--tokens", type=_ints, default=[16384], help="tokens for indexer_q_quant")
+    parser.add_argument("--tokens", type=_ints, default=[64, 512, 16384],
+                        help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost)")
     parser.add_argument("--k", type=_ints, default=[2048], help="keys kept per token, for topk")
     parser.add_argument(
         "--prefill-shapes",
@@ -108,6 +110,10 @@ def run_bench(args: argparse.Namespace) -> int:
             rows += benches[op]()
             if device == "cuda":
                 torch.cuda.empty_cache()
+    if args.op in ("all", "step"):
+        from dispatch.bench.step import bench_step
+
+        rows += [row for shape in logits_shapes for k in args.k for row in bench_step(dispatcher, shape, fp8, k=k, **common)]
     report = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
         "date": datetime.date.today().isoformat(),
@@ -147,6 +153,7 @@ def report_text(report: dict) -> str:
             f"{row['op']:<17} {row['backend']:<24} {row['layout']:<8} {row['shape']:<34} "
             f"{_num(row['median_us'], '.1f'):>10} {_num(row['GBps'], '.0f'):>7} {_num(row['TFLOPs'], '.0f'):>8} "
             f"{_num(row['x_floor'], '.2f'):>8} {_num(row['rel_error'], '.1e'):>9}  {row.get('timing', '-'):<6} {row['check']}"
+            + _stage_times(row)
             + _notes(row)
         )
     return "\n".join(lines)
@@ -160,6 +167,14 @@ _NOTES = (("step", "{}"), ("no_fill_us", "without -inf fill {:.1f} us"), ("x_dee
 def _notes(row: dict) -> str:
     notes = [text.format(row[name]) for name, text in _NOTES if row.get(name) is not None]
     return f"  ({', '.join(notes)})" if notes else ""
+
+
+def _stage_times(row: dict) -> str:
+    """A whole-step row's parts, each timed alone in the same run, and the step over the logits alone."""
+    if "x_logits" not in row:
+        return ""
+    return (f"  (quant {row['quant_us']:.1f} + logits {row['logits_us']:.1f} + topk {row['topk_us']:.1f} us;"
+            f" step = {row['x_logits']:.2f}x logits)")
 
 
 def _num(value, spec: str) -> str:

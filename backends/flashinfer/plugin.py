@@ -1,0 +1,117 @@
+"""Registers FlashInfer's top-k (`top_k_ragged_transform`, FlashInfer >= 0.6) as the `flashinfer`
+backend of the `topk` op, the kernel of the kind SGLang and vLLM run today: a peer to measure the
+Triton kernel against, and a path an operator can prefer.
+
+Its whole contract, beside dispatch.contract.TopkRun:
+- rows start at column 0 (no `starts`): it serves the paged modes, where each token's keys begin at
+  column 0; a ragged prefill row range is refused with LayoutError;
+- positions past a row's length, and any FlashInfer reports as missing, come back as -1;
+- NaN: FlashInfer ranks NaN as a number, so a selected NaN position is turned into -1 afterwards. A
+  poisoned row (all NaN) therefore gives all -1, as on every backend; a row mixing NaN with numbers
+  may keep fewer than k keys here where the contract keeps k (the one documented difference);
+- the page-table transform and sorted=True run as torch ops over the [rows, k] result.
+FlashInfer JIT-compiles its kernels on first use (about 36 s on the H200), so warm it up before
+capturing a CUDA graph. Importing this module never imports flashinfer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from dispatch import detect
+from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Layout, LayoutError, Op, Support, hookimpl
+from dispatch.input_checks import check_topk_inputs
+
+# FlashInfer's top-k kernels are CUDA-only; they are built for sm_80 and newer.
+FLASHINFER_ARCHS = frozenset({Arch.SM80, Arch.SM90, Arch.SM100, Arch.SM120})
+ENTRY = "top_k_ragged_transform"
+
+
+def import_flashinfer() -> ModuleType:
+    return importlib.import_module("flashinfer")
+
+
+def flashinfer_availability(*, host: Arch, gpu_visible: bool, load: Callable[[], ModuleType]) -> Availability:
+    """Availability on a machine of arch `host`: the cheap facts first, then the import."""
+    if not gpu_visible:
+        return Availability.no(f"no CUDA GPU is visible to torch (host arch {host.value})")
+    if host not in FLASHINFER_ARCHS:
+        return Availability.no(f"FlashInfer's top-k runs on {', '.join(sorted(a.value for a in FLASHINFER_ARCHS))}; "
+                               f"this machine is {host.value}")
+    try:
+        module = load()
+    except Exception as error:  # a broken optional install says why, it does not stop dispatch
+        return Availability.no(f"flashinfer cannot be imported: {type(error).__name__}: {error}")
+    if not hasattr(module, ENTRY):
+        return Availability.no(f"flashinfer {getattr(module, '__version__', '?')} has no {ENTRY} (needs >= 0.6)")
+    return Availability.yes()
+
+
+def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:
+    """run(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted) over `load()`'s kernel."""
+
+    def run(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False):
+        check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
+                          block_size=block_size)
+        if starts is not None:
+            raise LayoutError("backend `flashinfer` reads every row from column 0; ragged rows (starts) need "
+                              "another top-k backend")
+        lengths = lengths.to(torch.int32)
+        offsets = torch.zeros_like(lengths)
+        positions = load().top_k_ragged_transform(logits, offsets, lengths, k)
+        return finish(logits, lengths, positions, page_table=page_table, page_rows=page_rows,
+                      block_size=block_size, sorted=sorted)
+
+    return run
+
+
+def finish(logits, lengths, positions, *, page_table, page_rows, block_size, sorted):
+    """The contract's -1s, NaN rule, order and page transform, applied to a kernel's raw [rows, k]."""
+    positions = positions.to(torch.int32)
+    valid = (positions >= 0) & (positions < lengths[:, None])
+    values = torch.gather(logits, 1, positions.clamp(min=0).long())
+    valid &= ~torch.isnan(values)
+    positions = positions.masked_fill(~valid, -1)
+    if sorted:
+        positions = torch.gather(positions, 1, _valid_first(values, valid))
+    if page_table is None:
+        return positions
+    table_rows = page_table.index_select(0, page_rows.long())
+    pages = torch.gather(table_rows, 1, (positions.clamp(min=0) // block_size).long())
+    return torch.where(positions >= 0, pages * block_size + positions.clamp(min=0) % block_size, -1).to(torch.int32)
+
+
+def _valid_first(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    # Descending by value with every -1 slot after every selected one: sort by value, then stably by validity.
+    by_value = values.masked_fill(~valid, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    by_validity = torch.gather(valid, 1, by_value).to(torch.int8).argsort(dim=1, descending=True, stable=True)
+    return torch.gather(by_value, 1, by_validity)
+
+
+def flashinfer_backends(load: Callable[[], ModuleType] = import_flashinfer) -> list[Backend]:
+    """The one backend, resolving flashinfer through `load` (tests pass a stand-in)."""
+
+    def probe() -> Availability:
+        return flashinfer_availability(host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load)
+
+    return [
+        Backend(
+            name="flashinfer",
+            op=Op.TOPK,
+            layout=Layout.ROWS,
+            supports=Support(archs=FLASHINFER_ARCHS, forward_modes=PAGED_MODES),
+            run=topk_runner(load),
+            probe=probe,
+            description="FlashInfer radix top-k over each row's length (top_k_ragged_transform)",
+        )
+    ]
+
+
+@hookimpl
+def register_backends(register):
+    for backend in flashinfer_backends():
+        register(backend)

@@ -1,0 +1,120 @@
+"""The whole indexer step as an engine runs it per layer: Q quant -> paged logits -> top-k through
+`IndexerStep.select`, captured in one CUDA graph, for every combination of eligible logits and top-k
+backends (Q quant as decided). Each stage is also timed alone on the same plan in the same run, so the
+step reads against its own parts and against the sum of their floors."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from dispatch.bench.ceilings import Ceilings
+from dispatch.bench.compare import compare_topk
+from dispatch.bench.runner import REFERENCE, Row, _candidates, _floor
+from dispatch.bench.timing import time_rotating
+from dispatch.bench.workload import (
+    LogitsShape,
+    QuantShape,
+    logits_floor_counts,
+    logits_inputs,
+    quant_floor_bytes,
+    quant_inputs,
+    topk_floor_bytes,
+)
+from dispatch.dispatcher import Dispatcher
+from dispatch.indexer import IndexerStep
+from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
+from dispatch.plan import ForwardBatch, build_plan
+from dispatch.rope import RopeSpec
+
+STEP = "indexer_step"
+
+
+def bench_step(
+    dispatcher: Dispatcher,
+    shape: LogitsShape,
+    fp8_dtype: Fp8Dtype,
+    *,
+    k: int,
+    device: str,
+    ceilings: Ceilings | None,
+    repeats: int,
+    wanted: set[str] | None,
+) -> list[Row]:
+    """One row per (logits backend, top-k backend): the step's median time, with each stage's own time
+    (`quant_us`, `logits_us`, `topk_us`) and the step over the logits alone (`x_logits`) in the row."""
+    mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
+    key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
+    paged = logits_inputs(shape, fp8_dtype, device, seed=0)
+    tokens = shape.batch_size * shape.next_n
+    activations = quant_inputs(QuantShape(tokens, shape.heads, shape.head_dim), device, seed=1)
+    rope = RopeSpec.neox_head()
+    step_settings = dict(rope=rope, softmax_scale=shape.head_dim**-0.5, head_scale=shape.heads**-0.5)
+    batch = ForwardBatch(
+        seq_lens=paged.seq_lens,
+        page_table=paged.page_table,
+        max_seq_len=max(paged.seq_lens_host),
+        forward_mode=mode,
+        next_n=shape.next_n,
+    )
+    logits_bytes, logits_flops = logits_floor_counts(shape, paged.seq_lens_host)
+    bytes_ = quant_floor_bytes(QuantShape(tokens, shape.heads, shape.head_dim)) + logits_bytes
+    bytes_ += topk_floor_bytes(paged.seq_lens_host, shape.next_n, k)
+    floor = _floor(bytes_, logits_flops, ceilings)
+    combinations = itertools.product(
+        _step_candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted), _step_candidates(dispatcher, Op.TOPK, key, wanted)
+    )
+    rows = []
+    for logits_backend, topk_backend in combinations:
+        row = Row(STEP, f"{logits_backend} + {topk_backend}", "-", f"{shape.label()} k={k}", bytes=bytes_,
+                  flops=logits_flops, floor_seconds=floor)
+        rows.append(row)
+        try:
+            plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, allow_disabled=True,
+                              pinned={Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: topk_backend})
+            step = IndexerStep(dispatcher, fp8_dtype, topk=k, **step_settings)
+            stages = _stages(plan, paged, activations, step_settings, k)
+            selected = step.select(plan, activations["q"], activations["weights"], activations["positions"],
+                                   activations["cos_sin_cache"], paged.kv_cache)
+            # The step's own logits are the yardstick: the selection must be exact on what it scored.
+            q_fp8, folded = stages["quant"]()
+            scored = paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded)
+            row.error, row.check = compare_topk(selected, scored, plan.token_lengths, k)
+        except Exception as error:  # a benchmark reports a combination that fails; it does not stop the others
+            row.check = f"failed: {type(error).__name__}: {error}"
+            continue
+        if row.check != "ok":
+            continue
+        on_gpu = device != "cpu"
+        call = [lambda: step.select(plan, activations["q"], activations["weights"], activations["positions"],
+                                    activations["cos_sin_cache"], paged.kv_cache)]
+        row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=on_gpu, repeats=repeats)
+        for name, stage in stages.items():
+            row.extra[f"{name}_us"] = time_rotating([stage], on_gpu=on_gpu, repeats=repeats)[0] * 1e6
+        row.extra["x_logits"] = row.seconds * 1e6 / row.extra["logits_us"]
+    return rows
+
+
+def _step_candidates(dispatcher: Dispatcher, op: Op, key: DispatchKey, wanted: set[str] | None) -> list[str]:
+    """The op's eligible backends; where none but the reference is eligible, the reference (a step
+    needs every op)."""
+    names = _candidates(dispatcher, op, key, wanted)
+    return names or [REFERENCE]
+
+
+def _stages(plan, paged, activations, settings, k):
+    """Each stage alone on the plan's decisions, inputs made once outside the timed calls."""
+
+    def quant():
+        return indexer_q_quant(plan, activations["q"], activations["weights"], activations["positions"],
+                               activations["cos_sin_cache"], **settings)
+
+    q_fp8, folded = quant()
+    logits = paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded)
+    return {
+        "quant": quant,
+        "logits": lambda: paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded),
+        "topk": lambda: topk(plan, logits, k),
+    }

@@ -1,0 +1,247 @@
+"""The Triton top-k kernel against a torch.topk oracle, row by row.
+
+The contract leaves ties and order free, so a result is checked by what it selects: per row the
+positions are distinct, inside [0, length), the -1s are exactly the slots past min(k, non-NaN
+keys), and the multiset of selected values equals torch.topk's over the visible non-NaN keys
+(exactly: selection copies values, so the tolerance is zero). Without a GPU the kernel runs under
+the Triton interpreter (conftest sets TRITON_INTERPRET=1); the GPU-marked tests run serving shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.triton.topk import launch, launch_config, topk_indices
+from dispatch.errors import LayoutError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAN, INF = float("nan"), float("inf")
+
+
+def oracle_values(row: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest non-NaN values of one row's visible keys, sorted ascending."""
+    visible = row[~row.isnan()]
+    return torch.topk(visible, min(k, visible.numel())).values.sort().values
+
+
+def check(logits, lengths, k, out, starts=None):
+    """Every row of out is a valid top-k selection of its visible keys."""
+    logits, lengths, out = logits.cpu(), lengths.cpu(), out.cpu()
+    assert out.dtype == torch.int32 and tuple(out.shape) == (logits.shape[0], k)
+    for r in range(logits.shape[0]):
+        start = 0 if starts is None else int(starts[r])
+        n = int(lengths[r])
+        row = logits[r, start:start + n]
+        want = oracle_values(row, k)
+        count = want.numel()
+        picked = out[r, :count]
+        assert (out[r, count:] == -1).all(), f"row {r}: slots past {count} must be -1"
+        assert ((picked >= 0) & (picked < n)).all(), f"row {r}: position outside [0, {n})"
+        assert picked.unique().numel() == count, f"row {r}: repeated position"
+        got = row[picked.long()].sort().values
+        assert torch.equal(got, want), f"row {r}: selected values differ from torch.topk's"
+
+
+def ragged_lengths(rows, width, k, gen):
+    """Lengths covering 0, 1, < k, = k, > k and the full width, then random."""
+    fixed = [0, 1, max(k - 1, 0), k, k + 1, width]
+    rand = torch.randint(0, width + 1, (rows,), generator=gen).tolist()
+    return torch.tensor([min(v, width) for v in (fixed + rand)[:rows]], dtype=torch.int32)
+
+
+def random_logits(rows, width, gen, row_stride=None):
+    """Random fp32 logits; with row_stride, a view into a wider buffer (rows not contiguous)."""
+    stride = row_stride or width
+    buf = torch.randn(rows, stride, generator=gen) * 3.0
+    return buf[:, :width]
+
+
+@pytest.mark.parametrize(("rows", "width", "k", "seed"), [(12, 300, 16, 0), (16, 3000, 64, 1), (9, 5000, 64, 2)])
+def test_random_ragged_batches(rows, width, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = random_logits(rows, width, gen)
+    lengths = ragged_lengths(rows, width, k, gen)
+    out = topk_indices(logits.to(DEVICE), lengths.to(DEVICE), k)
+    check(logits, lengths, k, out)
+
+
+# z = 4: the sampled bracket, as served. z = 1e9: every key a candidate (the radix rounds do all
+# the work). z = -1e9: the bracket is the top bin alone, so the exact-histogram fallback runs.
+@pytest.mark.parametrize(("z", "radix"), [(4.0, 8), (1e9, 8), (-1e9, 8), (4.0, 4), (1e9, 4)],
+                         ids=["sampled", "all-candidates", "fallback", "sampled-radix4", "all-candidates-radix4"])
+def test_every_path_of_the_select(z, radix):
+    gen = torch.Generator().manual_seed(11)
+    width, k = 2500, 64
+    logits = random_logits(10, width, gen).clone()
+    logits[0] = 2.0
+    logits[1, ::2] = NAN
+    logits[2, 64:] = NAN
+    lengths = ragged_lengths(10, width, k, gen)
+    lengths[:3] = width
+    config = {**launch_config(10, width), "z": z, "radix": radix}
+    out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, **config)
+    check(logits, lengths, k, out)
+
+
+def test_k_2048_at_a_few_thousand_keys():
+    gen = torch.Generator().manual_seed(3)
+    logits = random_logits(4, 6000, gen)
+    lengths = torch.tensor([6000, 2049, 2048, 4500], dtype=torch.int32)
+    check(logits, lengths, 2048, topk_indices(logits.to(DEVICE), lengths.to(DEVICE), 2048))
+
+
+def test_ties_inf_and_nan_rows():
+    gen = torch.Generator().manual_seed(4)
+    width, k = 2000, 64
+    logits = random_logits(12, width, gen).clone()
+    logits[0] = 1.5  # all equal: any k positions
+    logits[1] = -INF  # -inf is selectable
+    logits[2] = NAN  # poisoned row: all -1
+    logits[3, ::3] = NAN  # NaN sprinkled
+    logits[4] = torch.randint(0, 3, (width,), generator=gen).float()  # three values, heavy ties
+    logits[5, : width // 2] = NAN  # a NaN block at the front, many keys left
+    logits[6, 100:] = NAN  # only 100 non-NaN keys in a long row: fewer selectable than visible
+    logits[6, :100] = torch.randn(100, generator=gen)
+    logits[7] = torch.tensor([INF, -INF, 3e38, -3e38, 0.0, -0.0, 1e-45, -1e-45])[torch.randint(0, 8, (width,), generator=gen)]
+    logits[8] = torch.arange(width, dtype=torch.float32)  # the sample's window misses the top
+    logits[9] = -torch.arange(width, dtype=torch.float32) * 1e30
+    logits[10] = -INF  # longer than k, nothing finite: the sample has no window to offer
+    logits[11] = INF
+    lengths = torch.tensor([width, 5, width, width, width, width, width, width, width, 1500, width, 700],
+                           dtype=torch.int32)
+    out = topk_indices(logits.to(DEVICE), lengths.to(DEVICE), k)
+    check(logits, lengths, k, out)
+    assert (out[2].cpu() == -1).all()
+    assert (out[1, :5].cpu().sort().values == torch.arange(5, dtype=torch.int32)).all()
+
+
+def test_k_larger_than_width_and_widths_past_every_length():
+    gen = torch.Generator().manual_seed(5)
+    logits = random_logits(5, 40, gen)
+    lengths = torch.tensor([0, 1, 17, 39, 40], dtype=torch.int32)
+    check(logits, lengths, 64, topk_indices(logits.to(DEVICE), lengths.to(DEVICE), 64))
+    wide = random_logits(4, 4096, gen)
+    short = torch.tensor([100, 300, 70, 1000], dtype=torch.int32)
+    check(wide, short, 64, topk_indices(wide.to(DEVICE), short.to(DEVICE), 64))
+
+
+def test_never_reads_past_a_length():
+    # Keys past each row's length are +inf, larger than anything visible: reading one would pick it.
+    gen = torch.Generator().manual_seed(6)
+    logits = random_logits(6, 1500, gen).clone()
+    lengths = torch.tensor([0, 10, 64, 65, 700, 1499], dtype=torch.int32)
+    for r, n in enumerate(lengths.tolist()):
+        logits[r, n:] = INF
+    check(logits, lengths, 64, topk_indices(logits.to(DEVICE), lengths.to(DEVICE), 64))
+
+
+def test_starts_select_inside_each_rows_window():
+    gen = torch.Generator().manual_seed(7)
+    width, k = 2500, 64
+    logits = random_logits(8, width, gen).clone()
+    starts = torch.tensor([0, 5, 100, 2400, 1000, 0, 2500, 37], dtype=torch.int32)
+    lengths = torch.tensor([2500, 64, 2400, 100, 1500, 1, 0, 2000], dtype=torch.int32)
+    # Outside each window the keys are +inf: selecting one would show.
+    for r in range(8):
+        s, n = int(starts[r]), int(lengths[r])
+        logits[r, :s] = INF
+        logits[r, s + n:] = INF
+    out = topk_indices(logits.to(DEVICE), lengths.to(DEVICE), k, starts=starts.to(DEVICE))
+    check(logits, lengths, k, out, starts=starts)
+
+
+def test_non_contiguous_rows():
+    gen = torch.Generator().manual_seed(8)
+    logits = random_logits(7, 1800, gen, row_stride=2048)
+    assert not logits.is_contiguous()
+    lengths = ragged_lengths(7, 1800, 64, gen)
+    check(logits, lengths, 64, topk_indices(logits.to(DEVICE), lengths.to(DEVICE), 64))
+
+
+@pytest.mark.parametrize("sorted_", [False, True], ids=["fused", "sorted"])
+def test_page_table_transform(sorted_):
+    gen = torch.Generator().manual_seed(9)
+    rows, width, k, block = 6, 1024, 64, 16
+    pages = width // block
+    logits = random_logits(rows, width, gen)
+    lengths = ragged_lengths(rows, width, k, gen)
+    # Three requests' page tables of distinct physical pages; rows map onto them out of order.
+    table = torch.randperm(3 * pages, generator=gen).to(torch.int32).reshape(3, pages)
+    page_rows = torch.tensor([2, 0, 1, 1, 0, 2], dtype=torch.int32)
+    out = topk_indices(logits.to(DEVICE), lengths.to(DEVICE), k, page_table=table.to(DEVICE),
+                       page_rows=page_rows.to(DEVICE), block_size=block, sorted=sorted_).cpu()
+    # Map physical slots back to positions through the (invertible) table, then check as positions.
+    page_of = torch.full((3, 3 * pages), -1, dtype=torch.long)
+    for p in range(3):
+        page_of[p, table[p].long()] = torch.arange(pages)
+    positions = torch.full_like(out, -1)
+    for r in range(rows):
+        slots = out[r][out[r] >= 0].long()
+        logical = page_of[int(page_rows[r])][slots // block]
+        assert (logical >= 0).all(), f"row {r}: a slot outside its page table row"
+        positions[r, : slots.numel()] = (logical * block + slots % block).to(torch.int32)
+    assert ((out >= 0) == (positions >= 0)).all()
+    check(logits, lengths, k, positions)
+    if sorted_:
+        vals = torch.where(positions >= 0, logits.gather(1, positions.clamp(min=0).long()), -INF)
+        assert (vals[:, :-1] >= vals[:, 1:]).all()
+
+
+def test_sorted_is_descending_with_minus_ones_last():
+    gen = torch.Generator().manual_seed(10)
+    logits = random_logits(6, 700, gen).clone()
+    logits[0, ::2] = NAN
+    logits[1] = -INF
+    lengths = torch.tensor([700, 30, 64, 0, 699, 65], dtype=torch.int32)
+    out = topk_indices(logits.to(DEVICE), lengths.to(DEVICE), 64, sorted=True).cpu()
+    check(logits, lengths, 64, out)
+    for r in range(6):
+        picked = out[r][out[r] >= 0].long()
+        vals = logits[r, picked]
+        assert (vals[:-1] >= vals[1:]).all(), f"row {r}: not descending"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(logits=a["logits"].half()), "logits"),
+        (lambda a: a.update(logits=a["logits"].t().contiguous().t()), "contiguous last dim"),
+        (lambda a: a.update(lengths=a["lengths"].long()), "lengths"),
+        (lambda a: a.update(lengths=a["lengths"][:-1]), "lengths"),
+        (lambda a: a.update(starts=torch.zeros(3, dtype=torch.int64)), "starts"),
+        (lambda a: a.update(lengths=torch.tensor([1, 2, 65], dtype=torch.int32)), "64 wide"),
+        (lambda a: a.update(starts=torch.tensor([0, 0, 2], dtype=torch.int32),
+                            lengths=torch.tensor([1, 1, 63], dtype=torch.int32)), "64 wide"),
+        (lambda a: a.update(page_table=torch.zeros(1, 4, dtype=torch.int32)), "page_rows"),
+        (lambda a: a.update(page_table=torch.zeros(1, 4, dtype=torch.int64),
+                            page_rows=torch.zeros(3, dtype=torch.int32)), "page_table"),
+        (lambda a: a.update(page_table=torch.zeros(4, 2, dtype=torch.int32).t(),
+                            page_rows=torch.zeros(3, dtype=torch.int32)), "page_table must be contiguous"),
+        (lambda a: a.update(k=0), "k an integer"),
+    ],
+)
+def test_bad_inputs_name_the_tensor(change, message):
+    args = {"logits": torch.randn(3, 64), "lengths": torch.tensor([1, 2, 3], dtype=torch.int32), "k": 8}
+    change(args)
+    with pytest.raises(LayoutError, match=message):
+        topk_indices(args.pop("logits"), args.pop("lengths"), args.pop("k"), block_size=16, **args)
+
+
+def test_bad_launch_config_is_rejected():
+    with pytest.raises(ValueError, match="powers of two"):
+        launch(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 4, **{**launch_config(2, 8), "block": 3000})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "next_n", "context", "k"), [(128, 4, 32768, 2048), (32, 2, 8192, 2048), (64, 1, 32768, 512)])
+def test_serving_shapes_on_gpu(batch, next_n, context, k):
+    """Indexer-like logits: -inf past each row's length, lengths = L - N + j + 1, L in [L/2, 3L/2]."""
+    gen = torch.Generator().manual_seed(batch + next_n)
+    ctx = torch.randint(context // 2, context * 3 // 2 + 1, (batch,), generator=gen)
+    lengths = (ctx[:, None] - next_n + torch.arange(next_n)[None, :] + 1).reshape(-1).to(torch.int32)
+    width = int(lengths.max())
+    logits = torch.randn(lengths.numel(), width, generator=gen)
+    logits[torch.arange(width)[None, :] >= lengths[:, None].long()] = -INF
+    out = topk_indices(logits.cuda(), lengths.cuda(), k)
+    check(logits, lengths, k, out)
