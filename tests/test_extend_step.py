@@ -22,6 +22,9 @@ from dispatch.rope import RopeSpec
 from tests.prefill_batch import prefill_case
 
 H, D, ROT = 16, 64, 32
+# The Triton paths run compiled on a GPU, interpreted on the CPU; the reference of the whole step runs
+# on the CPU either way.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SETTINGS = dict(rope=RopeSpec.neox_head(), softmax_scale=D**-0.5, head_scale=H**-0.5)
 # Tight for the interpreter and the reference (fp32 sums in another order); the GPU's fp8 dot: 1e-3.
 TOLERANCE = 1e-5 if not torch.cuda.is_available() else 1e-3
@@ -53,12 +56,13 @@ def layer_inputs(case, seed: int):
     gen = torch.Generator().manual_seed(seed)
     rows = case.batch.total_tokens
     positions = [p + j for p, e in zip(case.batch.host_prefix_lens, case.batch.host_extend_lens) for j in range(e)]
-    return dict(
+    inputs = dict(
         q=(torch.randn(rows, H, D, generator=gen) * 4).to(torch.bfloat16),
         weights=torch.randn(rows, H, generator=gen),
         positions=torch.tensor(positions, dtype=torch.long),
         cos_sin_cache=torch.randn(1024, ROT, generator=gen).to(torch.bfloat16),
     )
+    return {name: value.to(case.kv_cache.device) for name, value in inputs.items()}
 
 
 def reference_step(case, inputs, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,10 +70,11 @@ def reference_step(case, inputs, k: int) -> list[tuple[torch.Tensor, torch.Tenso
 
     Written from the formula: Q quantised by the op's reference; request r's key p read from the paged
     cache at page_table[r, p // 64] * 64 + p % 64; logit = sum_h w[h] * relu(q[h] . k) * scale; new
-    token j of a request with prefix P sees its keys 0 .. P + j."""
+    token j of a request with prefix P sees its keys 0 .. P + j. Runs on the CPU."""
+    inputs = {name: value.cpu() for name, value in inputs.items()}
     q_fp8, folded = reference_indexer_q_quant(**inputs, fp8_dtype=case.fp8_dtype, **SETTINGS)
-    values, scales = split_kv_cache(case.kv_cache, case.fp8_dtype)
-    table = case.batch.page_table
+    values, scales = split_kv_cache(case.kv_cache.cpu(), case.fp8_dtype)
+    table = case.batch.page_table.cpu()
     out, row = [], 0
     for request, (prefix, extend) in enumerate(zip(case.batch.host_prefix_lens, case.batch.host_extend_lens)):
         for j in range(extend):
@@ -86,6 +91,7 @@ def reference_step(case, inputs, k: int) -> list[tuple[torch.Tensor, torch.Tenso
 def assert_selects_the_reference_top_k(indices: torch.Tensor, reference, k: int) -> None:
     """Each row: exactly min(k, visible) distinct visible positions then -1s, whose reference logits
     are, as a sorted list, torch.topk's (one relative error over the batch, near-ties allowed)."""
+    indices = indices.cpu()
     assert indices.dtype == torch.int32 and indices.shape == (len(reference), k)
     picked_all, wanted_all = [], []
     for row, (logits, wanted) in enumerate(reference):
@@ -113,7 +119,7 @@ def pinned_plan(dispatcher, case, backend: str, *, budget: int | None = None) ->
 @pytest.mark.parametrize("lengths", BATCHES, ids=lambda b: f"{b[0]}+{b[1]}")
 def test_extend_step_matches_the_formula(backend, fp8, lengths):
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case(*lengths, heads=H, head_dim=D, fp8_dtype=fp8, seed=len(lengths[0]))
+    case = prefill_case(*lengths, heads=H, head_dim=D, fp8_dtype=fp8, seed=len(lengths[0]), device=DEVICE)
     step = step_for(dispatcher, fp8)
     plan = pinned_plan(dispatcher, case, backend)
     assert tuple(plan.decisions) == EXTEND_STEP_OPS and plan.ragged_logits.backend == backend
@@ -125,8 +131,8 @@ def test_extend_step_matches_the_formula(backend, fp8, lengths):
 def test_the_step_runs_every_layer_from_one_plan_with_its_own_cache():
     """The gather runs per layer: a second layer's cache gives that layer's selection."""
     dispatcher = load_dispatcher(arch="cpu")
-    first = prefill_case([30, 0], [10, 50], heads=H, head_dim=D, seed=5)
-    second = prefill_case([30, 0], [10, 50], heads=H, head_dim=D, seed=6)  # same lengths, other keys
+    first = prefill_case([30, 0], [10, 50], heads=H, head_dim=D, seed=5, device=DEVICE)
+    second = prefill_case([30, 0], [10, 50], heads=H, head_dim=D, seed=6, device=DEVICE)  # same lengths, other keys
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, k=16)
     plan = step.plan(first.batch)
     inputs = layer_inputs(first, seed=2)
@@ -148,7 +154,7 @@ def test_the_step_runs_every_layer_from_one_plan_with_its_own_cache():
 @pytest.mark.parametrize("backend", ["torch.reference", "triton"])
 def test_a_tiny_budget_and_a_huge_one_select_the_same(backend):
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([90, 0, 7], [20, 70, 3], heads=H, head_dim=D, seed=7)
+    case = prefill_case([90, 0, 7], [20, 70, 3], heads=H, head_dim=D, seed=7, device=DEVICE)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, k=24)
     inputs = layer_inputs(case, seed=3)
     huge = pinned_plan(dispatcher, case, backend, budget=1 << 40)
@@ -163,7 +169,7 @@ def test_a_tiny_budget_and_a_huge_one_select_the_same(backend):
 
 def test_chunks_without_host_lengths_span_every_key_and_agree():
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([40, 0], [9, 30], heads=H, head_dim=D, seed=8)
+    case = prefill_case([40, 0], [9, 30], heads=H, head_dim=D, seed=8, device=DEVICE)
     batch = case.batch
     untight = ExtendBatch(batch.prefix_lens, batch.extend_lens, batch.page_table, batch.total_tokens, batch.total_keys)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, k=20, budget=4 * 79 * 10)  # 10 rows of all 79 keys
@@ -176,7 +182,7 @@ def test_chunks_without_host_lengths_span_every_key_and_agree():
 
 def test_a_batch_whose_one_row_passes_the_budget_is_refused_at_plan_time():
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([100, 0], [3, 8], heads=H, head_dim=D, seed=9)
+    case = prefill_case([100, 0], [3, 8], heads=H, head_dim=D, seed=9, device=DEVICE)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, budget=4 * 102)  # row 2 of request 0 sees 103 keys
     with pytest.raises(LayoutError, match=r"query row 2 sees 103 keys.*412 bytes, more than the budget of 408"):
         step.plan(case.batch)
@@ -185,7 +191,7 @@ def test_a_batch_whose_one_row_passes_the_budget_is_refused_at_plan_time():
 @pytest.mark.parametrize("backend", ["torch.reference", "triton"])
 def test_transform_to_slots_gives_each_position_its_physical_slot(backend):
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([70, 0, 5], [6, 40, 1], heads=H, head_dim=D, seed=10)
+    case = prefill_case([70, 0, 5], [6, 40, 1], heads=H, head_dim=D, seed=10, device=DEVICE)
     inputs = layer_inputs(case, seed=5)
     plan = pinned_plan(dispatcher, case, backend, budget=4 * 200)
     positions = step_for(dispatcher, Fp8Dtype.E4M3FN, k=32).select(plan, **inputs, kv_cache=case.kv_cache)
@@ -205,7 +211,7 @@ def test_the_extend_plan_decides_the_ragged_step_and_the_paged_plan_the_paged_on
                            ("gfx950", "triton"), ("sm120", "triton"), ("cpu", "torch.reference")):
         dispatcher = load_dispatcher(arch=arch)
         fp8 = Fp8Dtype.E4M3FNUZ if arch == "gfx942" else Fp8Dtype.E4M3FN
-        case = prefill_case([10], [5], heads=H, head_dim=D, fp8_dtype=fp8)
+        case = prefill_case([10], [5], heads=H, head_dim=D, fp8_dtype=fp8, device=DEVICE)
         plan = build_extend_plan(dispatcher, case.batch, kv_fp8_dtype=fp8)
         assert plan.ragged_logits.backend == expected, arch
         assert plan.ragged_logits.source == "rule" and plan.ragged_logits.rule_at
@@ -213,7 +219,7 @@ def test_the_extend_plan_decides_the_ragged_step_and_the_paged_plan_the_paged_on
 
 def test_wrong_inputs_are_named():
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([10, 4], [5, 2], heads=H, head_dim=D, seed=11)
+    case = prefill_case([10, 4], [5, 2], heads=H, head_dim=D, seed=11, device=DEVICE)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN)
     plan = step.plan(case.batch)
     inputs = layer_inputs(case, seed=6)

@@ -88,7 +88,8 @@ def test_keys_and_rules_that_pair_the_wrong_dtype_with_gfx942_are_rejected():
 def _extend_case(seed):
     from tests.prefill_batch import prefill_case
 
-    return prefill_case([40, 0, 7], [5, 30, 1], heads=H, head_dim=D, fp8_dtype="e4m3fnuz", seed=seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton gather: compiled or interpreted
+    return prefill_case([40, 0, 7], [5, 30, 1], heads=H, head_dim=D, fp8_dtype="e4m3fnuz", seed=seed, device=device)
 
 
 def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
@@ -123,6 +124,7 @@ def test_e4m3fn_q_against_an_fnuz_cache_is_refused_in_prefill_too(backend):
         positions=torch.arange(rows),
         cos_sin_cache=torch.randn(64, ROT, generator=generator).to(torch.bfloat16),
     )
+    inputs = {name: value.to(case.kv_cache.device) for name, value in inputs.items()}
     hard_coded_q, weights = reference_indexer_q_quant(**inputs, fp8_dtype="e4m3fn", **SETTINGS)  # the bug
     assert hard_coded_q.float().abs().max() > 224
     metadata = plan.metadata
