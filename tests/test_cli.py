@@ -326,6 +326,7 @@ EXTEND_RULES = {
 }
 
 
+@needs_cpu_host
 @pytest.mark.parametrize("arch", sorted(EXTEND_RULES))
 def test_explain_extend_decides_every_op_of_the_ragged_step_on_every_arch(capsys, arch):
     # Issue 12's symptom: `explain --forward-mode extend` exited 1 on every arch.
@@ -339,6 +340,7 @@ def test_explain_extend_decides_every_op_of_the_ragged_step_on_every_arch(capsys
     assert {d["key"]["next_n"] for d in payload} == {1}
 
 
+@needs_cpu_host
 def test_explain_an_extend_batch_shows_its_ragged_plan_and_chunks(capsys):
     code, out, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "extend", "--seq-lens", "100,3,700",
                          "--prefix-lens", "0,500,64", "--logits-budget", "400000")
