@@ -81,7 +81,7 @@ def probe_for(
 
 
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
-    """The five backends (three paged, two ragged), resolving deep_gemm through `load` (tests pass a stand-in)."""
+    """The three paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
     for name, layout, arch, next_n_max, description in _TABLE:
         impl = DeepGemmPagedLogits(layout, load)
@@ -101,6 +101,13 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
                 description=description,
             )
         )
+    return backends
+
+
+def deepgemm_ragged_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
+    """The two ragged (prefill) backends, named per arch like the paged ones, resolving deep_gemm
+    through `load` (tests pass a stand-in)."""
+    backends = []
     for arch in (Arch.SM100, Arch.SM90):
         ragged = DeepGemmRaggedLogits(load)
         backends.append(
@@ -120,5 +127,5 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
 
 @hookimpl
 def register_backends(register):
-    for backend in deepgemm_backends():
+    for backend in deepgemm_backends() + deepgemm_ragged_backends():
         register(backend)
