@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dispatch.errors import PluginError
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.layout import Layout
 
@@ -99,18 +100,27 @@ class Backend:
     refresh_state: Callable[[Any, Any], None] | None = None
     version: str = ""
     description: str = ""
-    # Filled in by the host when the backend is registered; a plugin leaves it empty.
+    # Filled in by the host when the backend is registered; a plugin leaves them empty. `version` above
+    # is the backend's library (torch, triton, deep_gemm); `plugin_version` is the plugin distribution's.
     plugin: str = field(default="", compare=False)
     distribution: str = field(default="", compare=False)
+    plugin_version: str = field(default="", compare=False)
 
     def availability(self) -> Availability:
-        return _probe_once(self.probe)
+        result = _probe_once(self.probe)
+        if not isinstance(result, Availability):  # checked where it is first known: when the probe runs
+            raise PluginError(
+                f"plugin `{self.plugin}` (distribution `{self.distribution}`): the probe of backend `{self.name}` "
+                f"returned {type(result).__name__} {str(result)[:80]!r}; expected dispatch.backend.Availability"
+            )
+        return result
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_once(probe: Callable[[], Availability]) -> Availability:
+def _probe_once(probe: Callable[[], Availability]) -> object:
     try:
-        result = probe()
-    except Exception as error:  # a probe that crashes means "cannot run here", with the reason
+        return probe()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # a probe that crashes (even by sys.exit) means "cannot run here", with the reason
         return Availability.no(f"availability probe raised {type(error).__name__}: {error}")
-    return result

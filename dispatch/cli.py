@@ -9,6 +9,7 @@ import sys
 
 from dispatch.errors import DispatchError, InvalidKeyError, NoBackendError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
+from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
 
 EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID = 0, 1, 2
 
@@ -38,17 +39,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--arch", choices=[a.value for a in Arch], help="default: this machine's")
     explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode")
-    explain.add_argument("--next-n", type=int, default=None, help="default: 1 (decode, extend), else 2")
+    explain.add_argument(
+        "--next-n", type=_next_n, default=None,
+        help=f"default: 1 (decode, extend), else 2; at most {MAX_CLI_NEXT_N}",
+    )
     explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the arch's platform dtype")
     explain.add_argument(
         "--seq-lens",
-        type=lambda text: [int(part) for part in text.split(",")],
+        type=_seq_lens,
         help="explain a whole batch plan: each request's total length L, drafts included (e.g. 130,64,7); "
-        "with --forward-mode extend, each request's new tokens",
+        f"with --forward-mode extend, each request's new tokens; at most {MAX_CLI_BATCH} requests of at most "
+        f"{MAX_CLI_SEQ_LEN} tokens",
     )
     explain.add_argument(
         "--prefix-lens",
-        type=lambda text: [int(part) for part in text.split(",")],
+        type=_prefix_lens,
         help="with --forward-mode extend and --seq-lens: each request's keys already cached (default: all 0)",
     )
     explain.add_argument(
@@ -74,6 +79,46 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="check then time every backend available here")
     _bench_arguments(bench)
     return parser
+
+
+def _bounded(text: str, what: str, high: int, low: int | None = 1) -> int:
+    """An int in low..high, refused (argparse: exit 2) before anything is built from it: a huge next_n
+    or length would otherwise build a plan for minutes or overflow a tensor."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} {text[:40]!r} is not an integer") from None
+    if value > high or (low is not None and value < low):
+        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+        raise argparse.ArgumentTypeError(f"{what} is {shown}; it must be from 1 to {high}")
+    return value
+
+
+def _next_n(text: str) -> int:
+    return _bounded(text, "--next-n", MAX_CLI_NEXT_N, low=None)  # below 1: the key's own message
+
+
+def _seq_lens(text: str) -> list[int]:
+    parts = text.split(",")
+    if len(parts) > MAX_CLI_BATCH:
+        raise argparse.ArgumentTypeError(f"--seq-lens lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
+    lens = [_bounded(part.strip(), "a --seq-lens length", MAX_CLI_SEQ_LEN) for part in parts]
+    if len(lens) * max(lens) > MAX_CLI_PLAN_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"--seq-lens: {len(lens)} requests x the longest ({max(lens)}) is past {MAX_CLI_PLAN_TOKENS} tokens, "
+            "too large a block table to print"
+        )
+    return lens
+
+
+def _prefix_lens(text: str) -> list[int]:
+    parts = text.split(",")
+    if len(parts) > MAX_CLI_BATCH:
+        raise argparse.ArgumentTypeError(f"--prefix-lens lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
+    lens = [_bounded(part.strip(), "a --prefix-lens length", MAX_CLI_SEQ_LEN, low=None) for part in parts]
+    if min(lens) < 0:
+        raise argparse.ArgumentTypeError(f"a --prefix-lens length is {min(lens)}; lengths must be >= 0")
+    return lens
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +196,9 @@ def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: l
     prefix = prefix_lens or [0] * len(extend_lens)
     if len(prefix) != len(extend_lens):
         raise InvalidKeyError(f"--prefix-lens has {len(prefix)} requests, --seq-lens {len(extend_lens)}")
+    if sum(prefix) + sum(extend_lens) > MAX_CLI_PLAN_TOKENS:
+        raise InvalidKeyError(f"--prefix-lens and --seq-lens add up to more than {MAX_CLI_PLAN_TOKENS} keys, "
+                              "too large a plan to print")
     table = page_table_for([p + e for p, e in zip(prefix, extend_lens)])
     budget = DEFAULT_LOGITS_BYTES if budget is None else budget
     batch = ExtendBatch.from_lengths(prefix, extend_lens, table)
@@ -174,20 +222,24 @@ def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: l
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from dispatch.registry.checks import lint
-    from dispatch.runtime import load_dispatcher
+    """Every problem of the file in one run, in file order: schema errors (all, or nothing else can be
+    checked), else unknown backend names, lint and coverage together. Imports no torch, so it checks
+    what an engine's assembly (load_dispatcher) checks except this machine's cluster match."""
+    from dispatch.plugins import collect_backends
+    from dispatch.registry.checks import findings, unknown_backend_names
+    from dispatch.registry.document import load_registry
+    from dispatch.runtime import load_plugins, registry_path
 
-    dispatcher = load_dispatcher(args.path)  # the same assembly an engine runs: names checked, cluster resolved
-    document = dispatcher.document
-    findings = [str(f) for f in lint(document, dispatcher.catalog)]
-    findings += [
-        f"{document.path}: ops.{op.value}: no table for this op; every {op.value} decision would fail"
-        for op in Op
-        if op not in document.registry.ops
-    ]
-    for finding in findings:
-        print(f"lint: {finding}", file=sys.stderr)
-    if findings:
+    document = load_registry(registry_path(args.path))
+    catalog = collect_backends(load_plugins())
+    unknown = unknown_backend_names(document, catalog)
+    found = sorted(
+        [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)],
+        key=lambda pair: pair[1].line or 0,
+    )
+    for label, finding in found:
+        print(f"{label}: {finding}", file=sys.stderr)
+    if found:
         return EXIT_INVALID
     tables = document.registry.ops
     rules = sum(len(t.rules) for t in tables.values())

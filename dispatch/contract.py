@@ -16,20 +16,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from dispatch.backend import ALL_ARCHS, ALL_FP8_DTYPES, ALL_MODES, PAGED_MODES, Availability, Backend, Support
 from dispatch.errors import BackendError, DtypeMismatchError, LayoutError
 from dispatch.fp8 import torch_dtype
 from dispatch.hookspecs import hookimpl
-from dispatch.input_checks import check_logits_inputs, check_ragged_logits_inputs
 from dispatch.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.kv_cache import BLOCK_KV, split_kv_cache
 from dispatch.layout import Layout
 from dispatch.rope import RopeSpec
 
 if TYPE_CHECKING:
+    import torch
+
+    from dispatch.input_checks import check_logits_inputs, check_ragged_logits_inputs
     from dispatch.plan import IndexerPlan
+
+
+def __getattr__(name: str):
+    # check_logits_inputs imports torch; registering a backend must not (`validate` runs without torch),
+    # so it loads on first use. A plugin imports it inside its run, or at the top if it needs torch anyway.
+    if name in ("check_logits_inputs", "check_ragged_logits_inputs"):
+        from dispatch import input_checks
+
+        return getattr(input_checks, name)
+    raise AttributeError(f"module 'dispatch.contract' has no attribute {name!r}")
 
 __all__ = [
     "ALL_ARCHS",

@@ -71,6 +71,19 @@ class Dispatcher:
                 self._log(cached)
         return cached
 
+    def can_decide(self, op: Op, key: DispatchKey) -> bool:
+        """Whether `decide` would find a backend, without caching or logging a decision (a reload's
+        coverage check asks this of every kind of key)."""
+        try:
+            self._decide(Op(op), key)
+        except NoBackendError:
+            return False
+        return True
+
+    def decided_keys(self) -> list[tuple[Op, DispatchKey]]:
+        """The (op, key) pairs decided so far, from the cache."""
+        return list(self._cache)
+
     def pin(self, op: Op | str, key: DispatchKey, backend: str, *, allow_disabled: bool = False) -> Decision:
         """A decision naming `backend` outright (a benchmark, or an engine flag forcing a path). It is
         still tagged and checked: an unknown, unsupported or unavailable backend is refused, and so is

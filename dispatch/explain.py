@@ -17,7 +17,8 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
         f"  chosen:   {decision.backend}",
         f"  layout:   {decision.layout.value}: {decision.layout.describe()}",
         f"  by:       {decision.chosen_by}{where}",
-        f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution}, version {decision.impl.version or '-'})",
+        f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution} "
+        f"{decision.impl.plugin_version or '-'}; library version {decision.impl.version or '-'})",
         f"  cluster:  {decision.cluster or 'none'}",
         *_here(decision),
         f"  registry: {document.path} (fingerprint {decision.registry_fingerprint})",
@@ -45,6 +46,7 @@ def backend_row(backend: Backend) -> dict:
         "layout": backend.layout.value,
         "plugin": backend.plugin,
         "distribution": backend.distribution,
+        "plugin_version": backend.plugin_version,
         "version": backend.version,
         "supports": backend.supports.as_dict(),
         "available": availability.ok,
@@ -61,7 +63,8 @@ def backends_text(rows: list[dict]) -> str:
         here = "available here" if row["available"] else f"NOT available here: {row['reason']}"
         out += [
             f"{row['name']}  [{row['op']}, {row['layout']}]",
-            f"  plugin {row['plugin']} (distribution {row['distribution']}), version {row['version'] or '-'}",
+            f"  plugin {row['plugin']} (distribution {row['distribution']} {row['plugin_version'] or '-'}), "
+            f"library version {row['version'] or '-'}",
             f"  supports arch {', '.join(s['archs'])}; modes {', '.join(s['forward_modes'])}; "
             f"next_n {next_n}; fp8 {', '.join(s['fp8_dtypes'])}",
             f"  {here}",

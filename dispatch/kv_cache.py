@@ -7,10 +7,13 @@ every kernel here use pages of BLOCK_KV tokens. dispatch.bench.paged_cache build
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Fp8Dtype
+
+if TYPE_CHECKING:  # torch is imported where it is used: the plugin contract (and `validate`) loads without it
+    import torch
 
 # Tokens per KV page: what the plans, the kernels, the schedules and the benchmarks assume.
 BLOCK_KV = 64
@@ -18,6 +21,8 @@ BLOCK_KV = 64
 
 def split_kv_cache(kv_cache: torch.Tensor, fp8_dtype: Fp8Dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of the cache as (fp8 keys [num_blocks, block_kv, D], fp32 scales [num_blocks, block_kv])."""
+    import torch
+
     num_blocks, block_kv, _, row_bytes = kv_cache.shape
     head_dim = row_bytes - 4
     flat = kv_cache.view(num_blocks, block_kv * row_bytes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import os
 import re
 from dataclasses import dataclass, replace
@@ -17,11 +18,15 @@ from dataclasses import dataclass, replace
 import pluggy
 
 from dispatch import hookspecs
-from dispatch.backend import BACKEND_NAME, Backend
+from dispatch.backend import BACKEND_NAME, Backend, Support
 from dispatch.catalog import Catalog
 from dispatch.contract import OP_CONTRACTS
 from dispatch.errors import PluginError
-from dispatch.key import Op
+from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
+from dispatch.layout import Layout
+from dispatch.limits import cut, quoted
+
+logger = logging.getLogger("dispatch")
 
 ENTRY_POINT_GROUP = "dispatch.backends"
 OWN_DISTRIBUTION = "dispatch-dsa"
@@ -38,6 +43,7 @@ class LoadedPlugin:
     name: str
     distribution: str
     module: object
+    version: str = ""  # the plugin distribution's version (a backend's own `version` is its library's)
 
 
 def allowlist_from_env() -> frozenset[str]:
@@ -45,26 +51,91 @@ def allowlist_from_env() -> frozenset[str]:
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
+def normalized(name: str) -> str:
+    """A distribution name as packaging compares them: `Acme_Dispatch.Plugin` is `acme-dispatch-plugin`."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _allowed(entry_name: str, dist: str, allowlist: frozenset[str]) -> bool:
+    wanted = {normalized(entry) for entry in allowlist}
+    return "*" in allowlist or entry_name in allowlist or normalized(entry_name) in wanted or normalized(dist) in wanted
+
+
+def _installed() -> list[tuple[importlib.metadata.EntryPoint, str, str]]:
+    """(entry point, distribution, version) of the group, sorted by name; read from metadata, nothing imported."""
+    found = []
+    for entry_point in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = entry_point.dist.name if entry_point.dist else "<unknown distribution>"
+        version = entry_point.dist.version if entry_point.dist else ""
+        found.append((entry_point, dist, version))
+    return found
+
+
+def not_allowed_plugins(allowlist: frozenset[str] | None = None) -> list[tuple[str, str]]:
+    """(entry-point name, distribution) of installed plugins the allowlist leaves out (never imported)."""
+    allowlist = allowlist_from_env() if allowlist is None else allowlist
+    return [(ep.name, dist) for ep, dist, _ in _installed() if not _allowed(ep.name, dist, allowlist)]
+
+
+def not_allowed_hint(backend_name: str) -> str:
+    """For an unknown backend name: the installed plugins DISPATCH_PLUGINS leaves out, the likeliest first
+    (whose entry-point or distribution name starts the backend's), and the value to set. Plugins that are
+    not allowed are never imported, so which backends they would register is inferred from their names."""
+    left_out = not_allowed_plugins()
+    if not left_out:
+        return ""
+    stem = normalized(backend_name.split(".")[0])
+    likely = [(n, d) for n, d in left_out if stem and (normalized(n).startswith(stem) or normalized(d).startswith(stem))]
+    current = sorted(allowlist_from_env())
+    if likely:
+        name, dist = likely[0]
+        value = ",".join(current + [name])
+        return (
+            f"; plugin `{name}` (distribution `{dist}`) is installed but not allowed and may register it: "
+            f"set DISPATCH_PLUGINS={value}"
+        )
+    names = ", ".join(f"`{n}` (distribution `{d}`)" for n, d in left_out[:5])
+    return f"; installed but not allowed by DISPATCH_PLUGINS: {names} (add one to DISPATCH_PLUGINS to load it)"
+
+
 def builtin_plugins() -> list[LoadedPlugin]:
-    return [LoadedPlugin(path, OWN_DISTRIBUTION, importlib.import_module(path)) for path in BUILTIN_PLUGINS]
+    version = _own_version()
+    return [LoadedPlugin(path, OWN_DISTRIBUTION, importlib.import_module(path), version) for path in BUILTIN_PLUGINS]
 
 
 def entry_point_plugins(allowlist: frozenset[str]) -> list[LoadedPlugin]:
-    """Load the allowlisted plugins of the entry-point group; an import failure names plugin and distribution."""
+    """Load the allowlisted plugins of the entry-point group (entry-point or distribution names, the
+    latter compared normalized); an import failure names plugin and distribution. An allowlist entry
+    that matches nothing installed is logged as a warning: a typo there silently loads nothing."""
+    installed = _installed()
+    _warn_unmatched(allowlist, installed)
     loaded = []
-    for entry_point in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        dist = entry_point.dist.name if entry_point.dist else "<unknown distribution>"
-        if not ({"*", entry_point.name, dist} & allowlist):
+    for entry_point, dist, version in installed:
+        if not _allowed(entry_point.name, dist, allowlist):
             continue
         try:
             module = entry_point.load()
-        except Exception as error:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # SystemExit at import must not end `validate` with exit 0
             raise PluginError(
                 f"plugin `{entry_point.name}` (distribution `{dist}`) failed to import "
-                f"`{entry_point.value}`: {type(error).__name__}: {error}"
+                f"`{entry_point.value}`: {type(error).__name__}: {cut(str(error))}"
             ) from error
-        loaded.append(LoadedPlugin(entry_point.name, dist, module))
+        loaded.append(LoadedPlugin(entry_point.name, dist, module, version))
     return loaded
+
+
+def _warn_unmatched(allowlist: frozenset[str], installed) -> None:
+    names = {normalized(ep.name) for ep, _, _ in installed} | {normalized(dist) for _, dist, _ in installed}
+    for entry in sorted(allowlist - {"*"}):
+        if normalized(entry) not in names:
+            logger.warning(
+                "DISPATCH_PLUGINS names `%s`, which matches no installed plugin (entry points of group %s: %s)",
+                entry,
+                ENTRY_POINT_GROUP,
+                ", ".join(sorted(ep.name for ep, _, _ in installed)) or "none",
+            )
 
 
 def get_plugin_manager(plugins: list[LoadedPlugin]) -> pluggy.PluginManager:
@@ -100,34 +171,74 @@ def collect_backends(plugins: list[LoadedPlugin]) -> Catalog:
 
         try:
             caller(register=register)
-        except PluginError:
+        except (PluginError, KeyboardInterrupt):
             raise
-        except Exception as error:
+        except BaseException as error:  # SystemExit, GeneratorExit...: a plugin's bug, never a clean exit
             raise PluginError(
                 f"plugin `{plugin.name}` (distribution `{plugin.distribution}`) raised in register_backends: "
-                f"{type(error).__name__}: {error}"
+                f"{type(error).__name__}: {cut(str(error))}"
             ) from error
     return Catalog.of(list(registered.values()))
 
 
 def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
+    """Check every field where the plugin registers, so a bad one is an error naming the plugin, not an
+    AttributeError on some later key. Stamps the backend with who registered it."""
     who = f"plugin `{plugin.name}` (distribution `{plugin.distribution}`)"
     if not isinstance(backend, Backend):
         raise PluginError(f"{who} registered {type(backend).__name__}; expected dispatch.backend.Backend")
     if not isinstance(backend.name, str) or not re.fullmatch(BACKEND_NAME, backend.name):
-        raise PluginError(f"{who} registered backend name `{backend.name}`; names are lowercase [a-z0-9_.-]")
-    if not isinstance(backend.op, Op):
-        raise PluginError(f"{who} registered `{backend.name}` with op {backend.op!r}; expected a dispatch.key.Op")
-    if backend.layout not in OP_CONTRACTS[backend.op].layouts:
-        allowed = ", ".join(layout.value for layout in OP_CONTRACTS[backend.op].layouts)
+        name = backend.name
+        shown = f"`{name}`" if isinstance(name, str) and name.isprintable() and len(name) <= 80 else quoted(name)
         raise PluginError(
-            f"{who} registered `{backend.name}` for {backend.op.value} with layout `{backend.layout}`; "
-            f"that op takes: {allowed}"
+            f"{who} registered backend name {shown}; names are lowercase [a-z0-9_.-], starting with [a-z0-9]"
         )
-    if not callable(backend.run):
-        raise PluginError(f"{who} registered `{backend.name}` whose `run` is not callable")
-    return replace(backend, plugin=plugin.name, distribution=plugin.distribution)
+    what = f"{who} registered `{backend.name}`"
+    if not isinstance(backend.op, Op):
+        raise PluginError(f"{what} with op {quoted(backend.op)}; expected a dispatch.key.Op")
+    layouts = OP_CONTRACTS[backend.op].layouts
+    if not isinstance(backend.layout, Layout) or backend.layout not in layouts:
+        allowed = ", ".join(layout.value for layout in layouts)
+        raise PluginError(
+            f"{what} for {backend.op.value} with layout {quoted(backend.layout)}; that op takes: {allowed}"
+        )
+    problem = _support_problem(backend.supports)
+    if problem:
+        raise PluginError(f"{what} with {problem}")
+    for field_name in ("run", "probe"):
+        if not callable(getattr(backend, field_name)):
+            raise PluginError(f"{what} whose `{field_name}` is not callable")
+    if backend.prepare is not None and not callable(backend.prepare):
+        raise PluginError(f"{what} whose `prepare` is neither None nor callable")
+    for field_name in ("version", "description"):
+        if not isinstance(getattr(backend, field_name), str):
+            raise PluginError(f"{what} whose `{field_name}` is {quoted(getattr(backend, field_name))}; expected a str")
+    return replace(backend, plugin=plugin.name, distribution=plugin.distribution, plugin_version=plugin.version)
 
+
+def _support_problem(supports: object) -> str | None:
+    if not isinstance(supports, Support):
+        return f"supports={quoted(supports)}; expected a dispatch.backend.Support"
+    for field_name, member in (("archs", Arch), ("forward_modes", ForwardMode), ("fp8_dtypes", Fp8Dtype)):
+        values = getattr(supports, field_name)
+        if not isinstance(values, frozenset) or not all(isinstance(v, member) for v in values):
+            expected = f"{member.__module__}.{member.__name__}"
+            return f"supports.{field_name}={quoted(values)}; expected a frozenset of {expected}"
+    low, high = supports.next_n_min, supports.next_n_max
+    if isinstance(low, bool) or not isinstance(low, int) or low < 1:
+        return f"supports.next_n_min={quoted(low)}; expected an int >= 1"
+    if high is not None and (isinstance(high, bool) or not isinstance(high, int) or high < low):
+        return f"supports.next_n_max={quoted(high)}; expected None or an int >= next_n_min"
+    if supports.extra is not None and not callable(supports.extra):
+        return f"supports.extra={quoted(supports.extra)}; expected None or a callable"
+    return None
+
+
+def _own_version() -> str:
+    try:
+        return importlib.metadata.version(OWN_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "source"
 
 
 def _trace_hooks(manager: pluggy.PluginManager) -> None:

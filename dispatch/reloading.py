@@ -8,6 +8,11 @@ A reload loads the new file, checks every backend name against the catalog and r
 before anything changes; one attribute assignment then swaps the dispatcher, so a reader sees the old
 one or the new one, never a mix. A bad edit keeps the old dispatcher and says why. Decisions already
 made are frozen values and stay valid; decisions after a swap come from the new registry's cache.
+
+A reload never loses coverage silently: a new registry under which a key that decided before (one the
+old dispatcher decided, or any kind of key it would decide, every arch, next_n taken span by span)
+would have no backend is refused, naming the keys, unless `reload(force=True)`. A file caught half-written fails
+here too: it either does not parse, lacks an op (every op is required), or serves fewer keys.
 A model on many ranks reloads every rank, then checks them again (dispatch.agreement.check_ranks_agree).
 """
 
@@ -21,7 +26,8 @@ from pathlib import Path
 from dispatch.catalog import Catalog
 from dispatch.dispatcher import Dispatcher
 from dispatch.errors import RegistryError
-from dispatch.key import Arch
+from dispatch.key import Arch, Op
+from dispatch.registry.checks import Cell, NextNSpan, keys_at, merged, next_n_spans
 from dispatch.registry.document import load_registry
 from dispatch.runtime import build_dispatcher, registry_path
 
@@ -53,17 +59,64 @@ class LiveDispatcher:
         # The first load has no older registry to keep: its RegistryError propagates.
         self.current: Dispatcher = self._load()
 
-    def reload(self) -> ReloadResult:
+    def reload(self, *, force: bool = False) -> ReloadResult:
         """Load the file again and swap it in, or keep the current dispatcher and report why not.
-        Only RegistryError is a bad edit; anything else is a bug and propagates, the old one kept."""
+        Only RegistryError is a bad edit; anything else is a bug and propagates, the old one kept.
+        `force` swaps in a registry that leaves keys without a backend (still valid, still checked)."""
         with self._lock:  # unserialised, a slow reload of an older file could swap in last
             before = self.current.fingerprint
             try:
                 fresh = self._load()
             except RegistryError as error:
                 return ReloadResult(False, before, before, str(error))
+            lost = [] if force else lost_keys(self.current, fresh)
+            if lost:
+                return ReloadResult(False, before, before, _lost_message(self.path, lost))
             self.current = fresh
             return ReloadResult(True, before, fresh.fingerprint)
 
     def _load(self) -> Dispatcher:
         return build_dispatcher(load_registry(self.path), self.catalog, **self._options)
+
+
+def lost_keys(old: Dispatcher, new: Dispatcher) -> list[tuple[Op, Cell]]:
+    """(op, kind of key) that `old` decides and `new` cannot: every key `old` has decided, and every kind
+    of key on every arch (one per next_n span over both registries' bounds, so no enumeration). Every
+    arch, not only this machine's: a what-if asks about others, and a file torn before the last op's
+    fallback loses keys only there."""
+    spans = next_n_spans(old.document, old.catalog) + next_n_spans(new.document, new.catalog)
+    bounds = sorted({span.low for span in spans})
+    asked = [(op, key) for op in Op for key in keys_at(bounds)] + old.decided_keys()
+    lost, seen = [], set()
+    for op, key in asked:
+        cell = Cell(key, _span_from(bounds, key.next_n))
+        kind = (op, key.arch, key.forward_mode, key.fp8_dtype, cell.span.low)
+        if kind in seen:  # one answer per span; a decided key inside a span checked already adds nothing
+            continue
+        seen.add(kind)
+        if old.can_decide(op, key) and not new.can_decide(op, key):
+            lost.append((op, cell))
+    return lost
+
+
+def _span_from(bounds: list[int], next_n: int) -> NextNSpan:
+    """The span of `next_n` between the sorted cut points `bounds` (which start at 1)."""
+    low = max(b for b in bounds if b <= next_n)
+    later = [b for b in bounds if b > low]
+    return NextNSpan(low, later[0] - 1 if later else None)
+
+
+def _lost_message(path: Path, lost: list[tuple[Op, Cell]]) -> str:
+    by_op: dict[Op, list[Cell]] = {}
+    for op, cell in lost:
+        by_op.setdefault(op, []).append(cell)
+    parts = []
+    for op, cells in by_op.items():
+        texts = merged(cells)
+        shown = "; ".join(texts[:6]) + (f"; and {len(texts) - 6} more" if len(texts) > 6 else "")
+        parts.append(f"{op.value} at {shown}")
+    return (
+        f"{path}: refused: keys that decided before would have no backend under this registry: "
+        + " | ".join(parts)
+        + " (a file caught half-written? if meant, reload(force=True))"
+    )

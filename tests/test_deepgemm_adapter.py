@@ -295,7 +295,7 @@ def test_availability_yes_with_either_generation(generation):
 def test_probe_reads_the_detected_arch(monkeypatch):
     fake = FakeDeepGemm()
     monkeypatch.setattr(availability.detect, "detect_arch", lambda: Arch.SM90)
-    monkeypatch.setattr(availability.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert probe_for(Arch.SM90, lambda: fake)().ok
     mismatch = probe_for(Arch.SM100, lambda: fake)()
     assert not mismatch.ok and "this machine is sm90" in mismatch.reason

@@ -44,6 +44,8 @@ ops:
         when: {arch: sm100}
         use: [b]
     fallback: [c, a]
+  indexer_q_quant: {fallback: [q]}
+  topk: {fallback: [topk]}
 """
 
 
@@ -166,6 +168,8 @@ ops:
         when: {arch: sm90}
         use: [a, b]
     fallback: [c]
+  indexer_q_quant: {fallback: [q]}
+  topk: {fallback: [topk]}
 clusters:
   plain:
     description: changes nothing
@@ -254,6 +258,8 @@ version: 1
 ops:
   paged_mqa_logits:
     fallback: [a]
+  indexer_q_quant: {fallback: [q]}
+  topk: {fallback: [topk]}
 clusters:
   h200:
     match: {arch: sm90, gpu_name: "NVIDIA H200*"}
@@ -322,7 +328,7 @@ def test_two_matching_clusters_is_an_error(no_env_cluster):
 def test_load_dispatcher_applies_the_matched_cluster(no_env_cluster, tmp_path):
     path = tmp_path / "registry.yaml"
     path.write_text(CLUSTERS.replace("description: only when named", "disable: [a]"))
-    plugins = [fake_plugin("p", fake_backend("a"), fake_backend("b"))]
+    plugins = [fake_plugin("p", fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("topk", Op.TOPK))]
     no_env_cluster.setattr("dispatch.clusters.gpu_name", lambda: "NVIDIA H100 PCIe")
     chosen = load_dispatcher(path, arch="sm90", plugins=plugins)
     assert chosen.cluster == "h100" and chosen.check_availability is False
@@ -348,6 +354,8 @@ def test_no_backend_lists_every_candidate_with_its_reason():
             when: {arch: sm90}
             use: [narrow, offline]
         fallback: [gone]
+      indexer_q_quant: {fallback: [q]}
+      topk: {fallback: [topk]}
     """
     catalog = catalog_of(
         fake_backend("narrow", next_n_max=1),
@@ -369,7 +377,7 @@ def test_no_backend_lists_every_candidate_with_its_reason():
 
 
 def test_no_backend_when_nothing_matches_and_there_is_no_fallback():
-    text = "version: 1\nops:\n  paged_mqa_logits:\n    rules:\n      - id: cpu\n        when: {arch: cpu}\n        use: [a]\n"
+    text = "version: 1\nops:\n  paged_mqa_logits:\n    rules:\n      - id: cpu\n        when: {arch: cpu}\n        use: [a]\n  indexer_q_quant: {fallback: [q]}\n  topk: {fallback: [topk]}\n"
     catalog = catalog_of(fake_backend("a"))
     with pytest.raises(NoBackendError, match="a: eligible, but no cluster preference"):
         dispatcher(text, catalog).decide(LOGITS, key())

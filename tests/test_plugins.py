@@ -327,6 +327,8 @@ ops:
         when: {arch: [sm90, sm100, gfx942]}
         use: [portable]
     fallback: [reference]
+  topk:
+    fallback: [reference]
 clusters:
   lab:
     enable: [experimental]
@@ -361,6 +363,7 @@ def order_plugins() -> list[LoadedPlugin]:
             "reference",
             fake_backend("reference", forward_modes=paged),
             fake_backend("reference", Op.INDEXER_Q_QUANT),
+            fake_backend("reference", Op.TOPK),
             fake_backend("experimental", next_n_min=3, forward_modes=paged),
             distribution="dist-reference",
         ),

@@ -17,6 +17,7 @@ from dispatch.registry.document import load_registry, parse_registry
 from tests.fakes import catalog_of, fake_backend
 
 HEAD = "version: 1\nops:\n  paged_mqa_logits:\n    rules:\n"
+TAIL = "  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n"  # every op is declared
 
 
 def write(tmp_path, text: str):
@@ -48,9 +49,9 @@ def assert_located(message: str, path, line: int, key: str) -> None:
         ),
         (
             "      - id: a\n        use: [x]\n      - id: a\n        use: [y]\n",
-            4,
-            "ops.paged_mqa_logits.rules",
-            "duplicate rule id `a`",
+            7,
+            "ops.paged_mqa_logits.rules[1].id",
+            "duplicate rule id `a` (first used on line 5)",
         ),
         (
             "      - id: a\n        when: {arch: []}\n        use: [x]\n",
@@ -58,7 +59,7 @@ def assert_located(message: str, path, line: int, key: str) -> None:
             "ops.paged_mqa_logits.rules[0].when.arch",
             "empty list",
         ),
-        ("      - id: a\n        use: []\n", 6, "ops.paged_mqa_logits.rules[0].use", "at least 1 item"),
+        ("      - id: a\n        use: []\n", 6, "ops.paged_mqa_logits.rules[0].use", "an empty list serves nothing"),
         (
             "      - id: a\n        when:\n          next_n: {min: 3, max: 2}\n        use: [x]\n",
             7,
@@ -102,10 +103,10 @@ def assert_located(message: str, path, line: int, key: str) -> None:
             "arch gfx942 cannot hold fp8_dtype e4m3fn",
         ),
         (
-            "      - id: a\n        use: [Not A Name]\n",
+            "      - id: a\n        use: ['']\n",
             6,
             "ops.paged_mqa_logits.rules[0].use[0]",
-            "pattern",
+            "at least 1 character",
         ),
     ],
     ids=[
@@ -120,61 +121,61 @@ def assert_located(message: str, path, line: int, key: str) -> None:
         "unknown-mode-in-list",
         "fnuz-on-sm90",
         "fn-on-gfx942",
-        "bad-backend-name",
+        "empty-backend-name",
     ],
 )
 def test_rule_validation_names_file_line_and_key(tmp_path, body, line, key, words):
-    message = load_error(tmp_path, HEAD + body)
+    message = load_error(tmp_path, HEAD + body + TAIL)
     assert_located(message, tmp_path / "registry.yaml", line, key)
     assert words in message
 
 
 def test_unknown_op_names_file_line_and_key(tmp_path):
-    message = load_error(tmp_path, "version: 1\nops:\n  paged_mqa_logits: {}\n  flash_attention: {}\n")
+    message = load_error(tmp_path, "version: 1\nops:\n  paged_mqa_logits: {fallback: x}\n  flash_attention: {fallback: x}\n")
     assert_located(message, tmp_path / "registry.yaml", 4, "ops.flash_attention")
     assert "'flash_attention' is not allowed" in message
 
 
 def test_unknown_cluster_field(tmp_path):
-    message = load_error(tmp_path, "version: 1\nops: {}\nclusters:\n  c:\n    match: {gpu: H200}\n")
+    message = load_error(tmp_path, "version: 1\nops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\nclusters:\n  c:\n    match: {gpu: H200}\n")
     assert_located(message, tmp_path / "registry.yaml", 5, "clusters.c.match.gpu")
     assert "unknown field" in message
 
 
 def test_duplicate_mapping_key(tmp_path):
-    text = HEAD + "      - id: a\n        use: [x]\n  indexer_q_quant: {}\n  paged_mqa_logits: {}\n"
+    text = HEAD + "      - id: a\n        use: [x]\n  indexer_q_quant: {fallback: x}\n  paged_mqa_logits: {}\n"
     message = load_error(tmp_path, text)
     assert_located(message, tmp_path / "registry.yaml", 8, "ops.paged_mqa_logits")
     assert "duplicate key (first given on line 3)" in message
 
 
 def test_duplicate_key_inside_a_rule(tmp_path):
-    message = load_error(tmp_path, HEAD + "      - id: a\n        use: [x]\n        use: [y]\n")
+    message = load_error(tmp_path, HEAD + "      - id: a\n        use: [x]\n        use: [y]\n" + TAIL)
     assert_located(message, tmp_path / "registry.yaml", 7, "ops.paged_mqa_logits.rules[0].use")
     assert "duplicate key (first given on line 6)" in message
 
 
 @pytest.mark.parametrize("key", ["[a, b]", "{a: 1}"])
 def test_non_scalar_mapping_key(tmp_path, key):
-    message = load_error(tmp_path, f"version: 1\nops: {{}}\nclusters:\n  ? {key}\n  : {{}}\n")
+    message = load_error(tmp_path, f"version: 1\nops: {{paged_mqa_logits: {{fallback: [x]}}, indexer_q_quant: {{fallback: [x]}}, topk: {{fallback: [x]}}}}\nclusters:\n  ? {key}\n  : {{}}\n")
     assert_located(message, tmp_path / "registry.yaml", 4, "clusters")
     assert "a key must be a plain name" in message
 
 
 def test_version_missing(tmp_path):
-    message = load_error(tmp_path, "ops: {}\n")
+    message = load_error(tmp_path, "ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\n")
     assert_located(message, tmp_path / "registry.yaml", 1, "version")
     assert "required field is missing" in message
 
 
 def test_version_wrong(tmp_path):
-    message = load_error(tmp_path, "ops: {}\nversion: 2\n")
+    message = load_error(tmp_path, "ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\nversion: 2\n")
     assert_located(message, tmp_path / "registry.yaml", 2, "version")
     assert "1" in message
 
 
 def test_version_as_string_is_wrong(tmp_path):
-    message = load_error(tmp_path, "version: '1'\nops: {}\n")
+    message = load_error(tmp_path, "version: '1'\nops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\n")
     assert_located(message, tmp_path / "registry.yaml", 1, "version")
 
 
@@ -214,7 +215,7 @@ def test_file_missing(tmp_path):
 )
 def test_python_tags_are_rejected_and_nothing_is_imported(tmp_path, tag):
     before = set(sys.modules)
-    message = load_error(tmp_path, f"version: 1\nops: {{}}\nclusters:\n  c:\n    description: {tag}\n")
+    message = load_error(tmp_path, f"version: 1\nops: {{paged_mqa_logits: {{fallback: [x]}}, indexer_q_quant: {{fallback: [x]}}, topk: {{fallback: [x]}}}}\nclusters:\n  c:\n    description: {tag}\n")
     assert message.startswith(f"{tmp_path / 'registry.yaml'}:5: ")
     assert "not valid YAML" in message
     assert not {m for m in set(sys.modules) - before if "evil" in m}
@@ -223,13 +224,13 @@ def test_python_tags_are_rejected_and_nothing_is_imported(tmp_path, tag):
 
 def test_parse_registry_names_the_given_path():
     with pytest.raises(RegistryError, match=r"^somewhere\.yaml:1: version: "):
-        parse_registry("ops: {}\n", "somewhere.yaml")
+        parse_registry("ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\n", "somewhere.yaml")
 
 
 def test_shorthands_mean_the_same_as_the_long_form():
-    short = parse_registry(HEAD + "      - id: a\n        when: {arch: sm90, next_n: 2}\n        use: x\n")
+    short = parse_registry(HEAD + "      - id: a\n        when: {arch: sm90, next_n: 2}\n        use: x\n" + TAIL)
     long = parse_registry(
-        HEAD + "      - id: a\n        when: {arch: [sm90], next_n: {min: 2, max: 2}}\n        use: [x]\n"
+        HEAD + "      - id: a\n        when: {arch: [sm90], next_n: {min: 2, max: 2}}\n        use: [x]\n" + TAIL
     )
     assert short.registry == long.registry
     assert short.fingerprint == long.fingerprint
@@ -252,6 +253,7 @@ ops:
     fallback: [b]
   indexer_q_quant:
     fallback: [q]
+  topk: {fallback: [topk]}
 clusters:
   c:
     prefer: [q]
@@ -259,7 +261,9 @@ clusters:
 
 
 def small_catalog():
-    return catalog_of(fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT))
+    return catalog_of(
+        fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("topk", Op.TOPK)
+    )
 
 
 def test_known_backends_pass():
@@ -278,7 +282,7 @@ def test_known_backends_pass():
             9,
             "ops.paged_mqa_logits.fallback[1]",
         ),
-        (CATALOG_TEXT.replace("{name}", "b").replace("prefer: [q]", "prefer: [q, zz]"), 14, "clusters.c.prefer[1]"),
+        (CATALOG_TEXT.replace("{name}", "b").replace("prefer: [q]", "prefer: [q, zz]"), 15, "clusters.c.prefer[1]"),
         (CATALOG_TEXT.replace("{name}", "b").replace("disabled: [b]", "disabled: [zz]"), 2, "disabled[0]"),
     ],
     ids=["rule-use", "other-op", "fallback", "cluster-prefer", "disabled"],
@@ -318,7 +322,7 @@ def test_unknown_cluster_from_the_environment(monkeypatch):
 
 
 def lint_text(text: str, catalog=None):
-    document = parse_registry(textwrap.dedent(text), "lint.yaml")
+    document = parse_registry(textwrap.dedent(text) + TAIL, "lint.yaml")
     return lint(document, catalog or catalog_of(fake_backend("a"), fake_backend("b")))
 
 

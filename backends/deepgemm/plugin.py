@@ -18,16 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import ModuleType
 
-import torch
-
-from backends.deepgemm.adapter import (
-    DeepGemmPagedLogits,
-    DeepGemmRaggedLogits,
-    import_deep_gemm,
-    missing_ragged_symbols,
-    missing_symbols,
-    version_of,
-)
 from dispatch import detect
 from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
 
@@ -41,13 +31,81 @@ _TABLE = (
 )
 
 
+# The adapter imports torch; registering must not (`validate` runs without torch), so the adapter, deep_gemm
+# and torch are imported when a probe or a backend first runs.
+def import_deep_gemm() -> ModuleType:
+    from backends.deepgemm.adapter import import_deep_gemm as load
+
+    return load()
+
+
+class _OnFirstUse:
+    """The adapter's DeepGemmPagedLogits for one layout, built on first use."""
+
+    def __init__(self, layout: Layout, load: Callable[[], ModuleType]) -> None:
+        self._args = (layout, load)
+        self._impl = None
+
+    def _built(self):
+        if self._impl is None:
+            from backends.deepgemm.adapter import DeepGemmPagedLogits
+
+            self._impl = DeepGemmPagedLogits(*self._args)
+        return self._impl
+
+    def run(self, plan, q, kv_cache, weights):
+        return self._built().run(plan, q, kv_cache, weights)
+
+    def prepare(self, plan):
+        return self._built().prepare(plan)
+
+    @staticmethod
+    def refresh_state(captured, fresh) -> None:
+        from backends.deepgemm.adapter import DeepGemmPagedLogits
+
+        DeepGemmPagedLogits.refresh_state(captured, fresh)
+
+
+class _RaggedOnFirstUse:
+    """The adapter's DeepGemmRaggedLogits, built on first use; its per-batch state is the Triton K gather."""
+
+    def __init__(self, load: Callable[[], ModuleType]) -> None:
+        self._load = load
+        self._impl = None
+
+    def run(self, q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
+        if self._impl is None:
+            from backends.deepgemm.adapter import DeepGemmRaggedLogits
+
+            self._impl = DeepGemmRaggedLogits(self._load)
+        return self._impl.run(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype, clean_logits=clean_logits)
+
+    @staticmethod
+    def prepare(plan):
+        from backends.deepgemm.adapter import DeepGemmRaggedLogits
+
+        return DeepGemmRaggedLogits.prepare(plan)
+
+
+def missing_paged_symbols(module: ModuleType) -> list[str]:
+    from backends.deepgemm.adapter import missing_symbols
+
+    return missing_symbols(module)
+
+
+def missing_ragged_symbols(module: ModuleType) -> list[str]:
+    from backends.deepgemm.adapter import missing_ragged_symbols as missing
+
+    return missing(module)
+
+
 def deepgemm_availability(
     required: Arch,
     *,
     host: Arch,
     gpu_visible: bool,
     load: Callable[[], ModuleType],
-    missing: Callable[[ModuleType], list[str]] = missing_symbols,
+    missing: Callable[[ModuleType], list[str]] = missing_paged_symbols,
 ) -> Availability:
     """Availability of a backend built for `required` on a machine of arch `host`; `missing` names the
     API symbols the backend needs that the module lacks (the paged ones by default)."""
@@ -59,6 +117,8 @@ def deepgemm_availability(
         module = load()
     except (ImportError, OSError) as error:
         return Availability.no(f"deep_gemm cannot be imported: {type(error).__name__}: {error}")
+    from backends.deepgemm.adapter import version_of
+
     absent = missing(module)
     if absent:
         return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(absent)}")
@@ -68,11 +128,13 @@ def deepgemm_availability(
 def probe_for(
     required: Arch,
     load: Callable[[], ModuleType] = import_deep_gemm,
-    missing: Callable[[ModuleType], list[str]] = missing_symbols,
+    missing: Callable[[ModuleType], list[str]] = missing_paged_symbols,
 ) -> Callable[[], Availability]:
     """A Backend.probe: this machine's facts, read when the probe runs (detect_arch honours DISPATCH_ARCH)."""
 
     def probe() -> Availability:
+        import torch
+
         return deepgemm_availability(
             required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load, missing=missing
         )
@@ -84,7 +146,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
     """The three paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
     for name, layout, arch, next_n_max, description in _TABLE:
-        impl = DeepGemmPagedLogits(layout, load)
+        impl = _OnFirstUse(layout, load)
         support = Support(
             archs=frozenset({arch}), forward_modes=PAGED_MODES, fp8_dtypes=_E4M3FN, next_n_max=next_n_max
         )
@@ -109,7 +171,7 @@ def deepgemm_ragged_backends(load: Callable[[], ModuleType] = import_deep_gemm) 
     through `load` (tests pass a stand-in)."""
     backends = []
     for arch in (Arch.SM100, Arch.SM90):
-        ragged = DeepGemmRaggedLogits(load)
+        ragged = _RaggedOnFirstUse(load)
         backends.append(
             Backend(
                 name=f"deepgemm.{arch.value}",

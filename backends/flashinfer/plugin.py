@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from dispatch import detect
 from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Layout, LayoutError, Op, Support, hookimpl
-from dispatch.input_checks import check_topk_inputs
+
+if TYPE_CHECKING:  # torch is imported where it runs: registering must not import it (`validate` runs without it)
+    import torch
 
 # FlashInfer's top-k kernels are CUDA-only; they are built for sm_80 and newer.
 FLASHINFER_ARCHS = frozenset({Arch.SM80, Arch.SM90, Arch.SM100, Arch.SM120})
@@ -55,6 +55,10 @@ def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:
     """run(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted) over `load()`'s kernel."""
 
     def run(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False):
+        import torch
+
+        from dispatch.input_checks import check_topk_inputs
+
         check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                           block_size=block_size)
         if starts is not None:
@@ -71,6 +75,8 @@ def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:
 
 def finish(logits, lengths, positions, *, page_table, page_rows, block_size, sorted):
     """The contract's -1s, NaN rule, order and page transform, applied to a kernel's raw [rows, k]."""
+    import torch
+
     positions = positions.to(torch.int32)
     valid = (positions >= 0) & (positions < lengths[:, None])
     values = torch.gather(logits, 1, positions.clamp(min=0).long())
@@ -87,6 +93,8 @@ def finish(logits, lengths, positions, *, page_table, page_rows, block_size, sor
 
 def _valid_first(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     # Descending by value with every -1 slot after every selected one: sort by value, then stably by validity.
+    import torch
+
     by_value = values.masked_fill(~valid, float("-inf")).argsort(dim=1, descending=True, stable=True)
     by_validity = torch.gather(valid, 1, by_value).to(torch.int8).argsort(dim=1, descending=True, stable=True)
     return torch.gather(by_value, 1, by_validity)
@@ -96,6 +104,8 @@ def flashinfer_backends(load: Callable[[], ModuleType] = import_flashinfer) -> l
     """The one backend, resolving flashinfer through `load` (tests pass a stand-in)."""
 
     def probe() -> Availability:
+        import torch
+
         return flashinfer_availability(host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load)
 
     return [

@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+import importlib.metadata
 
-from backends.reference.kv_gather import ReferenceKeyGather
-from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
-from backends.reference.q_quant import reference_indexer_q_quant
-from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
-from backends.reference.topk import topk_indices
-from dispatch.contract import (
-    ALL_ARCHS,
-    PAGED_MODES,
-    Backend,
-    Layout,
-    Op,
-    Support,
-    check_logits_inputs,
-    check_ragged_logits_inputs,
-    hookimpl,
-)
+from dispatch.contract import ALL_ARCHS, PAGED_MODES, Backend, Layout, Op, Support, hookimpl
 
 
+# The kernels and the input checks import torch; registering must not (`validate` runs without it),
+# so they are imported on first call (afterwards a sys.modules lookup).
 def run_paged_mqa_logits(plan, q, kv_cache, weights):
+    from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
+    from dispatch.contract import check_logits_inputs
+
     # Both reference backends run the same function, which reads the layout from the tensors' tag.
     check_logits_inputs(plan, q, kv_cache, weights)
     return reference_paged_mqa_logits(
@@ -30,10 +20,39 @@ def run_paged_mqa_logits(plan, q, kv_cache, weights):
     )
 
 
+def run_q_quant(*args, **kwargs):
+    from backends.reference.q_quant import reference_indexer_q_quant
+
+    return reference_indexer_q_quant(*args, **kwargs)
+
+
+def run_topk(*args, **kwargs):
+    from backends.reference.topk import topk_indices
+
+    return topk_indices(*args, **kwargs)
+
+
 def run_ragged_mqa_logits(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
+    from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
+    from dispatch.contract import check_ragged_logits_inputs
+
     # Always writes -inf outside [ks, ke): what clean_logits=False leaves unspecified may be -inf too.
     check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
     return reference_ragged_mqa_logits(q, k, scales, weights, ks, ke)
+
+
+def reference_key_gather(plan):
+    """The extend plan's K gather in plain torch (it raises, naming the request, on a bad slot)."""
+    from backends.reference.kv_gather import ReferenceKeyGather
+
+    return ReferenceKeyGather.for_plan(plan)
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 @hookimpl
@@ -47,7 +66,7 @@ def register_backends(register):
                 layout=layout,
                 supports=logits_support,
                 run=run_paged_mqa_logits,
-                version=torch.__version__,
+                version=_torch_version(),
                 description=f"plain torch, {layout.value} layout; slow, exact fp32 on fp8 inputs",
             )
         )
@@ -57,8 +76,8 @@ def register_backends(register):
             op=Op.INDEXER_Q_QUANT,
             layout=Layout.TOKENS,
             supports=Support(archs=ALL_ARCHS),
-            run=reference_indexer_q_quant,
-            version=torch.__version__,
+            run=run_q_quant,
+            version=_torch_version(),
             description="plain torch RoPE + power-of-two fp8 quantisation",
         )
     )
@@ -68,8 +87,8 @@ def register_backends(register):
             op=Op.TOPK,
             layout=Layout.ROWS,
             supports=Support(archs=ALL_ARCHS),
-            run=topk_indices,
-            version=torch.__version__,
+            run=run_topk,
+            version=_torch_version(),
             description="plain torch two-key stable sort: visible first, then by value; NaN never selected",
         )
     )
@@ -80,8 +99,8 @@ def register_backends(register):
             layout=Layout.RAGGED,
             supports=Support(archs=ALL_ARCHS),
             run=run_ragged_mqa_logits,
-            prepare=ReferenceKeyGather.for_plan,
-            version=torch.__version__,
+            prepare=reference_key_gather,
+            version=_torch_version(),
             description="plain torch ragged logits over [ks, ke), -inf elsewhere; torch gather (raises on a bad slot)",
         )
     )

@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Callable
 
-import torch
-
 from dispatch.backend import Availability
 from dispatch.detect import detect_arch, triton_interpreter_on
 from dispatch.errors import InvalidKeyError
@@ -23,6 +21,8 @@ def probe_for(archs: frozenset[Arch]) -> Callable[[], Availability]:
     """A probe: triton importable, then a GPU (or the interpreter), then this machine's arch declared."""
 
     def probe() -> Availability:
+        import torch  # here, not at import: registering must not import torch (`validate` runs without it)
+
         try:
             import triton  # noqa: F401
         except ImportError as error:

@@ -4,6 +4,7 @@ lists these backends, and their probe says why they cannot run."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from backends.triton.availability import (
     FNUZ_ARCHS,
@@ -11,18 +12,10 @@ from backends.triton.availability import (
     probe_for,
     triton_version,
 )
-from backends.triton.fp8_mode import Fp8Mode
-from dispatch.contract import (
-    PAGED_MODES,
-    Backend,
-    Fp8Dtype,
-    Layout,
-    Op,
-    Support,
-    check_logits_inputs,
-    check_ragged_logits_inputs,
-    hookimpl,
-)
+from dispatch.contract import PAGED_MODES, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
+
+if TYPE_CHECKING:  # fp8_mode and the input checks import torch; registering must not (`validate` runs without it)
+    from backends.triton.fp8_mode import Fp8Mode
 
 # The native kernel holds a row's tokens x heads in one program's tile; past 8 tokens it is untested.
 NATIVE_NEXT_N_MAX = 8
@@ -32,6 +25,8 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
     """run(plan, q, kv_cache, weights) for one layout; `fnuz_mode` None lets the machine choose."""
 
     def run(plan, q, kv_cache, weights):
+        from dispatch.contract import check_logits_inputs
+
         check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
         from backends.triton.paged_mqa_logits import triton_paged_mqa_logits
 
@@ -133,8 +128,10 @@ def ragged_runner(fnuz_mode: Fp8Mode | None = None) -> Callable:
     """run(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits); `fnuz_mode` None lets the machine choose."""
 
     def run(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
-        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
         from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
+        from dispatch.contract import check_ragged_logits_inputs
+
+        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
 
         return triton_ragged_mqa_logits(q, k, scales, weights, ks, ke, clean_logits=clean_logits, fnuz_mode=fnuz_mode)
 

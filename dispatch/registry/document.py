@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from dispatch.errors import RegistryError
+from dispatch.limits import MAX_ERRORS_LISTED, MAX_REGISTRY_BYTES, MAX_REGISTRY_NODES, clipped, quoted
 from dispatch.registry.models import Registry
 
 Location = tuple  # a path into the document: ("ops", "paged_mqa_logits", "rules", 0, "use")
@@ -40,9 +43,21 @@ class RegistryDocument:
 
 
 def located_error(path: str, line: int | None, location: Location, message: str) -> RegistryError:
+    return RegistryError(located(path, line, location, message))
+
+
+def located(path: str, line: int | None, location: Location, message: str) -> str:
     where = f"{path}:{line}" if line else path
     key = dotted(location)
-    return RegistryError(f"{where}: {key}: {message}" if key else f"{where}: {message}")
+    return clipped(f"{where}: {key}: {message}" if key else f"{where}: {message}")
+
+
+def errors_in_file_order(path: str, problems: list[tuple[int | None, Location, str]]) -> RegistryError:
+    """One RegistryError listing every problem, one per line, in file order (unlocated ones last)."""
+    texts = list(dict.fromkeys(located(path, *p) for p in sorted(problems, key=lambda p: (p[0] is None, p[0] or 0))))
+    if len(texts) > MAX_ERRORS_LISTED:
+        texts = texts[:MAX_ERRORS_LISTED] + [f"{path}: ... and {len(texts) - MAX_ERRORS_LISTED} more errors"]
+    return RegistryError("\n".join(texts))
 
 
 def dotted(location: Location) -> str:
@@ -54,10 +69,7 @@ def dotted(location: Location) -> str:
 
 def load_registry(path: str | Path) -> RegistryDocument:
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as error:
-        raise RegistryError(f"{path}: cannot read the registry: {error.strerror or error}") from None
+    raw = _read_bounded(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -66,16 +78,62 @@ def load_registry(path: str | Path) -> RegistryDocument:
     return parse_registry(text, str(path))
 
 
+def _read_bounded(path: Path) -> bytes:
+    """The file's bytes, read only from a regular file and only up to MAX_REGISTRY_BYTES: a FIFO would
+    block forever and /dev/zero never ends. O_NONBLOCK lets the open of a FIFO return so fstat can see it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:
+        raise RegistryError(f"{path}: cannot read the registry: {error.strerror or error}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RegistryError(f"{path}: cannot read the registry: not a regular file (a device, FIFO or directory)")
+        if info.st_size > MAX_REGISTRY_BYTES:
+            raise RegistryError(_too_big(path, info.st_size))
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            raw = stream.read(MAX_REGISTRY_BYTES + 1)  # the file may grow between fstat and read
+    except OSError as error:
+        raise RegistryError(f"{path}: cannot read the registry: {error.strerror or error}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_REGISTRY_BYTES:
+        raise RegistryError(_too_big(path, len(raw)))
+    return raw
+
+
+def _too_big(path: object, size: int) -> str:
+    return f"{path}: the registry is {size} bytes; the limit is {MAX_REGISTRY_BYTES} (a registry is a few KB)"
+
+
 def parse_registry(text: str, path: str = "<registry>") -> RegistryDocument:
+    if len(text) > MAX_REGISTRY_BYTES:
+        raise RegistryError(_too_big(path, len(text)))
     data, lines = _safe_load_with_lines(text, path)
     try:
         registry = Registry.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        location = tuple(part for part in first["loc"] if not _is_validator_tag(part))
-        line = _deepest_line(lines, location)
-        raise located_error(path, line, location, _message(first)) from None
+        problems = []
+        for detail in error.errors():
+            location = tuple(part for part in detail["loc"] if not _is_validator_tag(part))
+            problems.append((_deepest_line(lines, location), location, _message(detail)))
+        raise errors_in_file_order(path, problems) from None
+    duplicates = list(_duplicate_rule_ids(registry, lines))
+    if duplicates:
+        raise errors_in_file_order(path, duplicates)
     return RegistryDocument(registry=registry, path=path, lines=lines)
+
+
+def _duplicate_rule_ids(registry: Registry, lines: dict[Location, int]):
+    for op, table in registry.ops.items():
+        first: dict[str, int] = {}
+        for index, rule in enumerate(table.rules):
+            location = ("ops", op.value, "rules", index, "id")
+            line = _deepest_line(lines, location)
+            if rule.id in first:
+                yield line, location, f"duplicate rule id `{rule.id}` (first used on line {first[rule.id]})"
+            else:
+                first[rule.id] = line
 
 
 def _is_validator_tag(part: Any) -> bool:
@@ -96,7 +154,7 @@ def _message(error: dict[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         return "unknown field (not part of the registry schema; see `python -m dispatch schema`)"
     if error["type"] == "enum":
-        return f"{error['input']!r} is not allowed: {message}"
+        return f"{quoted(error['input'])} is not allowed: {message}"
     if error["type"] == "missing":
         return "required field is missing"
     return message
@@ -104,15 +162,48 @@ def _message(error: dict[str, Any]) -> str:
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader, but a scalar its tag cannot build (`!!int abc`, `!!timestamp x`) is a YAML error
-    at that scalar's line; PyYAML lets the constructor's own exception escape instead."""
+    at that scalar's line; PyYAML lets the constructor's own exception escape instead. And the
+    document is counted as it is composed: each alias as a copy of its anchor, so an alias bomb is
+    refused at the alias that crosses MAX_REGISTRY_NODES, before anything expands it."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.expanded_nodes = 0
+        self._sizes: dict[yaml.Node, int] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            anchored = self.anchors.get(event.anchor)
+            if anchored is not None:
+                if anchored not in self._sizes:  # still being composed: the alias is inside its anchor
+                    raise _located_yaml_error(f"alias *{event.anchor} refers to a node that contains it", event)
+                self._count(self._sizes[anchored], event)
+            return super().compose_node(parent, index)
+        before = self.expanded_nodes
+        self._count(1, self.peek_event())
+        node = super().compose_node(parent, index)
+        self._sizes[node] = self.expanded_nodes - before
+        return node
+
+    def _count(self, nodes: int, event: yaml.Event) -> None:
+        self.expanded_nodes += nodes
+        if self.expanded_nodes > MAX_REGISTRY_NODES:
+            raise _located_yaml_error(
+                f"more than {MAX_REGISTRY_NODES} YAML nodes with aliases expanded (a registry has a few hundred)", event
+            )
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep)
         except (ValueError, KeyError, AttributeError, TypeError):  # what SafeConstructor's scalar parsers raise
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-            problem = f"{node.value!r} is not a valid {tag}"
+            problem = f"{quoted(node.value)} is not a valid {tag}"
             raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+
+def _located_yaml_error(problem: str, event: yaml.Event) -> yaml.YAMLError:
+    return yaml.composer.ComposerError(None, None, problem, event.start_mark)
 
 
 def _safe_load_with_lines(text: str, path: str) -> tuple[Any, dict[Location, int]]:
@@ -133,7 +224,7 @@ def _safe_load_with_lines(text: str, path: str) -> tuple[Any, dict[Location, int
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
-        raise RegistryError(f"{path}{line}: not valid YAML: {getattr(error, 'problem', error)}") from None
+        raise RegistryError(clipped(f"{path}{line}: not valid YAML: {getattr(error, 'problem', error)}")) from None
     except RecursionError:
         # PyYAML composes recursively; a registry is a few levels deep.
         raise RegistryError(f"{path}: not valid YAML: nested too deeply") from None

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from dispatch.backend import BACKEND_NAME
 from dispatch.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.limits import MAX_RULE_NEXT_N
 
 
 def _as_tuple(value: object) -> object:
-    """Let a single value stand for a one-element list (`arch: sm90`)."""
+    """Let a single value stand for a one-element list (`arch: sm90`). A set or a mapping is refused:
+    where a list's order decides (use, prefer, fallback...), a YAML `!!set` would follow the hash seed,
+    and two ranks reading one file could decide differently."""
+    if isinstance(value, (set, frozenset, dict)):
+        kind = "a set" if isinstance(value, (set, frozenset)) else "a mapping"
+        raise ValueError(f"must be a YAML list such as [a, b], not {kind}: a list's order is part of its meaning")
     return (value,) if isinstance(value, (str, int)) and not isinstance(value, bool) else value
 
 
@@ -23,17 +28,31 @@ class Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
 
-def _one_or_many(item: object) -> object:
-    """A list of `item` in which a single value stands for a one-element list; the JSON Schema says so too."""
-    return Annotated[tuple[item, ...], BeforeValidator(_as_tuple, json_schema_input_type=item | list[item])]
+def _one_or_many(item: object, *, if_empty: str | None = None) -> object:
+    """A list of `item` in which a single value stands for a one-element list; the JSON Schema says so
+    too. With `if_empty`, an empty list is refused with that message (and the schema says minItems 1)."""
+    listed = list[item] if if_empty is None else Annotated[list[item], Field(min_length=1)]
+    parts: list[object] = [BeforeValidator(_as_tuple, json_schema_input_type=item | listed)]
+    if if_empty is not None:
+        parts.append(AfterValidator(lambda values: _not_empty(values, if_empty)))
+    return Annotated[tuple[item, ...], *parts]
 
 
-BackendName = Annotated[str, Field(pattern=f"^{BACKEND_NAME}$")]
+def _not_empty(values: tuple, message: str) -> tuple:
+    if not values:
+        raise ValueError(message)
+    return values
+
+
+# Any non-empty text: whether a backend of that name exists is checked against what plugins registered,
+# where a near miss (`Triton`, `tritn`) gets "unknown backend" and the nearest name.
+BackendName = Annotated[str, Field(min_length=1)]
 NameList = _one_or_many(BackendName)
-ArchList = _one_or_many(Arch)
-ModeList = _one_or_many(ForwardMode)
-Fp8DtypeList = _one_or_many(Fp8Dtype)
-NextN = Annotated[int, Field(ge=1, strict=True)]
+_MATCHES_NOTHING = "an empty list matches nothing; leave the field out to match any value"
+ArchList = _one_or_many(Arch, if_empty=_MATCHES_NOTHING)
+ModeList = _one_or_many(ForwardMode, if_empty=_MATCHES_NOTHING)
+Fp8DtypeList = _one_or_many(Fp8Dtype, if_empty=_MATCHES_NOTHING)
+NextN = Annotated[int, Field(ge=1, le=MAX_RULE_NEXT_N, strict=True)]
 
 
 class NextNRange(Strict):
@@ -64,13 +83,6 @@ class When(Strict):
     next_n: Annotated[NextNRange, BeforeValidator(_next_n, json_schema_input_type=NextN | NextNRange)] | None = None
     fp8_dtype: Fp8DtypeList | None = None
 
-    @field_validator("arch", "forward_mode", "fp8_dtype")
-    @classmethod
-    def _not_empty(cls, values: tuple | None) -> tuple | None:
-        if values is not None and not values:
-            raise ValueError("an empty list matches nothing; leave the field out to match any value")
-        return values
-
     @model_validator(mode="after")
     def _pairs_can_occur(self) -> "When":
         if self.arch is None or self.fp8_dtype is None:
@@ -94,23 +106,29 @@ class When(Strict):
 class Rule(Strict):
     id: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
     when: When = When()
-    use: Annotated[NameList, Field(min_length=1)]
+    use: _one_or_many(BackendName, if_empty="an empty list serves nothing; name at least one backend")
     why: str = ""
 
 
 class OpTable(Strict):
+    # The JSON Schema says what _serves_something checks: non-empty rules or a non-empty fallback.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["rules"], "properties": {"rules": {"minItems": 1}}},
+                {"required": ["fallback"], "properties": {"fallback": {"minItems": 1}}},
+            ]
+        }
+    )
+    # Rule ids are unique per op; dispatch.registry.document checks that, pointing at the duplicate's line.
     rules: tuple[Rule, ...] = ()
     fallback: NameList = ()
 
-    @field_validator("rules")
-    @classmethod
-    def _unique_ids(cls, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
-        seen: set[str] = set()
-        for rule in rules:
-            if rule.id in seen:
-                raise ValueError(f"duplicate rule id `{rule.id}`")
-            seen.add(rule.id)
-        return rules
+    @model_validator(mode="after")
+    def _serves_something(self) -> "OpTable":
+        if not self.rules and not self.fallback:
+            raise ValueError("serves no key: give it rules or a fallback")
+        return self
 
 
 class ClusterMatch(Strict):
@@ -133,11 +151,24 @@ ClusterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
 
 
 class Registry(Strict):
+    # An editor's schema reference (`$schema: ./registry.schema.json`); not part of the meaning.
+    schema_ref: str | None = Field(default=None, alias="$schema", exclude=True)
     version: Literal[1]
     disabled: NameList = ()  # off unless a cluster enables them (experimental paths)
-    ops: dict[Op, OpTable]
+    ops: Annotated[dict[Op, OpTable], Field(json_schema_extra={"required": [op.value for op in Op]})]
     clusters: dict[ClusterName, Cluster] = {}
 
+    @field_validator("ops")
+    @classmethod
+    def _every_op(cls, ops: dict[Op, OpTable]) -> dict[Op, OpTable]:
+        # A plan decides both ops, and a file cut short (written in place, torn) most often loses the
+        # ops at its end: a registry declares every op, so a missing one is an error, not a gap.
+        missing = [op.value for op in Op if op not in ops]
+        if missing:
+            every = ", ".join(o.value for o in Op)
+            raise ValueError(f"missing {', '.join(missing)}: a registry declares every op ({every})")
+        return ops
+
     def table(self, op: Op) -> OpTable:
-        return self.ops.get(op, OpTable())
+        return self.ops[op]  # every op is declared (checked at load)
 
