@@ -160,6 +160,7 @@ def test_exit_1_when_no_backend_fits(capsys, tmp_path):
             fallback: [torch.reference.flatten]
           indexer_q_quant: {fallback: [torch.reference]}
           topk: {fallback: [torch.reference]}
+          ragged_mqa_logits: {fallback: [torch.reference]}
         """,
     )
     code, out, err = run(
@@ -196,7 +197,7 @@ def test_exit_2_on_an_invalid_registry(capsys, tmp_path):
 
 def test_exit_2_on_an_unknown_backend_name(capsys, tmp_path):
     path = write_registry(
-        tmp_path, "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [torch.reference, no.such.backend]\n  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n"
+        tmp_path, "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [torch.reference, no.such.backend]\n  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n  ragged_mqa_logits: {fallback: [torch.reference]}\n"
     )
     code, out, err = run(capsys, "validate", str(path))
     assert_clean_exit_2(code, out, err)
@@ -218,6 +219,7 @@ def test_exit_2_on_lint_findings(capsys, tmp_path):
                 use: [torch.reference]
           indexer_q_quant: {fallback: [torch.reference]}
           topk: {fallback: [torch.reference]}
+          ragged_mqa_logits: {fallback: [torch.reference]}
         """,
     )
     code, out, err = run(capsys, "validate", str(path))

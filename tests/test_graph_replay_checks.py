@@ -25,6 +25,8 @@ ops:
     fallback: torch.reference
   topk:
     fallback: torch.reference
+  ragged_mqa_logits:
+    fallback: torch.reference
 """
 
 

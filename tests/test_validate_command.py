@@ -42,7 +42,7 @@ def test_the_shipped_registry_is_ok(capsys, tmp_path):
 
 
 def test_every_schema_error_in_one_run_in_file_order(capsys, tmp_path):
-    text = SHIPPED.replace("when: {arch: sm100, fp8_dtype: e4m3fn}", "when: {arch: sm101, fp8_dtype: e4m3fn}")
+    text = SHIPPED.replace("when: {arch: sm100, fp8_dtype: e4m3fn}", "when: {arch: sm101, fp8_dtype: e4m3fn}", 1)
     text = text.replace("when: {arch: sm90, next_n: {min: 3}}", "when: {arch: sm90, next_n: {min: 3}, colour: red}")
     text = text.replace("    match: {arch: sm90, gpu_name:", "    match: {arch: sm91, gpu_name:")
     code, out, err = validate(capsys, tmp_path, text)
@@ -59,7 +59,7 @@ def test_every_schema_error_in_one_run_in_file_order(capsys, tmp_path):
 
 
 def test_unknown_names_and_lint_together_in_file_order(capsys, tmp_path):
-    text = SHIPPED.replace("use: [deepgemm.sm90, triton]", "use: [deepgemm.sm90, tritn]")
+    text = SHIPPED.replace("use: [deepgemm.sm90, triton]", "use: [deepgemm.sm90, tritn]", 1)
     text = text.replace("prefer: [torch.reference]", "prefer: [Torch.Reference]")
     text = text.replace("      - id: portable-triton\n", "      - id: never\n        when: {arch: cpu}\n        use: [triton]\n      - id: portable-triton\n")
     code, out, err = validate(capsys, tmp_path, text)
@@ -68,7 +68,8 @@ def test_unknown_names_and_lint_together_in_file_order(capsys, tmp_path):
     assert len(lines) == 3, err
     assert lines[0].startswith("dispatch: R:19: ops.paged_mqa_logits.rules[1].use[1]: unknown backend `tritn`; did you mean `triton`?")
     assert lines[1].startswith("lint: R:37: ops.paged_mqa_logits.rules[6]: rule `cpu-reference` can never fire: earlier rules `never`")
-    assert lines[2].startswith("dispatch: R:75: clusters.reference-only.prefer[0]: unknown backend `Torch.Reference`; did you mean `torch.reference`?")
+    prefer_line = text.splitlines().index("    prefer: [Torch.Reference]") + 1
+    assert lines[2].startswith(f"dispatch: R:{prefer_line}: clusters.reference-only.prefer[0]: unknown backend `Torch.Reference`; did you mean `torch.reference`?")
 
 
 def test_a_name_with_a_capital_letter_is_an_unknown_backend_not_a_regex_error(capsys, tmp_path):
@@ -112,6 +113,11 @@ ops:
         when: {arch: sm90}
         use: [torch.reference]
   topk:
+    rules:
+      - id: only-sm90
+        when: {arch: sm90}
+        use: [torch.reference]
+  ragged_mqa_logits:
     rules:
       - id: only-sm90
         when: {arch: sm90}
