@@ -32,6 +32,10 @@ class ForwardBatch:
     max_seq_len: int  # host-side max(L); engines keep it on the host, so reading it costs no sync
     forward_mode: ForwardMode
     next_n: int  # tokens scored per request in this batch (1 + drafts when verifying)
+    # Blocks in the engine's KV pool: every layer's kv_cache.shape[0] (engines slice layers out of one
+    # pool). Given, the page table is checked against it once per batch, in build_plan; None defers that
+    # to the first layer call, which reads it from that layer's cache (dispatch/bounds.py).
+    num_kv_blocks: int | None = None
 
 
 # The ops a batch's plan decides, per forward mode, in the order IndexerStep.select runs them. Paged
@@ -85,6 +89,7 @@ class IndexerPlan:
     states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
     # int32 [1] on the plan's device, zeroed here, ORed into by backends (dispatch/bounds.py bits).
     error_flags: torch.Tensor | None = None
+    num_kv_blocks: int | None = None  # ForwardBatch.num_kv_blocks: the pool the page table must index
 
     def __post_init__(self) -> None:
         if self.error_flags is None:
@@ -160,6 +165,7 @@ class IndexerPlan:
             "batch_size": self.batch_size,
             "next_n": self.next_n,
             "max_context_len": self.max_context_len,
+            "num_kv_blocks": self.num_kv_blocks,
             "context_lens_shape": list(self.context_lens.shape),
             "block_table_shape": list(self.block_table.shape),
             "decisions": {op.value: decision.as_dict() for op, decision in self.decisions.items()},
@@ -231,6 +237,7 @@ def build_plan(
         context_lens=context_lens,
         block_table=block_table,
         max_context_len=batch.max_seq_len,
+        num_kv_blocks=batch.num_kv_blocks,
         page_rows=page_rows(logits.layout, batch_size, batch.next_n, batch.seq_lens.device),
     )
     states = prepare_states(decisions, plan)

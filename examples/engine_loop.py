@@ -108,8 +108,9 @@ def paged_plan(step: IndexerStep, kv: PagedKV, lengths: list[int], mode: Forward
     for request, length in enumerate(lengths):
         kv.grow(request, length)
     batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32, device=device), kv.table(device),
-                         max_seq_len=max(lengths), forward_mode=mode, next_n=next_n)
-    plan = step.plan(batch)  # once per batch: the decision and its layout's tensors
+                         max_seq_len=max(lengths), forward_mode=mode, next_n=next_n,
+                         num_kv_blocks=kv.caches.shape[1])  # the pool: its page table is checked once per batch
+    plan = step.plan(batch)  # once per batch: the decision, its layout's tensors, the page checks
     print(f"step: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
           f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.indexer_q_quant.backend}")
     positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=device)

@@ -37,6 +37,7 @@ def plan_for(
     forward_mode: ForwardMode | None = None,
     arch: Arch = Arch.CPU,
     max_seq_len: int | None = None,
+    num_kv_blocks: int | None = None,
 ) -> IndexerPlan:
     mode = forward_mode or (ForwardMode.DECODE if next_n == 1 else ForwardMode.TARGET_VERIFY)
     key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8_dtype)
@@ -51,6 +52,7 @@ def plan_for(
         block_table=block_table,
         max_context_len=int(seq_lens.max()) if max_seq_len is None else max_seq_len,
         page_rows=page_rows(backend.layout, seq_lens.shape[0], next_n, seq_lens.device),
+        num_kv_blocks=num_kv_blocks,
     )
     if backend.prepare is None:
         return plan

@@ -51,14 +51,17 @@ def poisoned_tokens(table: torch.Tensor, seq_lens, next_n, num_blocks, max_len) 
     return out
 
 
-def run_triton(layout, seq_lens, next_n, table, batch, max_len):
+def run_triton(layout, seq_lens, next_n, table, batch, max_len, *, pool_given=True):
+    """The Triton backend through a plan: its page guard runs in prepare when the plan knows the pool
+    (pool_given), else at this first layer call."""
     backend = BACKENDS["triton" if layout is Layout.NATIVE else "triton.flatten"]
-    plan = plan_for(backend, batch.seq_lens, table, next_n, max_seq_len=max_len)
+    pool = batch.kv_cache.shape[0] if pool_given else None
+    plan = plan_for(backend, batch.seq_lens, table, next_n, max_seq_len=max_len, num_kv_blocks=pool)
     out = backend.run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
     return plan, out
 
 
-def run_deepgemm_flatten(table, batch, next_n, max_len):
+def run_deepgemm_flatten(table, batch, next_n, max_len, *, pool_given=True):
     """deepgemm.sm90.flatten against the recording stand-in (it computes with the torch reference, which
     raises on an out-of-range entry it is handed: so the guard's table must be safe)."""
     from backends.deepgemm.plugin import deepgemm_backends
@@ -67,7 +70,8 @@ def run_deepgemm_flatten(table, batch, next_n, max_len):
 
     fake = FakeDeepGemm(num_sms=8)
     backend = next(b for b in deepgemm_backends(load=lambda: fake) if b.name == "deepgemm.sm90.flatten")
-    plan = plan_for(backend, batch.seq_lens, table, next_n, arch=Arch.SM90, max_seq_len=max_len)
+    pool = batch.kv_cache.shape[0] if pool_given else None
+    plan = plan_for(backend, batch.seq_lens, table, next_n, arch=Arch.SM90, max_seq_len=max_len, num_kv_blocks=pool)
     return plan, backend.run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
 
 
@@ -108,12 +112,13 @@ def test_out_of_range_pages_poison_exactly_the_tokens_that_need_them(data):
         table[r, p] = data.draw(st.sampled_from(bad_entries(num_blocks)), label=f"entry[{r}, {p}]")
     max_len = max(seq_lens)
     poisoned = poisoned_tokens(table, seq_lens, next_n, num_blocks, max_len)
+    pool_given = data.draw(st.booleans(), label="pool given (else guarded at the first layer call)")
 
     if backend == "deepgemm.sm90.flatten":
-        plan, out = run_deepgemm_flatten(table, batch, next_n, max_len)
+        plan, out = run_deepgemm_flatten(table, batch, next_n, max_len, pool_given=pool_given)
     else:
         layout = Layout.NATIVE if backend == "triton" else Layout.FLATTEN
-        plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
+        plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len, pool_given=pool_given)
     in_range = torch.where((table >= 0) & (table < num_blocks), table, 0)
     assert_poisoned_and_rest_exact(out, expected_good_rows(plan, batch, in_range, max_len), poisoned)
     assert int(plan.error_flags) == (BAD_PAGE if any(poisoned) else 0)
@@ -273,9 +278,131 @@ def test_indexer_step_on_the_reference_raises_naming_the_entry():
             plan.check_errors()
 
 
+# --- The page guard runs once per batch, not per layer --------------------------------------------
+
+
+def count_guard_launches(monkeypatch) -> list[int]:
+    from backends.triton.page_guard import PageGuard
+
+    launches = []
+    original = PageGuard.launch
+
+    def counted(self, num_blocks):
+        launches.append(num_blocks)
+        return original(self, num_blocks)
+
+    monkeypatch.setattr(PageGuard, "launch", counted)
+    return launches
+
+
+@pytest.mark.parametrize("pool_given", [True, False], ids=["pool-given", "first-layer"])
+def test_the_guard_runs_once_per_batch_however_many_layers(monkeypatch, pool_given):
+    launches = count_guard_launches(monkeypatch)
+    seq_lens, next_n = [90, 40], 2
+    batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=11)
+    table = batch.page_table.clone()
+    table[0, 1] = 2**31 - 1
+    backend = BACKENDS["triton"]
+    pool = batch.kv_cache.shape[0] if pool_given else None
+    plan = plan_for(backend, batch.seq_lens, table, next_n, num_kv_blocks=pool)
+    assert len(launches) == (1 if pool_given else 0)
+    outs = [backend.run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights) for _ in range(3)]
+    assert launches == [batch.kv_cache.shape[0]]
+    for out in outs:
+        assert torch.isnan(out[:2]).all() and not torch.isnan(out[2:]).any()
+    with pytest.raises(IndexBoundsError, match="page-table entry outside"):
+        plan.check_errors()
+
+
+@pytest.mark.parametrize("pool_given", [True, False], ids=["pool-given", "first-layer"])
+def test_a_layer_cache_smaller_than_the_checked_pool_is_refused(pool_given):
+    from dispatch.errors import LayoutError
+
+    seq_lens, next_n = [90, 40], 1
+    batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=12)
+    blocks = batch.kv_cache.shape[0]
+    backend = BACKENDS["triton"]
+    pool = blocks + 3 if pool_given else None
+    plan = plan_for(backend, batch.seq_lens, batch.page_table, next_n, num_kv_blocks=pool)
+    q = plan.q_in_layout(batch.q_tokens)
+    if not pool_given:  # the first layer's cache sets the pool; a later, smaller one is refused
+        backend.run(plan, q, batch.kv_cache, batch.weights)
+        smaller = batch.kv_cache[: blocks - 1]
+    else:
+        smaller = batch.kv_cache
+    with pytest.raises(LayoutError, match=rf"kv_cache has {smaller.shape[0]} blocks, fewer than the pool of"):
+        backend.run(plan, q, smaller, batch.weights)
+
+
+def test_the_engines_pool_is_the_bound_even_inside_a_larger_tensor():
+    # Blocks past the declared pool belong to no request (another layer's slice, say): an entry there
+    # poisons its token although the tensor handed in is large enough to hold it.
+    seq_lens, next_n = [130, 70], 1
+    batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=13)
+    pool = batch.kv_cache.shape[0]
+    tensor = torch.cat([batch.kv_cache, batch.kv_cache[:2]])  # two blocks past the pool, same bytes
+    table = batch.page_table.clone()
+    table[1, 1] = pool  # inside the tensor, outside the pool; request 1 needs page 1 (keys 64..69)
+    backend = BACKENDS["triton"]
+    plan = plan_for(backend, batch.seq_lens, table, next_n, num_kv_blocks=pool)
+    out = backend.run(plan, plan.q_in_layout(batch.q_tokens), tensor, batch.weights)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    assert int(plan.error_flags) == BAD_PAGE
+
+
+@pytest.mark.parametrize("name", ["triton", "triton.flatten", "deepgemm.sm90"])
+def test_a_refreshed_plan_guards_the_new_batch_in_place(name):
+    """What dispatch.graphs.update does before a replay: the new lens and table copied into the captured
+    plan, then refresh_state. The guard's tensors keep their addresses (the graph reads them) and now
+    poison the new batch's bad entry."""
+    from dispatch.errors import GraphMismatchError
+    from dispatch.key import Arch
+
+    if name.startswith("deepgemm"):
+        from backends.deepgemm.plugin import deepgemm_backends
+        from tests.fake_deep_gemm import FakeDeepGemm
+
+        fake = FakeDeepGemm(num_sms=8)
+        backend = next(b for b in deepgemm_backends(load=lambda: fake) if b.name == name)
+        heads, arch = 32, Arch.SM90
+    else:
+        backend, heads, arch = BACKENDS[name], 16, Arch.CPU
+    next_n = 2
+    first = paged_batch([100, 60], next_n, heads=heads, head_dim=32, seed=14)
+    pool = first.kv_cache.shape[0]
+    plan = plan_for(backend, first.seq_lens, first.page_table, next_n, arch=arch, num_kv_blocks=pool)
+    q = plan.q_in_layout(first.q_tokens)
+    backend.run(plan, q, first.kv_cache, first.weights)
+    guard = plan.state if name.startswith("triton") else plan.state.guard
+    addresses = (guard.safe_table.data_ptr(), guard.lens.data_ptr(), guard.fill.data_ptr())
+
+    second_lens = torch.tensor([70, 100], dtype=torch.int32)
+    second_table = first.page_table.clone()
+    second_table[1, 1] = -7  # request 1 now needs page 1
+    fresh = plan_for(backend, second_lens, second_table, next_n, arch=arch, num_kv_blocks=pool,
+                     max_seq_len=plan.max_context_len)
+    plan.context_lens.copy_(fresh.context_lens)
+    plan.block_table.copy_(fresh.block_table)
+    plan.reset_errors()
+    backend.refresh_state(plan.state, fresh.state)
+    assert (guard.safe_table.data_ptr(), guard.lens.data_ptr(), guard.fill.data_ptr()) == addresses
+    out = backend.run(plan, q, first.kv_cache, first.weights)
+    poisoned = poisoned_tokens(second_table, [70, 100], next_n, pool, plan.max_context_len)
+    assert poisoned == [False, False, True, True]
+    for row, bad in enumerate(poisoned):
+        assert torch.isnan(out[row]).all() if bad else not torch.isnan(out[row]).any()
+    assert int(plan.error_flags) == BAD_PAGE
+
+    other_pool = plan_for(backend, second_lens, second_table, next_n, arch=arch, num_kv_blocks=pool + 1,
+                          max_seq_len=plan.max_context_len)
+    with pytest.raises(GraphMismatchError, match=f"num_kv_blocks={pool + 1}"):
+        backend.refresh_state(plan.state, other_pool.state)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("pool_given", [True, False], ids=["pool-given", "first-layer"])
 @pytest.mark.parametrize("layout", [Layout.NATIVE, Layout.FLATTEN])
-def test_out_of_range_pages_on_gpu(layout):
+def test_out_of_range_pages_on_gpu(layout, pool_given):
     """Serving-like shape on the GPU: entries of 2**31 - 1, -1 and num_blocks in needed and padding pages."""
     seq_lens, next_n = [3000, 64, 700, 1], 4
     batch = paged_batch(seq_lens, next_n, heads=64, head_dim=128, seed=9, device="cuda")
@@ -284,11 +411,7 @@ def test_out_of_range_pages_on_gpu(layout):
     table[0, 30], table[1, 5], table[2, 10] = 2**31 - 1, -1, num_blocks  # needed, padding, needed by a few
     max_len = max(seq_lens)
     poisoned = poisoned_tokens(table.cpu(), seq_lens, next_n, num_blocks, max_len)
-    if backend == "deepgemm.sm90.flatten":
-        plan, out = run_deepgemm_flatten(table, batch, next_n, max_len)
-    else:
-        layout = Layout.NATIVE if backend == "triton" else Layout.FLATTEN
-        plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len)
+    plan, out = run_triton(layout, seq_lens, next_n, table, batch, max_len, pool_given=pool_given)
     in_range = torch.where((table >= 0) & (table < num_blocks), table, 0)
     expected = expected_good_rows(plan, batch, in_range, max_len)
     for row, bad in enumerate(poisoned):

@@ -112,7 +112,7 @@ def test_native_arguments(generation, name, next_n):
     # guard's copy (out-of-range entries would point at block 0; these are all in range).
     pages = -(-max(SEQ_LENS) // 64)
     assert torch.equal(block_table, batch.page_table[:, :pages]) and block_table.shape[0] == rows
-    assert schedule is plan.state and tuple(schedule.shape) == (NUM_SMS + 1, 2)
+    assert schedule is plan.state.schedule and tuple(schedule.shape) == (NUM_SMS + 1, 2)
     assert (max_len, clean) == (max(SEQ_LENS), False)
 
 
@@ -135,7 +135,7 @@ def test_schedule_comes_from_the_lens_the_kernel_receives():
     (schedule_call,) = fake.calls_to("get_paged_mqa_logits_metadata")
     (call,) = fake.calls_to("fp8_fp4_paged_mqa_logits")
     assert call.args[3] is schedule_call.args[0] is plan.context_lens
-    assert call.args[5] is plan.state
+    assert call.args[5] is plan.state.schedule
 
 
 def test_schedule_is_built_once_per_plan_not_per_layer():
@@ -148,12 +148,13 @@ def test_schedule_is_built_once_per_plan_not_per_layer():
         backend.run(plan, q, batch.kv_cache, batch.weights)
     assert len(fake.calls_to("get_paged_mqa_logits_metadata")) == 1
     logits_calls = fake.calls_to("fp8_fp4_paged_mqa_logits")
-    assert len(logits_calls) == 4 and all(call.args[5] is plan.state for call in logits_calls)
+    assert len(logits_calls) == 4 and all(call.args[5] is plan.state.schedule for call in logits_calls)
 
 
 def test_lens_and_schedule_refreshed_in_place_are_followed_like_a_graph_replay():
-    # dispatch.graphs refreshes a captured plan in place: the lens and table copied in, the schedule
-    # (plan.state) copied from a fresh prepare. The next run must answer for the new batch.
+    # dispatch.graphs refreshes a captured plan in place: the lens and table copied in, then the backend's
+    # refresh_state (the schedule copied from a fresh prepare, the page guard run again). The next run
+    # must answer for the new batch.
     fake = FakeDeepGemm(num_sms=NUM_SMS)
     backend = backend_named("deepgemm.sm90", fake)
     first, second = paged_batch([70, 5, 130], 2, seed=1), paged_batch([30, 129, 64], 2, seed=2)
@@ -162,8 +163,11 @@ def test_lens_and_schedule_refreshed_in_place_are_followed_like_a_graph_replay()
     fresh = plan_for(backend, second.seq_lens, second.page_table, 2, arch=Arch.SM90)
     plan.context_lens.copy_(fresh.context_lens)
     plan.block_table.copy_(fresh.block_table)
-    plan.state.copy_(fresh.state)
-    out = backend.run(plan, plan.q_in_layout(second.q_tokens), second.kv_cache, second.weights)
+    backend.refresh_state(plan.state, fresh.state)
+    # A captured graph keeps one cache: the second batch's blocks inside one as large as the first's.
+    spare = first.kv_cache.shape[0] - second.kv_cache.shape[0]
+    cache = torch.cat([second.kv_cache, torch.zeros_like(first.kv_cache[: max(spare, 0)])])
+    out = backend.run(plan, plan.q_in_layout(second.q_tokens), cache, second.weights)
     width = second.max_seq_len  # the plan keeps its captured width, 130
     assert torch.equal(out[:, :width], expected_logits(second))
     assert (out[:, width:] == float("-inf")).all()

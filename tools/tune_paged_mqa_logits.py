@@ -25,11 +25,11 @@ from dispatch.bench.ceilings import measure_ceilings
 from dispatch.bench.compare import compare_logits
 from dispatch.bench.paged_cache import build_paged_kv_cache, page_table_for, pages_of
 from dispatch.bench.workload import LogitsShape, logits_floor_counts
-from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND
+from dispatch.bounds import new_error_flags
 from dispatch.kv_cache import BLOCK_KV
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
+from backends.triton.page_guard import guard_pages
 from backends.triton.paged_mqa_logits import (
-    SCAN_PAGES,
     LaunchConfig,
     _paged_mqa_logits_kernel,
     default_config,
@@ -79,9 +79,11 @@ class Batch:
             for _ in range(sets - 1)
         ]
         self.sets = sets
+        self.guards = {}
 
     def inputs(self, next_n: int, layout: Layout, seed: int) -> list[tuple]:
-        """Per set: (q, kv_cache, weights, context_lens, block_table, max_context_len) in `layout`."""
+        """Per set: (q, kv_cache, weights, context_lens, block_table, max_context_len) in `layout`.
+        Each set's page guard (once per batch in serving) is made here, so the sweep times the kernel."""
         batch = self.seq_lens.shape[0]
         torch.manual_seed(seed)
         out = []
@@ -92,7 +94,12 @@ class Batch:
             rows = context_lens.shape[0]
             q = q.to(torch.float8_e4m3fn).view(rows, -1, HEADS, HEAD_DIM)
             out.append((q, self.cache, weights, context_lens, block_table, self.max_len))
+            self.guards[id(out[-1])] = guard_pages(context_lens, block_table, self.cache.shape[0], self.max_len,
+                                                   BLOCK_KV, new_error_flags(DEVICE))
         return out
+
+    def run(self, inputs: tuple, config: LaunchConfig) -> torch.Tensor:
+        return triton_paged_mqa_logits(*inputs, config=config, guard=self.guards[id(inputs)])
 
     def floor_terms(self, next_n: int) -> tuple[float, float]:
         """(bytes, flops) the problem needs at minimum, whatever the layout (the bench's floor)."""
@@ -133,13 +140,13 @@ def _sweep(args, log) -> None:
             record = {"shape": name, "next_n": next_n, "layout": layout.value, "config": config.__dict__,
                       "default": config == default}
             try:
-                err, check = compare_logits(triton_paged_mqa_logits(*sets[0], config=config), ref, TOLERANCE)
+                err, check = compare_logits(batch.run(sets[0], config), ref, TOLERANCE)
                 if args.profile:
-                    triton_paged_mqa_logits(*sets[1], config=config)
+                    batch.run(sets[1], config)
                     torch.cuda.synchronize()
                     print(f"{name} {config}: {check}; launched for the profiler")
                     continue
-                seconds = do_bench(_rotating(sets, config), warmup=args.warmup_ms, rep=args.rep_ms,
+                seconds = do_bench(_rotating(batch, sets, config), warmup=args.warmup_ms, rep=args.rep_ms,
                                    return_mode="median") * 1e-3
                 record.update(err=err, check=check, us=seconds * 1e6, floor_us=floor_s * 1e6,
                               of_floor=seconds / floor_s, GBps=nbytes / seconds / 1e9, TFLOPs=flops / seconds / 1e12)
@@ -162,10 +169,10 @@ def _sweep(args, log) -> None:
                 print("  default:", _row(dflt))
 
 
-def _rotating(sets: list[tuple], config: LaunchConfig):
+def _rotating(batch: Batch, sets: list[tuple], config: LaunchConfig):
     """A call that takes the next input set each time, so no set stays in L2 between calls."""
     turn = iter(range(1 << 62))
-    return lambda: triton_paged_mqa_logits(*sets[next(turn) % len(sets)], config=config)
+    return lambda: batch.run(sets[next(turn) % len(sets)], config)
 
 
 def _row(r: dict) -> str:
@@ -187,7 +194,7 @@ def resources() -> None:
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     names = _paged_mqa_logits_kernel.arg_names
-    pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*fp32", "*i32"]
+    pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*fp32"]
     seen = set()
     for (name, next_n, _), configs in SWEEP.items():
         for config in configs:
@@ -197,8 +204,7 @@ def resources() -> None:
                 continue
             seen.add(key)
             constexprs = {"N": next_n, "TG": tokens, "H": HEADS, "D": HEAD_DIM, "BLOCK_KV": BLOCK_KV,
-                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0, "NAN_BYTES": 0, "SCAN_PAGES": SCAN_PAGES,
-                          "BAD_PAGE": BAD_PAGE, "LENGTH_PAST_BOUND": LENGTH_PAST_BOUND}
+                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0, "NAN_BYTES": 0}
             signature = {n: (pointer_types[i] if i < len(pointer_types) else "constexpr" if n in constexprs else "i32")
                          for i, n in enumerate(names)}
             aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

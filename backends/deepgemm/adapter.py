@@ -21,10 +21,11 @@ The paged logits API, tolerant of the generations in the field:
 
 Every function takes the module as its first argument, so tests can hand in a recording stand-in.
 
-Bounds: deep_gemm follows every table entry a length covers without checking it, so run first launches
-backends/triton/page_guard.py (one small kernel, no sync): deep_gemm gets a copy of the table whose
-out-of-range entries point at block 0, the masking pass makes an affected token's row all NaN, and the
-plan's error flag is set. What the guard cannot fix: a length past max_context_len. The lens must stay
+Bounds: deep_gemm follows every table entry a length covers without checking it, so prepare, once per
+batch, launches backends/triton/page_guard.py (one small kernel, no sync; at the first layer call when
+the engine did not give the plan its pool size): every layer's deep_gemm call gets the guard's copy of
+the table, whose out-of-range entries point at block 0, the masking pass makes an affected token's row
+all NaN, and the plan's error flag is set. What the guard cannot fix: a length past max_context_len. The lens must stay
 the ones the schedule was built from, so deep_gemm still scores (and writes) that token's keys up to its
 length, past the row's width, into the 256-aligned padding or the next row. The guard flags and poisons
 the row; the engine must still guarantee max_seq_len >= every length (DISPATCH_DEBUG_BOUNDS=1 checks it
@@ -37,6 +38,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +48,9 @@ from dispatch.input_checks import check_logits_inputs, check_ragged_logits_input
 from dispatch.kv_cache import BLOCK_KV
 from dispatch.layout import Layout
 from dispatch.plan import IndexerPlan
+
+if TYPE_CHECKING:
+    from backends.triton.page_guard import PageGuard
 
 MODULE_NAME = "deep_gemm"
 SCHEDULE = "get_paged_mqa_logits_metadata"
@@ -143,7 +148,7 @@ def mask_past_lengths(
     logits: torch.Tensor, context_lens: torch.Tensor, fill: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Write -inf in row r at every position >= context_lens.flatten()[r], in place; returns `logits`.
-    `fill` (fp32, one value per row) replaces -inf: the page guard gives a poisoned row length 0 and
+    `fill` (fp32, one value per row) replaces -inf: the page guard gives a poisoned row length -1 and
     fill NaN, so the same single pass makes that whole row NaN.
 
     deep_gemm leaves those positions unspecified; the contract says -inf. What it costs: one extra pass
@@ -165,26 +170,38 @@ def mask_past_lengths(
 
 
 @dataclass(frozen=True)
+class DeepGemmState:
+    """A plan's per-batch DeepGEMM state."""
+
+    schedule: torch.Tensor  # int32 [num_sms + 1, 2], built from plan.context_lens itself
+    guard: "PageGuard"  # the batch's page guard: safe table, mask lengths and fill
+
+
+@dataclass(frozen=True)
 class DeepGemmPagedLogits:
     """The paged logits op through deep_gemm, for plans tagged with `layout`.
 
     prepare builds deep_gemm's schedule once per batch, from the very plan.context_lens tensor every
-    layer's kernel call then receives, and the plan keeps it as this backend's state. refresh_state
-    rewrites that schedule in place, so a CUDA-graph replay sees the new batch's split."""
+    layer's kernel call then receives, and launches the batch's page guard; the plan keeps both as this
+    backend's state. refresh_state rewrites them in place, so a CUDA-graph replay sees the new batch."""
 
     layout: Layout
     load: Callable[[], ModuleType]
 
-    def prepare(self, plan: IndexerPlan) -> torch.Tensor:
-        """The batch's schedule, int32 [num_sms + 1, 2], built from plan.context_lens itself."""
+    def prepare(self, plan: IndexerPlan) -> DeepGemmState:
+        """The batch's schedule, built from plan.context_lens itself, and its page guard."""
+        from backends.triton.page_guard import prepare_page_guard  # triton ships with torch on CUDA
+
         module = self.load()
         lens = plan.context_lens
-        return build_schedule(module, lens, num_sms(module, lens.device))
+        return DeepGemmState(build_schedule(module, lens, num_sms(module, lens.device)), prepare_page_guard(plan))
 
     @staticmethod
-    def refresh_state(captured: torch.Tensor, fresh: torch.Tensor) -> None:
-        """Write a fresh batch's schedule into the captured plan's, in place (same shape: [num_sms + 1, 2])."""
-        captured.copy_(fresh)
+    def refresh_state(captured: DeepGemmState, fresh: DeepGemmState) -> None:
+        """Write a fresh batch's schedule into the captured plan's (same shape: [num_sms + 1, 2]) and guard
+        the captured plan's lens and table, already refreshed by dispatch.graphs, in place."""
+        captured.schedule.copy_(fresh.schedule)
+        captured.guard.refresh(fresh.guard.num_blocks)
 
     def run(self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
@@ -195,19 +212,17 @@ class DeepGemmPagedLogits:
             raise LayoutError("kv_cache has no blocks, so no page-table entry can be valid")
         if debug_bounds_on():
             check_pages(plan.context_lens, plan.block_table, num_blocks, plan.max_context_len, BLOCK_KV)
-        from backends.triton.page_guard import guard_pages  # triton ships with torch on CUDA
-
-        guarded = guard_pages(
-            plan.context_lens, plan.block_table, num_blocks, plan.max_context_len, BLOCK_KV, plan.error_flags
-        )
+        state: DeepGemmState = plan.state
+        guard = state.guard.for_cache(kv_cache)  # host-side: the cache covers the pool the guard checked
         logits = launch_paged_mqa_logits(
-            self.load(), q, kv_cache, weights, plan.context_lens, guarded.safe_table, plan.state, plan.max_context_len
+            self.load(), q, kv_cache, weights, plan.context_lens, guard.safe_table, state.schedule, plan.max_context_len
         )
-        return mask_past_lengths(logits, guarded.mask_lens, guarded.fill)
+        return mask_past_lengths(logits, guard.lens, guard.fill)
 
     def _check_schedule(self, plan: IndexerPlan) -> None:
         state = plan.state
-        if not isinstance(state, torch.Tensor) or state.dim() != 2 or state.dtype != torch.int32:
+        schedule = getattr(state, "schedule", None)
+        if not isinstance(schedule, torch.Tensor) or schedule.dim() != 2 or schedule.dtype != torch.int32:
             raise LayoutError(
                 f"the plan holds no DeepGEMM schedule (state is {type(state).__name__}); build it with build_plan"
             )

@@ -10,15 +10,18 @@ in one fp8 dot: tokens x heads is the dot's N, so the relu-weighted sum over hea
 thread and its quad rather than crossing warps (DeepGEMM's SM90 kernel has the same orientation).
 q^T and the weights are loaded once per program. Pages past every token's length are never read.
 
-Bounds (dispatch/bounds.py): before its loop a program reads the table entries of every page its
-tokens need, across the whole row (a few hundred int32 from L2, against the ~270 KB of keys a split
-reads), so that a token with any out-of-range page, or with a length past max_context_len, gets NaN in
-every column of its row in every split, and the plan's error flag gets BAD_PAGE / LENGTH_PAST_BOUND.
-No out-of-range block is ever dereferenced: its loads are masked off.
+Bounds (dispatch/bounds.py): the kernel reads the per-batch page guard's output
+(backends/triton/page_guard.py), not the engine's table and lengths: a table whose every entry lies in
+the cache, and lengths where a poisoned token (a needed page out of range, or a length past
+max_context_len) has -1. The page loop's stores skip a poisoned token and a
+last loop, empty unless a token of the program is poisoned, writes NaN across its row: the page loop
+is the same code as without bounds checks. The guard runs once per batch, not per layer, and has set
+the plan's error flag.
 
-NaN: the relu keeps NaN (max.NaN), so a NaN q, key or weight makes the logit NaN rather than vanishing
-in relu; a non-finite key scale is made NaN; where the dot cannot see an fp8 NaN byte (fnuz emulation,
-the interpreter) the kernel finds it itself (NAN_BY_HARDWARE below).
+NaN: the relu keeps NaN (max.NaN: one FMNMX.NAN, as the plain max is one FMNMX), so a NaN q, key or
+weight makes the logit NaN rather than vanishing in relu; a non-finite key scale becomes NaN through
+fma(s, 0, s) (inf * 0 is NaN; one FFMA per scale); where the dot cannot see an fp8 NaN byte (fnuz
+emulation, the interpreter) the kernel finds it itself (NAN_BY_HARDWARE below).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
-from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND, check_pages, debug_bounds_on, scratch_error_flags
+from backends.triton.page_guard import PageGuard, guard_pages
+from dispatch.bounds import check_pages, debug_bounds_on, scratch_error_flags
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
@@ -71,11 +75,9 @@ def _paged_mqa_logits_kernel(
     k_ptr,  # the cache's bytes as fp8, [num_blocks, BLOCK_KV * (D + 4)]
     s_ptr,  # the cache's scale words as fp32, starting at block 0's first scale
     w_ptr,  # fp32 [R * N, H]
-    ctx_ptr,  # int32 [R, N]
-    table_ptr,  # int32 [R, M]
+    ctx_ptr,  # int32 [R, N]: the guard's lens (-1 for a poisoned token)
+    table_ptr,  # int32 [R, M]: the guard's safe table (every entry inside the cache)
     out_ptr,  # fp32 [R * N, max_context_len]
-    error_flags_ptr,  # int32 [1]: BAD_PAGE and LENGTH_PAST_BOUND are ORed in
-    num_blocks,  # blocks in the cache: a table entry must lie in [0, num_blocks)
     stride_q_row,
     stride_q_tok,
     stride_q_head,
@@ -93,9 +95,6 @@ def _paged_mqa_logits_kernel(
     PAGES: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
     NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
-    SCAN_PAGES: tl.constexpr,  # table entries checked per step of the bounds scan
-    BAD_PAGE: tl.constexpr,
-    LENGTH_PAST_BOUND: tl.constexpr,
 ):
     # The token group varies fastest, so the groups of one row's split run together and the second
     # group's page reads hit L2.
@@ -111,28 +110,19 @@ def _paged_mqa_logits_kernel(
     tok_ok = tok < N
     ctx = tl.load(ctx_ptr + row * stride_ctx_row + tok, mask=tok_ok, other=0)
     num_pages = tl.cdiv(max_context_len, BLOCK_KV)
-    # Pages past the group's longest length are skipped, and never looked up in the table (engines
-    # pad tables with anything); a length past max_context_len is clipped to the output's width.
+    # Pages past the group's longest length are skipped (a poisoned token's -1 reads none); the clip to
+    # the output's width keeps every table read inside the guard's [R, ceil(width / BLOCK_KV)] table.
     valid_pages = tl.minimum(tl.cdiv(tl.max(ctx, axis=0), BLOCK_KV), num_pages)
     page_begin = split * pages_per_split
     page_end = tl.minimum(page_begin + pages_per_split, num_pages)
     col_end = tl.minimum(page_end * BLOCK_KV, max_context_len)
     compute_end = tl.minimum(page_end, valid_pages)
 
-    # Bounds, for the whole row (other splits' pages included, so the row is NaN in every split). The
-    # loop keeps, per lane, the lowest out-of-range page it saw: elementwise, no reduction per step.
-    needed = tl.minimum(tl.cdiv(tl.maximum(ctx, 0), BLOCK_KV), num_pages)  # [TG]: pages each token reads
-    first_bad = tl.full((SCAN_PAGES,), 2**30, tl.int32)
-    for first in range(0, valid_pages, SCAN_PAGES):
-        pages = first + tl.arange(0, SCAN_PAGES)
-        entry = tl.load(table_ptr + row * stride_table_row + pages, mask=pages < valid_pages, other=0)
-        first_bad = tl.minimum(first_bad, tl.where((entry < 0) | (entry >= num_blocks), pages, 2**30))
-    page_fault = (needed > tl.min(first_bad, axis=0)).to(tl.int32)  # [TG]: the token needs a bad page
-    past_bound = tok_ok & (ctx > max_context_len)
-    poisoned = tok_ok & ((page_fault > 0) | past_bound)  # [TG]
-    flags = tl.where(tl.max(page_fault, axis=0) > 0, BAD_PAGE, 0)
-    flags |= tl.where(tl.max(past_bound.to(tl.int32), axis=0) > 0, LENGTH_PAST_BOUND, 0)
-    tl.atomic_or(error_flags_ptr, flags, mask=(flags != 0) & (split == 0))
+    # A token the guard poisoned has length -1: the page loop and the -inf fill leave it alone (their
+    # stores are masked by `live`), and the NaN loop at the end, empty unless a token is poisoned, writes
+    # its row. So the page loop is the same code as without bounds checks.
+    live = tok_ok & (ctx >= 0)  # [TG]
+    poisoned = tok_ok & (ctx < 0)
 
     # q rows are token-major (i * H + h); padded tokens load zeros and carry zero weight.
     qk_row = tl.arange(0, GH)
@@ -158,13 +148,10 @@ def _paged_mqa_logits_kernel(
     for page in range(page_begin, compute_end, PAGES):
         pages_here = page + page_of_t
         block = tl.load(table_ptr + row * stride_table_row + pages_here, mask=pages_here < valid_pages, other=0)
-        # An out-of-range block is never dereferenced (its rows are poisoned); zeros stand in.
-        block_ok = (block >= 0) & (block < num_blocks)
-        block = tl.where(block_ok, block, 0).to(tl.int64)
-        keys = tl.load(k_ptr + (block * BLOCK_BYTES + slot_of_t * D)[:, None] + dim[None, :], mask=block_ok[:, None],
-                       other=0.0)
-        scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t, mask=block_ok, other=0.0)
-        scale = tl.where(tl.abs(scale) <= 3.4028234663852886e38, scale, float("nan"))  # inf scales too
+        block = block.to(tl.int64)
+        keys = tl.load(k_ptr + (block * BLOCK_BYTES + slot_of_t * D)[:, None] + dim[None, :])
+        scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t)
+        scale = tl.fma(scale, 0.0, scale)  # a finite scale unchanged; inf * 0 makes inf (and NaN) NaN
         # Keys are the dot's M and tokens x heads its N: the head sum below stays inside a thread
         # and its quad instead of crossing warps.
         scores = tl.dot(keys, q_t)  # [T, TG * H], fp32 accumulation
@@ -175,20 +162,20 @@ def _paged_mqa_logits_kernel(
         col = page * BLOCK_KV + t
         # A select, not a multiply: bytes past a length are garbage and may decode to NaN.
         logits = tl.where(col[:, None] < ctx[None, :], logits, float("-inf"))
-        logits = tl.where(poisoned[None, :], float("nan"), logits)
-        tl.store(out_rows[None, :] + col[:, None], logits, mask=tok_ok[None, :] & (col < col_end)[:, None])
+        tl.store(out_rows[None, :] + col[:, None], logits, mask=live[None, :] & (col < col_end)[:, None])
     # The columns no compute step wrote (the last step may run past compute_end; its select wrote
-    # -inf there) get -inf (NaN in a poisoned row) without reading anything.
+    # -inf there) get -inf without reading anything.
     fill_begin = tl.maximum(page_begin, page_begin + tl.cdiv(compute_end - page_begin, PAGES) * PAGES)
-    fill = tl.where(poisoned[:, None], float("nan"), tl.full((TG, T), float("-inf"), tl.float32))
+    neg_inf = tl.full((TG, T), float("-inf"), tl.float32)
     for page in range(fill_begin, page_end, PAGES):
         col = page * BLOCK_KV + t
-        tl.store(out_rows[:, None] + col[None, :], fill, mask=tok_ok[:, None] & (col < col_end)[None, :])
-
-
-# Table entries per step of the bounds scan: 256 pages (16K keys) in one 1 KB load (two int32 a thread
-# at 4 warps); a 32K row takes two steps, 128K eight.
-SCAN_PAGES = 256
+        tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=live[:, None] & (col < col_end)[None, :])
+    # Poisoned tokens: NaN in every column of the split. No iteration when none is poisoned.
+    nan_end = tl.where(tl.max(poisoned.to(tl.int32), axis=0) > 0, page_end, page_begin)
+    nan = tl.full((TG, T), float("nan"), tl.float32)
+    for page in range(page_begin, nan_end, PAGES):
+        col = page * BLOCK_KV + t
+        tl.store(out_rows[:, None] + col[None, :], nan, mask=poisoned[:, None] & (col < col_end)[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,12 +216,15 @@ def triton_paged_mqa_logits(
     config: LaunchConfig | None = None,
     out: torch.Tensor | None = None,
     error_flags: torch.Tensor | None = None,
+    guard: PageGuard | None = None,
 ) -> torch.Tensor:
     """fp32 logits [rows * N, max_context_len], -inf past each token's length. No host-device sync.
 
     A token whose length passes max_context_len, or that needs a page-table entry outside
     [0, num_blocks), gets an all-NaN row, and BAD_PAGE / LENGTH_PAST_BOUND is ORed into `error_flags`
-    (int32 [1], the plan's; a per-device scratch word when None). `fnuz_mode` overrides fnuz_mode_for_here() for
+    (int32 [1], the plan's; a per-device scratch word when None). `guard` is this batch's page guard
+    (backends/triton/page_guard.py), launched once per batch by the plan; without one this call
+    launches a guard first (one small extra launch). `fnuz_mode` overrides fnuz_mode_for_here() for
     an e4m3fnuz cache; `config` overrides default_config; `out` is a preallocated result (every element
     is written, so it needs no initialisation).
     """
@@ -254,6 +244,10 @@ def triton_paged_mqa_logits(
                           f"{list(error_flags.shape)} on {error_flags.device}")
     if debug_bounds_on():
         check_pages(context_lens, block_table, num_blocks, max_context_len, block_kv)
+    if guard is None:
+        guard = guard_pages(context_lens, block_table, num_blocks, max_context_len, block_kv, error_flags)
+    else:
+        _check_guard(guard, context_lens, max_context_len, kv_cache)
     if out.numel() == 0:
         return out
     cfg = config or default_config(next_n, q.device)
@@ -269,17 +263,15 @@ def triton_paged_mqa_logits(
         keys,
         scales,
         weights,
-        context_lens,
-        block_table,
+        guard.lens,
+        guard.safe_table,
         out,
-        error_flags,
-        num_blocks,
         q.stride(0),
         q.stride(1),
         q.stride(2),
         weights.stride(0),
-        context_lens.stride(0),
-        block_table.stride(0),
+        guard.lens.stride(0),
+        guard.safe_table.stride(0),
         out.stride(0),
         max_context_len,
         cfg.pages_per_split,
@@ -291,13 +283,23 @@ def triton_paged_mqa_logits(
         PAGES=cfg.pages,
         PRODUCT_SCALE=mode.product_scale,
         NAN_BYTES=nan_bytes_mode(mode),
-        SCAN_PAGES=SCAN_PAGES,
-        BAD_PAGE=BAD_PAGE,
-        LENGTH_PAST_BOUND=LENGTH_PAST_BOUND,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _check_guard(guard: PageGuard, context_lens: torch.Tensor, max_context_len: int, kv_cache: torch.Tensor) -> None:
+    """The guard must be this batch's (its shapes) and cover this cache (host-side: shapes only)."""
+    pages = triton.cdiv(max_context_len, kv_cache.shape[1])
+    if (tuple(guard.lens.shape) != tuple(context_lens.shape) or tuple(guard.safe_table.shape) != (context_lens.shape[0], pages)
+            or guard.max_context_len != max_context_len or guard.lens.device != context_lens.device):
+        raise LayoutError(
+            f"the page guard was built for lens {list(guard.lens.shape)}, table {list(guard.safe_table.shape)}, "
+            f"max_context_len={guard.max_context_len}; this call has lens {list(context_lens.shape)}, "
+            f"max_context_len={max_context_len} ({pages} pages)"
+        )
+    guard.for_cache(kv_cache)
 
 
 def _check(q, kv_cache, weights, context_lens, block_table, max_context_len, fp8_dtype) -> tuple[int, int, int, int]:

@@ -40,9 +40,24 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
             plan.fp8_dtype,
             fnuz_mode=fnuz_mode,
             error_flags=plan.error_flags,
+            guard=plan.state,  # None for a plan built without prepare: the call then guards itself
         )
 
     return run
+
+
+def prepare_logits(plan):
+    """Per batch: the page guard over the plan's table and lens (backends/triton/page_guard.py)."""
+    from backends.triton.page_guard import prepare_page_guard  # imports triton, which the probe found
+
+    return prepare_page_guard(plan)
+
+
+def refresh_logits(captured, fresh) -> None:
+    """Under CUDA graphs: guard the new batch into the captured plan's guard tensors, in place."""
+    from backends.triton.page_guard import refresh_page_guard
+
+    refresh_page_guard(captured, fresh)
 
 
 def logits_backends() -> list[Backend]:
@@ -58,6 +73,8 @@ def logits_backends() -> list[Backend]:
                 archs=TRITON_ARCHS, forward_modes=PAGED_MODES, fp8_dtypes=e4m3fn, next_n_max=NATIVE_NEXT_N_MAX
             ),
             run=logits_runner(Layout.NATIVE),
+            prepare=prepare_logits,
+            refresh_state=refresh_logits,
             probe=probe_for(TRITON_ARCHS),
             version=version,
             description="Triton fp8 dot, native layout: each KV page read once for all next_n tokens",
@@ -68,6 +85,8 @@ def logits_backends() -> list[Backend]:
             layout=Layout.FLATTEN,
             supports=Support(archs=TRITON_ARCHS, forward_modes=PAGED_MODES, fp8_dtypes=e4m3fn),
             run=logits_runner(Layout.FLATTEN),
+            prepare=prepare_logits,
+            refresh_state=refresh_logits,
             probe=probe_for(TRITON_ARCHS),
             version=version,
             description="Triton fp8 dot, flatten layout: one row per token, KV pages read next_n times",
@@ -83,6 +102,8 @@ def logits_backends() -> list[Backend]:
                 next_n_max=NATIVE_NEXT_N_MAX,
             ),
             run=logits_runner(Layout.NATIVE),
+            prepare=prepare_logits,
+            refresh_state=refresh_logits,
             probe=probe_for(FNUZ_ARCHS),
             version=version,
             description="Triton, native layout, e4m3fnuz: tl.float8e4b8 on gfx94x, emulated through e4m3fn elsewhere",

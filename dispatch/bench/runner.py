@@ -127,6 +127,7 @@ def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_d
         max_seq_len=max(inputs.seq_lens_host),
         forward_mode=mode,
         next_n=inputs.q_tokens.shape[0] // inputs.seq_lens.shape[0],
+        num_kv_blocks=inputs.kv_cache.shape[0],  # as an engine passes its pool: the page guard runs here, per batch
     )
     return build_plan(
         dispatcher, batch, kv_fp8_dtype=fp8_dtype, pinned={op: backend}, allow_disabled=True

@@ -58,6 +58,7 @@ def bench_step(
         max_seq_len=max(paged.seq_lens_host),
         forward_mode=mode,
         next_n=shape.next_n,
+        num_kv_blocks=paged.kv_cache.shape[0],  # as an engine passes its pool: the page guard runs per batch
     )
     logits_bytes, logits_flops = logits_floor_counts(shape, paged.seq_lens_host)
     bytes_ = quant_floor_bytes(QuantShape(tokens, shape.heads, shape.head_dim)) + logits_bytes
