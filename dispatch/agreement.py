@@ -29,13 +29,19 @@ def check_ranks_agree(dispatcher: Dispatcher, keys: Iterable[DispatchKey], group
     mine = summary(dispatcher, list(keys))
     gathered: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    differences = []
+    found = differences(gathered)
+    if found:
+        raise RankDisagreementError("ranks disagree:\n  " + "\n  ".join(found))
+
+
+def differences(gathered: list[dict[str, str]]) -> list[str]:
+    """One line per field on which the ranks' summaries differ, grouping the ranks by value."""
+    lines = []
     for field in sorted(set().union(*(g.keys() for g in gathered))):
         values = {rank: g.get(field, "<missing>") for rank, g in enumerate(gathered)}
         if len(set(values.values())) > 1:
             by_value: dict[str, list[int]] = {}
             for rank, value in values.items():
                 by_value.setdefault(value, []).append(rank)
-            differences.append(f"{field}: " + "; ".join(f"ranks {r} -> {v}" for v, r in by_value.items()))
-    if differences:
-        raise RankDisagreementError("ranks disagree:\n  " + "\n  ".join(differences))
+            lines.append(f"{field}: " + "; ".join(f"ranks {r} -> {v}" for v, r in by_value.items()))
+    return lines

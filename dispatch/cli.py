@@ -1,84 +1,155 @@
 """`python -m dispatch`: explain, validate, backends, schema, bench. The one place that turns the
-project's errors into messages and exit codes: 0 success, 1 no backend fits, 2 invalid input."""
+project's errors into messages and exit codes (EXIT_CODES below)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from dispatch.errors import DispatchError, InvalidKeyError, NoBackendError
+from dispatch.errors import BackendError, DispatchError, InvalidKeyError, NoBackendError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
 
-EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID = 0, 1, 2
+EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID, EXIT_BACKEND = 0, 1, 2, 3
+EXIT_CODES = (
+    (EXIT_OK, "done (explain: a backend was decided for every op asked)"),
+    (EXIT_NO_BACKEND, "no backend fits the key"),
+    (EXIT_INVALID, "invalid input: a bad registry, key, batch, option or plugin (the message names file, line and key)"),
+    (EXIT_BACKEND, "a backend raised while running (bench); the message names backend, op, key and rule"),
+)
+DESCRIPTION = (
+    "Declarative hardware dispatch for the DeepSeek sparse-attention indexer: which backend runs each "
+    "indexer op on a machine, and why."
+)
+# 128 + SIGPIPE, what a shell reports for a program whose reader (`| head`) went away.
+EXIT_BROKEN_PIPE = 141
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+class _UsageError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser, self.message = parser, message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises on a usage error instead of exiting, so that main answers in JSON to a
+    `--json` caller here too (subcommand parsers are of this class as well)."""
+
+    def error(self, message: str):
+        raise _UsageError(self, message)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run the CLI; `prog` is how usage names the program (default: the invoked script's name)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parser(prog).parse_args(argv)
+    except _UsageError as usage:
+        usage.parser.print_usage(sys.stderr)
+        print(f"{usage.parser.prog}: error: {usage.message}", file=sys.stderr)
+        if "--json" in argv:
+            _print_json_error("UsageError", EXIT_INVALID, usage.message)
+        return EXIT_INVALID
+    from dispatch.logs import show_logs
+
+    show_logs(args.verbose)
     try:
         return args.command(args)
+    except BrokenPipeError:
+        # The reader closed the pipe; later writes (and the interpreter's flush at exit) would raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except NoBackendError as error:
-        print(f"dispatch: {error}", file=sys.stderr)
-        return EXIT_NO_BACKEND
+        return _fail(args, error, EXIT_NO_BACKEND)
+    except BackendError as error:
+        return _fail(args, error, EXIT_BACKEND)
     except DispatchError as error:
-        print(f"dispatch: {error}", file=sys.stderr)
-        return EXIT_INVALID
+        return _fail(args, error, EXIT_INVALID)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dispatch", description=__doc__)
+def _fail(args: argparse.Namespace, error: DispatchError, code: int) -> int:
+    print(f"dispatch: {error}", file=sys.stderr)
+    if getattr(args, "json", False):
+        _print_json_error(type(error).__name__, code, str(error))
+    return code
+
+
+def _print_json_error(kind: str, code: int, message: str) -> None:
+    print(json.dumps({"error": {"type": kind, "exit_code": code, "message": message}}, indent=2))
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("dispatch-dsa")
+    except importlib.metadata.PackageNotFoundError:
+        return "source checkout (not installed)"
+
+
+def _parser(prog: str | None = None) -> argparse.ArgumentParser:
+    from dispatch.environment import environment_text
+
+    codes = "exit codes:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES)
+    parser = _Parser(
+        prog=prog,
+        description=DESCRIPTION,
+        epilog=f"{environment_text()}\n\n{codes}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s (dispatch-dsa {_version()})")
+    _verbosity(parser, default=0)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    explain = commands.add_parser("explain", help="the chosen path for a key, the rule that chose it, and every rejection")
-    explain.add_argument(
-        "--op",
-        choices=[o.value for o in Op] + ["all"],
-        default=None,
-        help="default: the mode's logits op (ragged_mqa_logits for extend, paged_mqa_logits otherwise)",
-    )
-    explain.add_argument("--arch", choices=[a.value for a in Arch], help="default: this machine's")
-    explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode")
-    explain.add_argument(
-        "--next-n", type=_next_n, default=None,
-        help=f"default: 1 (decode, extend), else 2; at most {MAX_CLI_NEXT_N}",
-    )
-    explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the arch's platform dtype")
-    explain.add_argument(
-        "--seq-lens",
-        type=_seq_lens,
-        help="explain a whole batch plan: each request's total length L, drafts included (e.g. 130,64,7); "
-        f"with --forward-mode extend, each request's new tokens; at most {MAX_CLI_BATCH} requests of at most "
-        f"{MAX_CLI_SEQ_LEN} tokens",
-    )
-    explain.add_argument(
-        "--prefix-lens",
-        type=_prefix_lens,
-        help="with --forward-mode extend and --seq-lens: each request's keys already cached (default: all 0)",
-    )
-    explain.add_argument(
-        "--logits-budget",
-        type=int,
-        default=None,
-        help="with --forward-mode extend and --seq-lens: each chunk's fp32 logits budget in bytes (default: 512 MiB)",
-    )
+    def command(name: str, help: str, function) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+        _verbosity(sub, default=argparse.SUPPRESS)  # after the command too, without overriding one before it
+        sub.set_defaults(command=function)
+        return sub
+
+    explain = command("explain", "the chosen path for a key, the rule that chose it, and every rejection", _explain)
+    explain.add_argument("--op", choices=[o.value for o in Op] + ["all"], default=None,
+                         help="the op to explain, or all (default: the mode's logits op: ragged_mqa_logits for "
+                              "extend, paged_mqa_logits otherwise)")
+    explain.add_argument("--arch", choices=[a.value for a in Arch],
+                         help="explain for this arch, a what-if when it is not this machine's (default: this machine's)")
+    explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode",
+                         help="the batch's forward mode (default: %(default)s)")
+    explain.add_argument("--next-n", type=_next_n, default=None,
+                         help=f"tokens scored per request (default: 1 for decode and extend, else 2; at most {MAX_CLI_NEXT_N})")
+    explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype],
+                         help="the K cache's fp8 dtype (default: the arch's platform dtype)")
+    explain.add_argument("--seq-lens", type=_seq_lens, metavar="L,L,...",
+                         help="explain a whole batch plan: each request's total length L, drafts included, "
+                              f"each at least next-n (e.g. 130,64,7); at most {MAX_CLI_BATCH} requests of at most "
+                              f"{MAX_CLI_SEQ_LEN} tokens; with --forward-mode extend, each request's new tokens")
+    explain.add_argument("--prefix-lens", type=_prefix_lens, metavar="P,P,...",
+                         help="with --forward-mode extend and --seq-lens: each request's keys already cached "
+                              "(default: all 0)")
+    explain.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
+                         help="with --forward-mode extend and --seq-lens: each chunk's fp32 logits budget "
+                              "(default: 512 MiB)")
     _common(explain)
-    explain.set_defaults(command=_explain)
 
-    validate = commands.add_parser("validate", help="validate and lint a registry file")
-    validate.add_argument("path", nargs="?", help="default: the project's registry.yaml")
-    validate.set_defaults(command=_validate)
+    validate = command("validate", "validate and lint a registry file", _validate)
+    validate.add_argument("path", nargs="?", help="the registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")
 
-    backends = commands.add_parser("backends", help="every registered backend, its support and availability here")
-    backends.add_argument("--json", action="store_true")
-    backends.set_defaults(command=_backends)
+    backends = command("backends", "every registered backend, its support and availability here", _backends)
+    backends.add_argument("--json", action="store_true", help="print a JSON list of backends instead of text")
 
-    schema = commands.add_parser("schema", help="the JSON Schema of registry.yaml, for editors")
-    schema.set_defaults(command=_schema)
+    command("schema", "the JSON Schema of registry.yaml, for editors", _schema)
 
-    bench = commands.add_parser("bench", help="check then time every backend available here")
-    _bench_arguments(bench)
+    from dispatch.bench.command import add_arguments
+
+    add_arguments(command("bench", "check then time every backend available here", _bench))
     return parser
+
+
+def _verbosity(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=default,
+                        help="show dispatch's log on stderr: -v each decision (INFO), -vv debug")
 
 
 def _bounded(text: str, what: str, high: int, low: int | None = 1) -> int:
@@ -102,7 +173,8 @@ def _seq_lens(text: str) -> list[int]:
     parts = text.split(",")
     if len(parts) > MAX_CLI_BATCH:
         raise argparse.ArgumentTypeError(f"--seq-lens lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
-    lens = [_bounded(part.strip(), "a --seq-lens length", MAX_CLI_SEQ_LEN) for part in parts]
+    # Only the upper bound here: a length below next_n is ForwardBatch's to refuse, naming the request.
+    lens = [_bounded(part.strip(), "a --seq-lens length", MAX_CLI_SEQ_LEN, low=None) for part in parts]
     if len(lens) * max(lens) > MAX_CLI_PLAN_TOKENS:
         raise argparse.ArgumentTypeError(
             f"--seq-lens: {len(lens)} requests x the longest ({max(lens)}) is past {MAX_CLI_PLAN_TOKENS} tokens, "
@@ -123,13 +195,14 @@ def _prefix_lens(text: str) -> list[int]:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="cluster overlay (default: DISPATCH_CLUSTER, else a declared match)")
-    parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else registry.yaml)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"decisions": [...], "plan": ...} (or {"error": ...}) as JSON instead of text')
 
 
 def _explain(args: argparse.Namespace) -> int:
     from dispatch.detect import detect_arch, platform_fp8_dtype
-    from dispatch.explain import decision_text
+    from dispatch.explain import explain
     from dispatch.key import DispatchKey
     from dispatch.plan import ops_for
     from dispatch.runtime import load_dispatcher
@@ -145,42 +218,16 @@ def _explain(args: argparse.Namespace) -> int:
         raise InvalidKeyError("--prefix-lens goes with --forward-mode extend and --seq-lens")
     if args.seq_lens and mode is ForwardMode.EXTEND:
         return _explain_extend_plan(dispatcher, key, args.seq_lens, args.prefix_lens, args.logits_budget, args.json)
-    if args.seq_lens:
-        return _explain_plan(dispatcher, key, args.seq_lens, args.json)
     if args.op is None:
         args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
-    decisions = [dispatcher.decide(op, key) for op in ops]
+    explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens)
     if args.json:
-        payload = [d.as_dict() for d in decisions]
-        print(json.dumps(payload if args.op == "all" else payload[0], indent=2))
-    else:
-        if not decisions[0].availability_checked:
-            print(f"(this machine is {detect_arch().value}; explaining {arch.value} as a what-if)")
-        print("\n\n".join(decision_text(d, dispatcher) for d in decisions))
-    return EXIT_OK
-
-
-def _explain_plan(dispatcher, key, seq_lens: list[int], as_json: bool) -> int:
-    """Build the plan an engine would build for this batch (on the CPU) and show it whole."""
-    import torch
-
-    from dispatch.bench.paged_cache import page_table_for
-    from dispatch.explain import decision_text
-    from dispatch.plan import ForwardBatch, build_plan
-
-    table = page_table_for(seq_lens)
-    batch = ForwardBatch(torch.tensor(seq_lens, dtype=torch.int32), table, max(seq_lens), key.forward_mode, key.next_n)
-    plan = build_plan(dispatcher, batch, kv_fp8_dtype=key.fp8_dtype, arch=key.arch)
-    payload = {**plan.as_dict(), "context_lens": plan.context_lens.tolist(), "block_table": plan.block_table.tolist()}
-    if as_json:
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(explanation.as_dict(), indent=2))
         return EXIT_OK
-    print(f"plan for B={plan.batch_size}, next_n={plan.next_n}, max_context_len={plan.max_context_len}")
-    print(f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {payload['context_lens']}")
-    print(f"  block_table {list(plan.block_table.shape)}: {payload['block_table']}")
-    print()
-    print("\n\n".join(decision_text(d, dispatcher) for d in plan.decisions.values()))
+    if not dispatcher.check_availability:
+        print(f"(this machine is {detect_arch().value}; explaining {arch.value} as a what-if)")
+    print(explanation.text())
     return EXIT_OK
 
 
@@ -202,11 +249,14 @@ def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: l
     table = page_table_for([p + e for p, e in zip(prefix, extend_lens)])
     budget = DEFAULT_LOGITS_BYTES if budget is None else budget
     batch = ExtendBatch.from_lengths(prefix, extend_lens, table)
-    plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype=key.fp8_dtype, arch=key.arch, logits_byte_budget=budget)
+    plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype=key.fp8_dtype, arch=key.arch, logits_byte_budget=budget,
+                             prepare=False)
     meta = plan.metadata
-    payload = {**plan.as_dict(), "ks": meta.ks.tolist(), "ke": meta.ke.tolist()}
-    if as_json:
-        print(json.dumps(payload, indent=2))
+    if as_json:  # the shape of every --json explain: {"decisions": [...], "plan": {...}}
+        described = {key: value for key, value in plan.as_dict().items() if key != "decisions"}
+        described |= {"ks": meta.ks.tolist(), "ke": meta.ke.tolist()}
+        decisions = [decision.as_dict() for decision in plan.decisions.values()]
+        print(json.dumps({"decisions": decisions, "plan": described}, indent=2))
         return EXIT_OK
     print(f"extend plan for B={len(extend_lens)}: M={meta.total_tokens} query rows, S={meta.total_keys} gathered keys")
     print(f"  ks, ke [{meta.total_tokens}] int32; gather_slots [{meta.total_keys}]; row_request [{meta.total_tokens}]; "
@@ -266,13 +316,6 @@ def _schema(args: argparse.Namespace) -> int:
 
     print(json.dumps(Registry.model_json_schema(), indent=2))
     return EXIT_OK
-
-
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from dispatch.bench.command import add_arguments
-
-    add_arguments(parser)
-    parser.set_defaults(command=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:

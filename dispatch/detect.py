@@ -10,9 +10,10 @@ from dispatch.errors import InvalidKeyError
 from dispatch.key import Arch, Fp8Dtype, parse_enum
 
 # CUDA compute capability major -> arch family the kernels are built for. sm_103 (B300) runs sm100
-# code; sm_121 (DGX Spark) runs sm120 code; 8.x covers A100 / L40 (no fp8 tensor cores before 8.9,
-# which backends declare through their own support).
+# code; sm_121 (DGX Spark) runs sm120 code; 8.0 / 8.6 / 8.7 (A100, A10, Orin) have no fp8 tensor cores.
 _CUDA_MAJOR = {8: Arch.SM80, 9: Arch.SM90, 10: Arch.SM100, 12: Arch.SM120}
+# Capabilities that are their own arch within a major: 8.9 (Ada: L40S, L4, RTX 4090) has fp8 tensor cores.
+_CUDA_EXACT = {(8, 9): Arch.SM89}
 _ROCM_PREFIX = {"gfx942": Arch.GFX942, "gfx950": Arch.GFX950}
 
 
@@ -39,7 +40,12 @@ def detect_arch() -> Arch:
             f"CUDA capability {props.major}.{props.minor} is not a known arch; set DISPATCH_ARCH to one of "
             + ", ".join(a.value for a in Arch)
         )
-    return _CUDA_MAJOR[props.major]
+    return cuda_arch(props.major, props.minor)
+
+
+def cuda_arch(major: int, minor: int) -> Arch:
+    """The arch of a CUDA compute capability (the caller has checked the major is known)."""
+    return _CUDA_EXACT.get((major, minor), _CUDA_MAJOR[major])
 
 
 def rocm_gcn_arch() -> str:

@@ -21,6 +21,9 @@ from dispatch.key import Arch, DispatchKey, Op
 from dispatch.registry.document import RegistryDocument
 
 logger = logging.getLogger("dispatch")
+# The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
+REFERENCE_PLUGIN = "backends.reference.plugin"
+_warned_reference: set[tuple[Op, Arch]] = set()  # once per process, not once per dispatcher or reload
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class Dispatcher:
                 cached = self._decide(op, key)
                 self._cache[(op, key)] = cached
                 self._log(cached)
+                self._warn_if_reference_on_a_gpu(cached)
         return cached
 
     def can_decide(self, op: Op, key: DispatchKey) -> bool:
@@ -207,10 +211,33 @@ class Dispatcher:
                 disabled[name] = f"disabled by cluster `{self.cluster}`"
         return disabled
 
+    def _warn_if_reference_on_a_gpu(self, decision: Decision) -> None:
+        """A GPU that lands on the torch reference, because no rule had a GPU path for the key or the
+        backends its rule named could not run, is slower than the registry meant: say so, and why, once.
+        A reference the registry chose on purpose (a rule or a cluster naming it first) stays quiet."""
+        if not self.check_availability or self.target_arch is Arch.CPU or decision.plugin != REFERENCE_PLUGIN:
+            return  # a what-if describes another machine; on a CPU the reference is the fast path
+        named = [r for r in decision.rejected if " names it, but " in r.reason]  # what the registry tried first
+        if decision.source == "cluster-prefer" or (decision.source == "rule" and not named):
+            return
+        if (decision.op, self.target_arch) in _warned_reference:
+            return
+        _warned_reference.add((decision.op, self.target_arch))
+        logger.warning(
+            "%s on this %s GPU runs on the torch reference `%s`, chosen by %s at %s, not on a GPU kernel "
+            "backend: %s (python -m dispatch explain shows every candidate)",
+            decision.op.value,
+            self.target_arch.value,
+            decision.backend,
+            decision.chosen_by,
+            decision.key,
+            "; ".join(f"{r.backend}: {r.reason}" for r in named or decision.rejected) or "none is registered",
+        )
+
     def _log(self, decision: Decision) -> None:
         others = ", ".join(r.backend for r in decision.rejected)
         logger.info(
-            "dispatch: using %s (%s, %s %s) for %s at %s out of [%s]",
+            "using %s (%s, %s %s) for %s at %s out of [%s]",
             decision.backend,
             decision.layout.value,
             decision.source,

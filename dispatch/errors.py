@@ -21,6 +21,10 @@ class NoBackendError(DispatchError):
     """No registered backend can serve the key; the message lists every candidate's reason."""
 
 
+class InvalidBatchError(DispatchError, ValueError):
+    """A ForwardBatch that cannot occur: names the field, and the request when one request is at fault."""
+
+
 class LayoutError(DispatchError, ValueError):
     """Tensors handed to a backend do not match the layout its decision was tagged with."""
 

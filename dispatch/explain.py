@@ -1,10 +1,84 @@
-"""Rendering decisions and backends for people. Nothing here decides: it prints Decision values."""
+"""Rendering decisions and backends for people. Nothing here decides: it prints Decision values.
+
+    from dispatch.explain import explain
+    explanation = explain(load_dispatcher(arch="sm90"), DispatchKey("sm90", "target_verify", 4, "e4m3fn"))
+    print(explanation.text())          # what `python -m dispatch explain` prints
+    explanation.as_dict()              # what `python -m dispatch explain --json` prints
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from dispatch.backend import Backend
 from dispatch.decision import Decision
 from dispatch.dispatcher import Dispatcher
+from dispatch.key import DispatchKey, Op
+
+if TYPE_CHECKING:
+    from dispatch.plan import IndexerPlan
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The decisions for a key, and with seq_lens the plan an engine would build for that batch."""
+
+    dispatcher: Dispatcher
+    decisions: tuple[Decision, ...]
+    plan: "IndexerPlan | None" = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """{"decisions": [decision, ...], "plan": {...} or null}: one shape for one op, all ops, or a batch."""
+        plan = None
+        if self.plan is not None:
+            plan = {key: value for key, value in self.plan.as_dict().items() if key != "decisions"}
+            plan |= {"context_lens": self.plan.context_lens.tolist(), "block_table": self.plan.block_table.tolist()}
+        return {"decisions": [decision.as_dict() for decision in self.decisions], "plan": plan}
+
+    def text(self) -> str:
+        parts = []
+        if self.plan is not None:
+            plan = self.plan
+            parts.append(
+                f"plan for B={plan.batch_size}, next_n={plan.next_n}, max_context_len={plan.max_context_len}\n"
+                f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {plan.context_lens.tolist()}\n"
+                f"  block_table {list(plan.block_table.shape)}: {plan.block_table.tolist()}"
+            )
+        parts += [decision_text(decision, self.dispatcher) for decision in self.decisions]
+        return "\n\n".join(parts)
+
+
+def explain(
+    dispatcher: Dispatcher,
+    key: DispatchKey,
+    *,
+    ops: Iterable[Op | str] = tuple(Op),
+    seq_lens: Sequence[int] | None = None,
+) -> Explanation:
+    """Decide `ops` for `key`, or with `seq_lens` (each request's total length) build the whole plan for
+    that batch on the CPU. Backends are never run: a per-batch `prepare` is skipped, so a what-if for
+    another machine needs none of its vendor libraries. Raises InvalidBatchError for lengths that
+    cannot occur, NoBackendError when no backend fits."""
+    if seq_lens is None:
+        return Explanation(dispatcher, tuple(dispatcher.decide(Op(op), key) for op in ops))
+    from dispatch.plan import build_plan
+
+    plan = build_plan(dispatcher, example_batch(seq_lens, key), kv_fp8_dtype=key.fp8_dtype, arch=key.arch, prepare=False)
+    return Explanation(dispatcher, tuple(plan.decisions.values()), plan)
+
+
+def example_batch(seq_lens: Sequence[int], key: DispatchKey):
+    """A ForwardBatch on the CPU for these lengths: pages numbered in request order."""
+    import torch
+
+    from dispatch.bench.paged_cache import page_table_for
+    from dispatch.plan import ForwardBatch
+
+    lengths = list(seq_lens)
+    table = page_table_for(lengths)
+    return ForwardBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths, default=0), key.forward_mode, key.next_n)
 
 
 def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:

@@ -139,13 +139,14 @@ def build_extend_plan(
     arch: Arch | str | None = None,
     pinned: dict[Op, str] | None = None,
     allow_disabled: bool = False,
+    prepare: bool = True,
 ) -> ExtendPlan:
     """Decide every op of EXTEND_STEP_OPS for this batch and build its ragged metadata and chunks.
     No host-device sync: row and key counts come from the batch's host totals (and its host lengths,
     when given, for tight chunks). LayoutError when one query row's logits alone pass the budget.
 
     `kv_fp8_dtype` is the K cache's fp8 dtype and becomes the key's, as in build_plan; `pinned` and
-    `allow_disabled` as there."""
+    `allow_disabled` as there; `prepare=False` skips the backends' per-batch state (a what-if)."""
     key = DispatchKey(
         arch=arch or dispatcher.target_arch,
         forward_mode=ForwardMode.EXTEND,
@@ -164,6 +165,8 @@ def build_extend_plan(
         block_kv=batch.block_kv,
         logits_byte_budget=logits_byte_budget,
     )
+    if not prepare:
+        return plan
     states = prepare_states(decisions, plan)
     return dataclasses.replace(plan, states=states) if states else plan
 

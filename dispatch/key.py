@@ -10,6 +10,7 @@ from dispatch.errors import InvalidKeyError
 
 class Arch(str, enum.Enum):
     SM80 = "sm80"
+    SM89 = "sm89"
     SM90 = "sm90"
     SM100 = "sm100"
     SM120 = "sm120"
@@ -43,6 +44,7 @@ class Op(str, enum.Enum):
 # because torch emulates them in software.
 FP8_DTYPES_BY_ARCH: dict[Arch, frozenset[Fp8Dtype]] = {
     Arch.SM80: frozenset({Fp8Dtype.E4M3FN}),
+    Arch.SM89: frozenset({Fp8Dtype.E4M3FN}),
     Arch.SM90: frozenset({Fp8Dtype.E4M3FN}),
     Arch.SM100: frozenset({Fp8Dtype.E4M3FN}),
     Arch.SM120: frozenset({Fp8Dtype.E4M3FN}),

@@ -14,9 +14,9 @@ import torch
 from dispatch.bounds import new_error_flags, raise_for_flags
 from dispatch.calling import call_backend
 from dispatch.decision import Decision
-from dispatch.errors import LayoutError
+from dispatch.errors import InvalidBatchError, LayoutError
 from dispatch.fp8 import fp8_dtype_of
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op, parse_enum
 from dispatch.layout import Layout, rows_and_tokens
 
 if TYPE_CHECKING:
@@ -25,17 +25,77 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """What an engine knows about a batch before the first layer runs."""
+    """What an engine knows about a batch before the first layer runs; refused where built if it
+    cannot occur. Checked here: the host-visible facts (types, shapes, dtypes, max_seq_len, next_n)
+    and, when seq_lens is on the CPU, every request's length. Lengths on a GPU are not read: that
+    would synchronise the host with the device on every batch."""
 
     seq_lens: torch.Tensor  # int32 [B]: each request's total length L, draft tokens included
     page_table: torch.Tensor  # int32 [B, M]: logical page -> physical KV block
-    max_seq_len: int  # host-side max(L); engines keep it on the host, so reading it costs no sync
+    max_seq_len: int  # host-side bound on max(L); engines keep it on the host, so reading it costs no sync
     forward_mode: ForwardMode
     next_n: int  # tokens scored per request in this batch (1 + drafts when verifying)
     # Blocks in the engine's KV pool: every layer's kv_cache.shape[0] (engines slice layers out of one
     # pool). Given, the page table is checked against it once per batch, in build_plan; None defers that
     # to the first layer call, which reads it from that layer's cache (dispatch/bounds.py).
     num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forward_mode", parse_enum(ForwardMode, self.forward_mode, "forward_mode"))
+        check_batch(self)
+
+
+_LENGTH_DTYPES = (torch.int32, torch.int64)
+
+
+def check_batch(batch: ForwardBatch) -> None:
+    """Every length L must hold the next_n tokens it scores (L >= next_n >= 1) and fit max_seq_len."""
+    next_n, bound = batch.next_n, batch.max_seq_len
+    if isinstance(next_n, bool) or not isinstance(next_n, int) or next_n < 1:
+        raise InvalidBatchError(f"ForwardBatch `next_n` is {next_n!r}; expected an integer >= 1")
+    if not isinstance(batch.seq_lens, torch.Tensor) or batch.seq_lens.dim() != 1:
+        raise InvalidBatchError(f"ForwardBatch `seq_lens` is {_described(batch.seq_lens)}; expected an int32 tensor [B]")
+    if batch.seq_lens.dtype not in _LENGTH_DTYPES:
+        raise InvalidBatchError(f"ForwardBatch `seq_lens` has dtype {batch.seq_lens.dtype}; expected torch.int32 (or int64)")
+    size = batch.seq_lens.shape[0]
+    if size == 0:
+        raise InvalidBatchError("ForwardBatch `seq_lens` is empty; a batch has at least one request")
+    table = batch.page_table
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != size:
+        raise InvalidBatchError(
+            f"ForwardBatch `page_table` is {_described(table)}; expected an int32 tensor [B={size}, max_pages]"
+        )
+    if table.dtype != torch.int32:
+        raise InvalidBatchError(f"ForwardBatch `page_table` has dtype {table.dtype}; expected torch.int32")
+    if table.device != batch.seq_lens.device:
+        raise InvalidBatchError(
+            f"ForwardBatch `page_table` is on {table.device} and `seq_lens` on {batch.seq_lens.device}; expected one device"
+        )
+    bound_ok = not isinstance(bound, bool) and isinstance(bound, int)
+    if bound_ok and batch.seq_lens.device.type == "cpu":
+        _check_lengths(batch.seq_lens.tolist(), next_n, bound)  # first: these name the request at fault
+    if not bound_ok or bound < next_n:
+        raise InvalidBatchError(
+            f"ForwardBatch `max_seq_len` is {bound!r}; expected a host int >= next_n ({next_n}): every request's "
+            "length includes the tokens it scores"
+        )
+
+
+def _check_lengths(lengths: list[int], next_n: int, bound: int) -> None:
+    for request, length in enumerate(lengths):
+        if length < next_n:
+            raise InvalidBatchError(
+                f"request {request} has seq_len {length}; every request's total length must be at least next_n "
+                f"({next_n}), the tokens it scores in this batch (draft tokens included)"
+            )
+        if length > bound:
+            raise InvalidBatchError(f"request {request} has seq_len {length}, above the batch's max_seq_len {bound}")
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 # The ops a batch's plan decides, per forward mode, in the order IndexerStep.select runs them. Paged
@@ -201,13 +261,16 @@ def build_plan(
     arch: Arch | str | None = None,
     pinned: dict[Op, str] | None = None,
     allow_disabled: bool = False,
+    prepare: bool = True,
 ) -> IndexerPlan:
     """Decide every op of ops_for(batch.forward_mode) for this batch and build the decided layout's tensors. No host-device sync.
 
     `kv_fp8_dtype` is the K cache's fp8 dtype (a key name or the cache's torch dtype): it becomes the
     key's fp8_dtype, so Q is quantised into exactly the dtype the cache holds. `pinned` names a backend
     per op to use instead of the rules' choice (still checked for support and availability;
-    `allow_disabled` lets a benchmark pin a backend the registry or a cluster disabled).
+    `allow_disabled` lets a benchmark pin a backend the registry or a cluster disabled). `prepare=False`
+    describes the plan without running any backend's per-batch prepare (`states` stays empty):
+    explain does so, since a what-if for another machine must not need that machine's libraries.
     """
     if ForwardMode(batch.forward_mode) is ForwardMode.EXTEND:
         raise LayoutError(
@@ -224,10 +287,6 @@ def build_plan(
     decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
     logits = decisions[Op.PAGED_MQA_LOGITS]
     batch_size = batch.seq_lens.shape[0]
-    if batch.page_table.dim() != 2 or batch.page_table.shape[0] != batch_size:
-        raise LayoutError(
-            f"page_table has shape {list(batch.page_table.shape)}; expected [B={batch_size}, max_blocks]"
-        )
     context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
     plan = IndexerPlan(
         key=key,
@@ -240,6 +299,8 @@ def build_plan(
         num_kv_blocks=batch.num_kv_blocks,
         page_rows=page_rows(logits.layout, batch_size, batch.next_n, batch.seq_lens.device),
     )
+    if not prepare:
+        return plan
     states = prepare_states(decisions, plan)
     return dataclasses.replace(plan, states=states) if states else plan
 

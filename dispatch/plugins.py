@@ -99,8 +99,24 @@ def not_allowed_hint(backend_name: str) -> str:
 
 
 def builtin_plugins() -> list[LoadedPlugin]:
+    _check_builtin_package()
     version = _own_version()
     return [LoadedPlugin(path, OWN_DISTRIBUTION, importlib.import_module(path), version) for path in BUILTIN_PLUGINS]
+
+
+def _check_builtin_package() -> None:
+    """`backends` is a generic top-level name: another distribution's package of that name could shadow
+    ours on sys.path or overwrite it in site-packages. Say so, rather than fail on a missing submodule."""
+    try:
+        package = importlib.import_module("backends")
+    except ImportError as error:
+        raise PluginError(f"the built-in backends package `backends` of {OWN_DISTRIBUTION} is not importable: {error}") from error
+    if not getattr(package, "DISPATCH_DSA_BUILTIN_BACKENDS", False):
+        raise PluginError(
+            f"`backends` resolves to {getattr(package, '__file__', None) or package!r}, which is not "
+            f"{OWN_DISTRIBUTION}'s built-in backends package (another distribution installs a top-level "
+            "`backends`); uninstall it or install dispatch-dsa into its own virtual environment"
+        )
 
 
 def entry_point_plugins(allowlist: frozenset[str]) -> list[LoadedPlugin]:

@@ -1,7 +1,7 @@
 """Explicit, atomic reload of registry.yaml under a running engine.
 
 An engine keeps one LiveDispatcher, reads `live.current` once per batch (build_plan(live.current, ...),
-so both ops of a batch come from one registry) and calls `live.reload()` when an operator asks: on
+so every op of a batch comes from one registry) and calls `live.reload()` when an operator asks: on
 SIGHUP or from an admin endpoint (neither is implemented here). Nothing watches the file.
 
 A reload loads the new file, checks every backend name against the catalog and resolves the cluster
@@ -27,9 +27,10 @@ from dispatch.catalog import Catalog
 from dispatch.dispatcher import Dispatcher
 from dispatch.errors import RegistryError
 from dispatch.key import Arch, Op
+from dispatch.plugins import collect_backends
 from dispatch.registry.checks import Cell, NextNSpan, keys_at, merged, next_n_spans
 from dispatch.registry.document import load_registry
-from dispatch.runtime import build_dispatcher, registry_path
+from dispatch.runtime import build_dispatcher, load_plugins, registry_path
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,25 @@ class ReloadResult:
 
 
 class LiveDispatcher:
-    """The current Dispatcher for one registry file and catalog; `current` is read without a lock."""
+    """The current Dispatcher for one registry file and catalog; `current` is read without a lock.
+
+        live = LiveDispatcher("/etc/dispatch/registry.yaml")   # or LiveDispatcher(): DISPATCH_REGISTRY, else the packaged file
+
+    The catalog (the backends the plugins registered) is collected once, when not given: a reload
+    re-reads the file, not the plugins.
+    """
 
     def __init__(
         self,
-        catalog: Catalog,
         registry: str | os.PathLike | None = None,
         *,
+        catalog: Catalog | None = None,
         cluster: str | None = None,
         arch: Arch | str | None = None,
         check_availability: bool | None = None,
     ) -> None:
         self.path: Path = registry_path(registry)
-        self.catalog = catalog
+        self.catalog = collect_backends(load_plugins()) if catalog is None else catalog
         self._options = {"cluster": cluster, "arch": arch, "check_availability": check_availability}
         self._lock = threading.Lock()
         # The first load has no older registry to keep: its RegistryError propagates.

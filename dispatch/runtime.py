@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 from pathlib import Path
 
@@ -9,18 +10,38 @@ from dispatch.catalog import Catalog
 from dispatch.clusters import resolve_cluster
 from dispatch.detect import detect_arch
 from dispatch.dispatcher import Dispatcher
+from dispatch.errors import RegistryError
 from dispatch.key import Arch, parse_enum
 from dispatch.plugins import LoadedPlugin, allowlist_from_env, builtin_plugins, collect_backends, entry_point_plugins
 from dispatch.registry.checks import check_backend_names
 from dispatch.registry.document import RegistryDocument, load_registry
 
-# A source checkout or editable install keeps registry.yaml beside the packages.
-DEFAULT_REGISTRY = Path(__file__).resolve().parent.parent / "registry.yaml"
+# The registry shipped with the package. In a checkout dispatch/registry.yaml is a link to the
+# top-level registry.yaml (the one file anyone edits); a wheel carries the linked file's bytes.
+# Resolving the link makes messages name the top-level file, so its line numbers are the ones to edit.
+DEFAULT_REGISTRY = Path(str(importlib.resources.files("dispatch") / "registry.yaml")).resolve()
 
 
 def registry_path(explicit: str | os.PathLike | None = None) -> Path:
-    """The registry file: the explicit path, else DISPATCH_REGISTRY, else the project's registry.yaml."""
-    return Path(explicit or os.environ.get("DISPATCH_REGISTRY") or DEFAULT_REGISTRY)
+    """The registry file: the explicit path, else DISPATCH_REGISTRY, else the packaged registry.yaml.
+    A file that is not there is a RegistryError naming where the path came from and the default."""
+    if explicit:
+        path, source = Path(explicit), "the path given"
+    elif os.environ.get("DISPATCH_REGISTRY"):
+        path, source = Path(os.environ["DISPATCH_REGISTRY"]), "DISPATCH_REGISTRY"
+    else:
+        path, source = DEFAULT_REGISTRY, ""
+    if path.is_file():
+        return path
+    if source:
+        raise RegistryError(
+            f"{path}: no registry file there ({source}); the packaged default is {DEFAULT_REGISTRY}"
+            " (used when neither --registry nor DISPATCH_REGISTRY is set)"
+        )
+    raise RegistryError(
+        f"{path}: the packaged default registry is missing (a broken install?); reinstall dispatch-dsa, "
+        "or point --registry or DISPATCH_REGISTRY at a registry file"
+    )
 
 
 def load_plugins(allowlist: frozenset[str] | None = None) -> list[LoadedPlugin]:

@@ -2,7 +2,9 @@
 prompt prefilled in two extend batches (the second with the first as its cached prefix), then batches
 that switch between decode, speculative verification and draft extension; several layers per step.
 
-    python examples/engine_loop.py [--steps 7] [--layers 3] [--device cuda]
+    python examples/engine_loop.py [--steps 7] [--layers 3] [--device cuda] [--quiet]
+
+Each new decision is logged once on stderr (the `dispatch` logger at INFO); --quiet hides it.
 
 Where SGLang decided the path inside the indexer with `ctx.shape == (B, next_n)` on a tensor that
 another module built under its own condition, here `step.plan(batch)` decides once per batch and the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import torch
 
@@ -22,6 +25,7 @@ from dispatch import load_dispatcher
 from dispatch.indexer import IndexerStep
 from dispatch.key import ForwardMode
 from dispatch.kv_cache import BLOCK_KV
+from dispatch.logs import show_logs
 from dispatch.plan import ForwardBatch
 from dispatch.prefill import ExtendBatch
 from dispatch.rope import RopeSpec
@@ -59,11 +63,17 @@ class PagedKV:
 
 def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=7, help="engine steps (batches)")
+    parser.add_argument("--layers", type=int, default=3, help="indexer layers per step")
+    parser.add_argument("--requests", type=int, default=4, help="requests per batch")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the tensors live (default: cuda when torch sees a GPU)")
+    parser.add_argument("--quiet", action="store_true", help="do not show dispatch's decision log")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+        sys.exit(f"engine_loop.py: --device cuda, but torch sees no CUDA GPU ({build}); use --device cpu")
+    show_logs(0 if args.quiet else 1)
     generator = torch.Generator().manual_seed(0)
     # A small logits budget so the example's prefill runs in several chunks, as long prompts do.
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),

@@ -32,9 +32,17 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 
 
 def explain_json(capsys, *argv) -> dict:
+    """The one decision of a one-op explain (every --json explain prints {"decisions": [...], "plan": ...})."""
+    (decision,) = explain_all_json(capsys, *argv)["decisions"]
+    return decision
+
+
+def explain_all_json(capsys, *argv) -> dict:
     code, out, err = run(capsys, "explain", "--json", *argv)
     assert code == 0, err
-    return json.loads(out)
+    payload = json.loads(out)
+    assert set(payload) == {"decisions", "plan"}
+    return payload
 
 
 def logits_backends(capsys) -> set[str]:
@@ -130,7 +138,7 @@ def test_explain_this_machine(capsys):
 
 @needs_cpu_host
 def test_explain_all_ops(capsys):
-    payload = explain_json(capsys, "--op", "all", "--forward-mode", "target_verify", "--next-n", "3")
+    payload = explain_all_json(capsys, "--op", "all", "--forward-mode", "target_verify", "--next-n", "3")["decisions"]
     assert [d["op"] for d in payload] == ["paged_mqa_logits", "indexer_q_quant", "topk"]
     assert [d["backend"] for d in payload] == ["torch.reference", "torch.reference", "torch.reference"]
     for decision in payload:
@@ -227,10 +235,40 @@ def test_exit_2_on_lint_findings(capsys, tmp_path):
     assert f"lint: {path}:7: ops.paged_mqa_logits.rules[1]: rule `cpu` can never fire" in err
 
 
-def test_exit_2_on_a_missing_registry_file(capsys, tmp_path):
+def test_exit_2_on_a_missing_registry_file_names_it_and_the_default(capsys, tmp_path, clean_environment):
+    from dispatch.runtime import DEFAULT_REGISTRY
+
     code, out, err = run(capsys, "validate", str(tmp_path / "missing.yaml"))
     assert_clean_exit_2(code, out, err)
-    assert "missing.yaml: cannot read the registry" in err
+    assert f"{tmp_path / 'missing.yaml'}: no registry file there (the path given)" in err
+    assert f"the packaged default is {DEFAULT_REGISTRY}" in err
+    clean_environment.setenv("DISPATCH_REGISTRY", str(tmp_path / "env.yaml"))
+    code, out, err = run(capsys, "explain")
+    assert_clean_exit_2(code, out, err)
+    assert "env.yaml: no registry file there (DISPATCH_REGISTRY)" in err and str(DEFAULT_REGISTRY) in err
+
+
+def test_the_packaged_registry_is_the_top_level_file():
+    from pathlib import Path
+
+    from dispatch.runtime import DEFAULT_REGISTRY
+
+    top_level = Path(__file__).resolve().parent.parent / "registry.yaml"
+    assert DEFAULT_REGISTRY == top_level  # dispatch/registry.yaml links to it: one file to edit
+
+
+def test_a_foreign_backends_package_is_named(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from dispatch.errors import PluginError
+    from dispatch.plugins import builtin_plugins
+
+    foreign = types.ModuleType("backends")
+    foreign.__file__ = str(tmp_path / "backends" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "backends", foreign)
+    with pytest.raises(PluginError, match="which is not dispatch-dsa's built-in backends package"):
+        builtin_plugins()
 
 
 @pytest.mark.parametrize(
@@ -271,11 +309,13 @@ def test_named_cluster_changes_the_decision(capsys):
 
 
 def test_bad_argument_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["explain", "--arch", "sm77"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "invalid choice: 'sm77'" in err and "Traceback" not in err
+    assert main(["explain", "--arch", "sm77"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("usage: ") and "invalid choice: 'sm77'" in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert main(["explain", "--json", "--arch", "sm77"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert (error["type"], error["exit_code"]) == ("UsageError", 2) and "invalid choice: 'sm77'" in error["message"]
 
 
 def test_backends_json_lists_the_reference_with_its_plugin(capsys):
@@ -308,15 +348,17 @@ def test_validate_the_project_registry(capsys):
 
 
 def test_explain_a_whole_batch_plan_as_json(capsys):
-    plan = explain_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "3",
-                        "--seq-lens", "130,64,2")
-    assert plan["context_lens"] == [[128, 129, 130], [62, 63, 64], [0, 1, 2]]
+    payload = explain_all_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "3",
+                               "--seq-lens", "130,64,3")
+    plan = payload["plan"]
+    assert plan["context_lens"] == [[128, 129, 130], [62, 63, 64], [1, 2, 3]]
     assert plan["block_table"] == [[0, 1, 2], [3, 0, 0], [4, 0, 0]]
-    assert set(plan["decisions"]) == {"paged_mqa_logits", "indexer_q_quant", "topk"}
-    assert plan["decisions"]["paged_mqa_logits"]["backend"] == "torch.reference"
-    flatten = explain_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
-                           "--seq-lens", "5,9", "--cluster", "reference-only")
-    assert flatten["context_lens_shape"] == [2, 2]
+    assert (plan["batch_size"], plan["next_n"], plan["max_context_len"]) == (3, 3, 130)
+    assert [d["op"] for d in payload["decisions"]] == ["indexer_q_quant", "paged_mqa_logits", "topk"]
+    assert {d["backend"] for d in payload["decisions"]} == {"torch.reference"}
+    flatten = explain_all_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
+                               "--seq-lens", "5,9", "--cluster", "reference-only")
+    assert flatten["plan"]["context_lens_shape"] == [2, 2]
 
 
 # --- extend (prefill) batches --------------------------------------------------------------------
@@ -327,6 +369,7 @@ EXTEND_RULES = {
     "gfx942": ("rocm.fnuz", "gfx942-fnuz-ragged"),
     "gfx950": ("triton", "portable-triton-ragged"),
     "sm120": ("triton", "portable-triton-ragged"),
+    "sm89": ("triton", "portable-triton-ragged"),
     "sm80": ("torch.reference", "fallback[1]"),
     "cpu": ("torch.reference", "cpu-reference-ragged"),
 }
@@ -341,7 +384,7 @@ def test_explain_extend_decides_every_op_of_the_ragged_step_on_every_arch(capsys
     backend, rule = EXTEND_RULES[arch]
     assert code == 0, err
     assert f"chosen:   {backend}" in out and (f"rule `{rule}`" in out or rule in out)
-    payload = explain_json(capsys, "--arch", arch, "--forward-mode", "extend", "--op", "all")
+    payload = explain_all_json(capsys, "--arch", arch, "--forward-mode", "extend", "--op", "all")["decisions"]
     assert [d["op"] for d in payload] == ["indexer_q_quant", "topk", "ragged_mqa_logits"]
     assert {d["key"]["next_n"] for d in payload} == {1}
 
@@ -354,11 +397,12 @@ def test_explain_an_extend_batch_shows_its_ragged_plan_and_chunks(capsys):
     assert "M=803 query rows, S=1367 gathered keys" in out and "key_offsets [0, 100, 603, 1367]" in out
     assert "rows [0, 141) x keys [0, 705): logits [141, 705], 397620 bytes" in out
     assert "chosen:   deepgemm.sm90" in out and "rule `sm90-deepgemm-ragged`" in out
-    payload = explain_json(capsys, "--arch", "gfx942", "--forward-mode", "extend", "--seq-lens", "3,2",
-                           "--prefix-lens", "1,0")
-    assert payload["ks"] == [0, 0, 0, 4, 4] and payload["ke"] == [2, 3, 4, 5, 6]
-    assert payload["chunks"] == [{"row_begin": 0, "row_end": 5, "key_begin": 0, "key_end": 6}]
-    assert {op: d["backend"] for op, d in payload["decisions"].items()} == {
+    payload = explain_all_json(capsys, "--arch", "gfx942", "--forward-mode", "extend", "--seq-lens", "3,2",
+                               "--prefix-lens", "1,0")
+    plan = payload["plan"]
+    assert plan["ks"] == [0, 0, 0, 4, 4] and plan["ke"] == [2, 3, 4, 5, 6]
+    assert plan["chunks"] == [{"row_begin": 0, "row_end": 5, "key_begin": 0, "key_end": 6}]
+    assert {d["op"]: d["backend"] for d in payload["decisions"]} == {
         "indexer_q_quant": "rocm.fnuz", "ragged_mqa_logits": "rocm.fnuz", "topk": "torch.reference"}
 
 
@@ -372,3 +416,44 @@ def test_explain_extend_refuses_what_cannot_be_planned(capsys):
     assert code == 2 and "--prefix-lens has 1 requests, --seq-lens 2" in err
     code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--op", "paged_mqa_logits")
     assert code == 1 and "forward_mode extend not supported" in err
+
+
+def test_a_what_if_plan_runs_no_backend(capsys, clean_environment):
+    """sm90 at next_n 2 decides deepgemm.sm90, whose per-batch prepare needs deep_gemm: a what-if
+    describes the plan (shapes, decisions) without it, and exits 0."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a what-if ran a backend's prepare")
+
+    from backends.deepgemm.adapter import DeepGemmPagedLogits
+
+    clean_environment.setattr(DeepGemmPagedLogits, "prepare", must_not_run)
+    code, out, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "2",
+                         "--seq-lens", "130,64,7")
+    assert code == 0, err
+    assert "what-if" in out and "chosen:   deepgemm.sm90" in out
+    assert "plan for B=3, next_n=2, max_context_len=130" in out
+    assert "context_lens [3, 2] (native): [[129, 130], [63, 64], [6, 7]]" in out
+    payload = explain_all_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "2",
+                               "--seq-lens", "130,64,7")
+    backends = {d["op"]: d["backend"] for d in payload["decisions"]}
+    assert backends["paged_mqa_logits"] == "deepgemm.sm90" and payload["plan"]["context_lens_shape"] == [3, 2]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--seq-lens=-5,3"], "request 0 has seq_len -5"),
+        (["--seq-lens", "0"], "request 0 has seq_len 0"),
+        (["--seq-lens", "2,1", "--forward-mode", "target_verify", "--next-n", "3"], "request 0 has seq_len 2"),
+        (["--seq-lens", "9,2", "--forward-mode", "target_verify", "--next-n", "3"], "request 1 has seq_len 2"),
+    ],
+)
+def test_explain_refuses_a_batch_that_cannot_occur(capsys, argv, words):
+    code, out, err = run(capsys, "explain", "--arch", "cpu", *argv)
+    assert_clean_exit_2(code, out, err)
+    assert words in err and "at least next_n" in err
+
+
+def test_seq_lens_that_are_not_integers_are_a_usage_error(capsys):
+    assert main(["explain", "--seq-lens", "3,x"]) == 2
+    assert "a --seq-lens length 'x' is not an integer" in capsys.readouterr().err

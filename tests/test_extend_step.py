@@ -207,7 +207,7 @@ def test_the_extend_plan_decides_the_ragged_step_and_the_paged_plan_the_paged_on
     assert ops_for("extend") == (Op.INDEXER_Q_QUANT, Op.RAGGED_MQA_LOGITS, Op.TOPK)
     for mode in ("decode", "target_verify", "draft_extend"):
         assert Op.PAGED_MQA_LOGITS in ops_for(mode) and Op.RAGGED_MQA_LOGITS not in ops_for(mode)
-    for arch, expected in (("sm100", "deepgemm.sm100"), ("sm90", "deepgemm.sm90"), ("gfx942", "rocm.fnuz"),
+    for arch, expected in (("sm100", "deepgemm.sm100"), ("sm90", "deepgemm.sm90"), ("gfx942", "rocm.fnuz"), ("sm89", "triton"),
                            ("gfx950", "triton"), ("sm120", "triton"), ("cpu", "torch.reference")):
         dispatcher = load_dispatcher(arch=arch, check_availability=False)  # the rules' choice, on any host
         fp8 = Fp8Dtype.E4M3FNUZ if arch == "gfx942" else Fp8Dtype.E4M3FN

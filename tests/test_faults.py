@@ -171,7 +171,7 @@ def live(tmp_path, monkeypatch):
     monkeypatch.delenv("DISPATCH_CLUSTER", raising=False)
     path = tmp_path / "registry.yaml"
     path.write_text(registry_text("a"))
-    return LiveDispatcher(reload_catalog(), path, arch="sm90")
+    return LiveDispatcher(path, catalog=reload_catalog(), arch="sm90")
 
 
 def test_a_good_edit_swaps_in_a_new_registry(live):
@@ -226,7 +226,7 @@ def test_a_cluster_the_new_file_no_longer_declares_keeps_the_old_registry(tmp_pa
     monkeypatch.delenv("DISPATCH_CLUSTER", raising=False)
     path = tmp_path / "registry.yaml"
     path.write_text(registry_text())
-    live = LiveDispatcher(reload_catalog(), path, arch="sm90", cluster="ops-team")
+    live = LiveDispatcher(path, catalog=reload_catalog(), arch="sm90", cluster="ops-team")
     old = live.current
     path.write_text(registry_text().replace("ops-team", "renamed"))
     result = live.reload()
@@ -235,8 +235,20 @@ def test_a_cluster_the_new_file_no_longer_declares_keeps_the_old_registry(tmp_pa
 
 
 def test_the_first_load_has_nothing_to_keep_and_raises(tmp_path):
-    with pytest.raises(RegistryError, match="cannot read the registry"):
-        LiveDispatcher(reload_catalog(), tmp_path / "missing.yaml", arch="sm90")
+    with pytest.raises(RegistryError, match="missing.yaml: no registry file there"):
+        LiveDispatcher(tmp_path / "missing.yaml", catalog=reload_catalog(), arch="sm90")
+
+
+def test_a_live_dispatcher_from_a_path_alone(tmp_path, monkeypatch):
+    from dispatch.runtime import DEFAULT_REGISTRY
+
+    monkeypatch.delenv("DISPATCH_REGISTRY", raising=False)
+    path = tmp_path / "registry.yaml"
+    path.write_bytes(DEFAULT_REGISTRY.read_bytes())
+    live = LiveDispatcher(path)
+    assert live.path == path and live.current.catalog.get(Op.PAGED_MQA_LOGITS, "triton") is not None
+    assert live.reload().ok
+    assert LiveDispatcher().path == DEFAULT_REGISTRY
 
 
 def test_readers_never_see_an_error_or_a_mix_while_reloads_run(live):

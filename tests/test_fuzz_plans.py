@@ -44,10 +44,11 @@ def ragged_batches(draw):
     """(seq_lens, next_n, forward_mode, extra_blocks, padding_pages, seed)."""
     next_n = draw(st.integers(1, 8))
     modes = sorted(m.value for m in PAGED_MODES if m is not ForwardMode.DECODE or next_n == 1)
+    # A request holds at least the next_n tokens it scores (ForwardBatch refuses shorter ones);
+    # exactly next_n leaves its first token one visible key.
     length = st.one_of(
-        st.integers(1, 3 * BLOCK_KV + 10),
-        st.sampled_from([1, BLOCK_KV, 2 * BLOCK_KV, 3 * BLOCK_KV]),
-        st.integers(0, next_n - 1),  # shorter than the tokens it scores
+        st.integers(next_n, 3 * BLOCK_KV + 10),
+        st.sampled_from([next_n, BLOCK_KV, 2 * BLOCK_KV, 3 * BLOCK_KV]),
     )
     return (
         draw(st.lists(length, min_size=1, max_size=6)),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dispatch.input_checks import check_logits_inputs
 from dispatch.errors import DtypeMismatchError, InvalidKeyError, LayoutError
@@ -111,8 +113,60 @@ def test_build_plan_takes_the_cache_dtype_by_name_or_torch_dtype(cpu_dispatcher)
 def test_build_plan_rejects_invalid_batches(cpu_dispatcher):
     with pytest.raises(InvalidKeyError, match="`next_n`"):
         build_plan(cpu_dispatcher, batch(next_n=2, mode=ForwardMode.DECODE), kv_fp8_dtype="e4m3fn")
-    with pytest.raises(LayoutError, match=r"page_table has shape \[2, 2\]; expected \[B=3, max_blocks\]"):
-        build_plan(cpu_dispatcher, batch(pages=PAGES[:2]), kv_fp8_dtype="e4m3fn")
+
+
+def lengths(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"seq_lens": lengths(-5, 3), "next_n": 1}, "request 0 has seq_len -5; every request's total length must be at least next_n (1)"),
+        ({"seq_lens": lengths(0), "next_n": 1}, "request 0 has seq_len 0"),
+        ({"seq_lens": lengths(2, 1), "next_n": 3}, "request 0 has seq_len 2; every request's total length must be at least next_n (3)"),
+        ({"seq_lens": lengths(9, 1), "next_n": 2, "max_seq_len": 9}, "request 1 has seq_len 1"),
+        ({"seq_lens": lengths(5, 12), "max_seq_len": 9}, "request 1 has seq_len 12, above the batch's max_seq_len 9"),
+        ({"max_seq_len": 2}, "request 0 has seq_len 5, above the batch's max_seq_len 2"),
+        # On a device only the host-side facts are checked: reading lengths would synchronise.
+        ({"seq_lens": SEQ_LENS.to("meta"), "pages": PAGES.to("meta"), "max_seq_len": 2},
+         "`max_seq_len` is 2; expected a host int >= next_n (3)"),
+        ({"pages": PAGES.to("meta")}, "`page_table` is on meta and `seq_lens` on cpu; expected one device"),
+        ({"max_seq_len": torch.tensor(9)}, "`max_seq_len` is tensor(9); expected a host int"),
+        ({"max_seq_len": True}, "`max_seq_len` is True"),
+        ({"next_n": 0}, "`next_n` is 0; expected an integer >= 1"),
+        ({"next_n": 2.0}, "`next_n` is 2.0"),
+        ({"seq_lens": lengths(5, 9, 3, dtype=torch.float32)}, "`seq_lens` has dtype torch.float32"),
+        ({"seq_lens": SEQ_LENS[:, None]}, "`seq_lens` is a torch.int32 tensor of shape [3, 1]; expected an int32 tensor [B]"),
+        ({"seq_lens": [5, 9, 3]}, "`seq_lens` is a list"),
+        ({"seq_lens": lengths(), "max_seq_len": 9}, "`seq_lens` is empty"),
+        ({"pages": PAGES[:2]}, "`page_table` is a torch.int32 tensor of shape [2, 2]; expected an int32 tensor [B=3, max_pages]"),
+        ({"pages": PAGES.long()}, "`page_table` has dtype torch.int64"),
+        ({"mode": "prefill"}, "`forward_mode` is 'prefill'"),
+    ],
+)
+def test_a_batch_that_cannot_occur_is_refused_where_built(fields, words):
+    from dispatch.errors import DispatchError
+
+    values = {"seq_lens": SEQ_LENS, "pages": PAGES, "max_seq_len": 9, "mode": ForwardMode.TARGET_VERIFY, "next_n": 3}
+    values.update(fields)
+    if "pages" not in fields and isinstance(values["seq_lens"], torch.Tensor) and values["seq_lens"].dim() == 1:
+        values["pages"] = torch.zeros(len(values["seq_lens"]), 2, dtype=torch.int32)
+    with pytest.raises(DispatchError) as refused:
+        ForwardBatch(values["seq_lens"], values["pages"], values["max_seq_len"], values["mode"], values["next_n"])
+    assert words in str(refused.value)
+
+
+def test_a_batch_may_bound_max_seq_len_above_its_longest_request():
+    # CUDA graphs capture with a length bound that later batches stay under.
+    assert ForwardBatch(SEQ_LENS, PAGES, 4096, "target_verify", 3).forward_mode is ForwardMode.TARGET_VERIFY
+    assert ForwardBatch(lengths(3, 3, 3, dtype=torch.int64), PAGES, 3, ForwardMode.TARGET_VERIFY, 3).next_n == 3
+
+
+def test_lengths_on_a_device_are_left_to_the_kernels():
+    # Not read (no sync): a device tensor of any values passes; the kernels' bounds flag covers it.
+    on_device = lengths(-5, 0, 2).to("meta")
+    assert ForwardBatch(on_device, PAGES.to("meta"), 9, ForwardMode.TARGET_VERIFY, 3).seq_lens is on_device
 
 
 def test_plan_through_the_ops_matches_the_reference(cpu_dispatcher):
@@ -295,3 +349,21 @@ def test_q_in_layout_refuses_the_wrong_token_count():
         plan.q_in_layout(torch.zeros(5, HEADS, HEAD_DIM))
     with pytest.raises(LayoutError, match="B\\*N=6"):
         plan.q_in_layout(torch.zeros(3, 2, HEADS, HEAD_DIM))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(-3, 40), min_size=1, max_size=6), st.integers(-1, 45))
+def test_a_cpu_batch_is_accepted_exactly_when_every_request_can_occur(next_n, values, bound):
+    from dispatch.errors import InvalidBatchError
+
+    seq_lens = torch.tensor(values, dtype=torch.int32)
+    pages = torch.zeros(len(values), 1, dtype=torch.int32)
+    can_occur = all(next_n <= length <= bound for length in values)
+    try:
+        ForwardBatch(seq_lens, pages, bound, ForwardMode.TARGET_VERIFY, next_n)
+    except InvalidBatchError as error:
+        assert not can_occur
+        first_bad = next(i for i, length in enumerate(values) if not next_n <= length <= bound)
+        assert f"request {first_bad} has seq_len {values[first_bad]}" in str(error)
+    else:
+        assert can_occur

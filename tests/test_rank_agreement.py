@@ -1,5 +1,10 @@
-"""Several ranks over gloo on the CPU: agreement passes, and a rank with another registry is named."""
+"""Ranks over gloo on the CPU: agreement passes, and a rank with another registry overlay is named.
 
+One process group of two ranks (forked, so no rank re-imports torch) runs both checks: two ranks are
+enough to tell agreement from disagreement, and how ranks are grouped in the message is checked on
+gathered summaries directly, without processes."""
+
+import json
 import os
 
 import pytest
@@ -7,38 +12,47 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dispatch.agreement import differences
 from dispatch.errors import RankDisagreementError
 from dispatch.key import DispatchKey
 
 KEYS = [DispatchKey("cpu", "decode", 1, "e4m3fn"), DispatchKey("cpu", "target_verify", 4, "e4m3fnuz")]
 
 
-def _rank(rank: int, world: int, store: str, clusters: list, results, backend: str) -> None:
-    import torch
-
+def _outcome(dispatcher) -> str:
     from dispatch.agreement import check_ranks_agree
+
+    try:
+        check_ranks_agree(dispatcher, KEYS)
+    except RankDisagreementError as error:
+        return str(error)
+    return "agree"
+
+
+def _rank(rank: int, world: int, folder: str, overlays: list, backend: str) -> None:
     from dispatch.runtime import load_dispatcher
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=world)
     try:
-        dispatcher = load_dispatcher(cluster=clusters[rank], arch="cpu")
-        check_ranks_agree(dispatcher, KEYS)
-        results[rank] = "agree"
-    except RankDisagreementError as error:
-        results[rank] = str(error)
+        outcomes = {
+            "same": _outcome(load_dispatcher(cluster=None, arch="cpu")),
+            "overlay": _outcome(load_dispatcher(cluster=overlays[rank], arch="cpu")),
+        }
     finally:
         dist.destroy_process_group()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
+        json.dump(outcomes, out)
 
 
-def _run(tmp_path, clusters: list, backend: str = "gloo") -> list:
-    world = len(clusters)
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    with mp.Manager() as manager:
-        results = manager.list([None] * world)
-        mp.spawn(_rank, args=(world, str(tmp_path / "store"), clusters, results, backend), nprocs=world, join=True)
-        return list(results)
+def _run(folder, overlays: list, backend: str = "gloo") -> list[dict]:
+    folder.mkdir(parents=True, exist_ok=True)
+    # fork: the ranks inherit the imported modules (spawn would import torch again in each).
+    start = "spawn" if backend == "nccl" else "fork"
+    mp.start_processes(_rank, args=(len(overlays), str(folder), overlays, backend), nprocs=len(overlays),
+                       join=True, start_method=start)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(len(overlays))]
 
 
 @pytest.fixture(autouse=True)
@@ -47,21 +61,34 @@ def _no_cluster_env(monkeypatch):
     os.environ.pop("DISPATCH_CLUSTER", None)
 
 
-def test_ranks_with_the_same_registry_agree(tmp_path):
-    assert _run(tmp_path, [None, None, None]) == ["agree"] * 3
+def test_ranks_agree_and_a_rank_with_another_overlay_is_named(tmp_path):
+    outcomes = _run(tmp_path, [None, "reference-only"])
+    assert [o["same"] for o in outcomes] == ["agree", "agree"]
+    for outcome in outcomes:  # every rank raises, so none goes on alone
+        message = outcome["overlay"]
+        assert message.startswith("ranks disagree:")
+        assert "cluster: ranks [0] -> None; ranks [1] -> reference-only" in message
+        # the decisions that changed are named with the key, each rank's choice and its rule
+        assert "paged_mqa_logits @ arch=cpu forward_mode=decode next_n=1 fp8_dtype=e4m3fn" in message
+        assert "ranks [1] -> torch.reference (native, prefer[0])" in message
 
 
-def test_a_rank_with_another_overlay_is_named_with_the_field(tmp_path):
-    results = _run(tmp_path, [None, None, "reference-only"])
-    for message in results:
-        assert "ranks disagree" in message
-        assert "cluster" in message
-        assert "ranks [0, 1] -> None" in message and "ranks [2] -> reference-only" in message
+def test_ranks_sharing_a_value_are_grouped_and_a_missing_field_is_named():
+    summaries = [
+        {"registry_fingerprint": "a", "cluster": "None", "op @ k": "triton (native, r)"},
+        {"registry_fingerprint": "a", "cluster": "None", "op @ k": "triton (native, r)"},
+        {"registry_fingerprint": "b", "cluster": "None"},
+    ]
+    assert differences(summaries) == [
+        "op @ k: ranks [0, 1] -> triton (native, r); ranks [2] -> <missing>",
+        "registry_fingerprint: ranks [0, 1] -> a; ranks [2] -> b",
+    ]
+    assert differences(summaries[:2]) == []
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL agreement needs two GPUs")
 def test_two_gpus_over_nccl(tmp_path):
-    assert _run(tmp_path / "agree", [None, None], "nccl") == ["agree"] * 2
-    results = _run(tmp_path / "differ", [None, "reference-only"], "nccl")
-    assert all("ranks [1] -> reference-only" in message for message in results)
+    outcomes = _run(tmp_path, [None, "reference-only"], "nccl")
+    assert [o["same"] for o in outcomes] == ["agree", "agree"]
+    assert all("ranks [1] -> reference-only" in o["overlay"] for o in outcomes)

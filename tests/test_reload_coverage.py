@@ -50,7 +50,7 @@ def live(tmp_path, monkeypatch):
     monkeypatch.delenv("DISPATCH_CLUSTER", raising=False)
     path = tmp_path / "registry.yaml"
     path.write_text(TWO_RULES)
-    return LiveDispatcher(catalog(), path, arch="sm90")
+    return LiveDispatcher(path, catalog=catalog(), arch="sm90")
 
 
 def test_a_reload_that_would_lose_keys_is_refused_and_names_them(live):
@@ -83,7 +83,7 @@ def test_keys_on_other_archs_count_too(live):
     assert not result.ok
     assert "paged_mqa_logits at arch=sm80 forward_mode=decode next_n=1 fp8_dtype=e4m3fn; " in result.error
     assert "; arch=sm80 forward_mode=target_verify next_n=1..4 fp8_dtype=e4m3fn; " in result.error
-    assert "; and 29 more" in result.error  # 6 kinds of key shown, the rest counted
+    assert "; and 34 more" in result.error  # 6 kinds of key shown, the rest counted (sm89 adds 5)
     assert live.reload(force=True).ok
     with pytest.raises(NoBackendError):
         live.current.decide(LOGITS, small)
@@ -116,7 +116,7 @@ def decides(dispatcher, op: Op, key: DispatchKey) -> bool:
 def assert_torn_prefix_never_loses_keys(tmp_path, prefix: str, arch: str) -> None:
     path = tmp_path / f"torn-{arch}.yaml"
     path.write_text(SHIPPED)
-    live = LiveDispatcher(real_catalog(), path, arch=arch, cluster=None)
+    live = LiveDispatcher(path, catalog=real_catalog(), arch=arch, cluster=None)
     old = live.current
     path.write_text(prefix)
     result = live.reload()
@@ -145,7 +145,7 @@ def test_every_line_prefix_of_the_shipped_registry(tmp_path, monkeypatch, arch):
         if len(prefix) < last_fallback:
             path = tmp_path / "short.yaml"
             path.write_text(SHIPPED)
-            live = LiveDispatcher(real_catalog(), path, arch=arch)
+            live = LiveDispatcher(path, catalog=real_catalog(), arch=arch)
             path.write_text(prefix)
             refused += not live.reload().ok
     assert refused == sum(len(p) < last_fallback for p in LINE_PREFIXES)

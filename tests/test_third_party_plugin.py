@@ -58,7 +58,7 @@ def test_plugin_backend_matches_the_reference(installed, monkeypatch):
     monkeypatch.setenv("DISPATCH_PLUGINS", "acme")
     dispatcher = load_dispatcher(PACKAGE / "registry.yaml", cluster="acme", arch="cpu")
     generator = torch.Generator().manual_seed(0)
-    lengths = [70, 3, 130, 64, 200, 1, 90, 33, 129]
+    lengths = [70, 3, 130, 64, 200, 4, 90, 33, 129]
     cache, table = build_paged_kv_cache([torch.randn(n, 128, generator=generator) for n in lengths], "e4m3fn",
                                         generator=generator, extra_blocks=2)
     batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths), KEY.forward_mode, KEY.next_n)
@@ -83,7 +83,7 @@ def test_explain_shows_the_plugin_chosen_through_the_overlay(installed, monkeypa
     argv = ["explain", "--registry", str(PACKAGE / "registry.yaml"), "--arch", "cpu",
             "--forward-mode", "target_verify", "--next-n", "3", "--json"]
     assert main(argv + ["--cluster", "acme"]) == 0
-    decision = json.loads(capsys.readouterr().out)
+    (decision,) = json.loads(capsys.readouterr().out)["decisions"]
     assert (decision["backend"], decision["plugin"], decision["rule"]) == ("acme.chunked", "acme", "prefer[0]")
     monkeypatch.setenv("DISPATCH_PLUGINS", "")
     assert main(argv + ["--cluster", "acme"]) == 2  # not allowlisted: the overlay names an unknown backend

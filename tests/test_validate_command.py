@@ -66,10 +66,14 @@ def test_unknown_names_and_lint_together_in_file_order(capsys, tmp_path):
     assert code == 2 and out == ""
     lines = err.splitlines()
     assert len(lines) == 3, err
-    assert lines[0].startswith("dispatch: R:19: ops.paged_mqa_logits.rules[1].use[1]: unknown backend `tritn`; did you mean `triton`?")
-    assert lines[1].startswith("lint: R:37: ops.paged_mqa_logits.rules[6]: rule `cpu-reference` can never fire: earlier rules `never`")
-    prefer_line = text.splitlines().index("    prefer: [Torch.Reference]") + 1
-    assert lines[2].startswith(f"dispatch: R:{prefer_line}: clusters.reference-only.prefer[0]: unknown backend `Torch.Reference`; did you mean `torch.reference`?")
+    line = {marker: text.splitlines().index(marker) + 1 for marker in (
+        "        use: [deepgemm.sm90, tritn]", "      - id: cpu-reference", "    prefer: [Torch.Reference]")}
+    assert lines[0].startswith(f"dispatch: R:{line['        use: [deepgemm.sm90, tritn]']}: ops.paged_mqa_logits.rules[1].use[1]: "
+                               "unknown backend `tritn`; did you mean `triton`?")
+    assert lines[1].startswith(f"lint: R:{line['      - id: cpu-reference']}: ops.paged_mqa_logits.rules[6]: "
+                               "rule `cpu-reference` can never fire: earlier rules `never`")
+    assert lines[2].startswith(f"dispatch: R:{line['    prefer: [Torch.Reference]']}: clusters.reference-only.prefer[0]: "
+                               "unknown backend `Torch.Reference`; did you mean `torch.reference`?")
 
 
 def test_a_name_with_a_capital_letter_is_an_unknown_backend_not_a_regex_error(capsys, tmp_path):

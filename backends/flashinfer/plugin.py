@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch is imported where it runs: registering must not impor
     import torch
 
 # FlashInfer's top-k kernels are CUDA-only; they are built for sm_80 and newer.
-FLASHINFER_ARCHS = frozenset({Arch.SM80, Arch.SM90, Arch.SM100, Arch.SM120})
+FLASHINFER_ARCHS = frozenset({Arch.SM80, Arch.SM89, Arch.SM90, Arch.SM100, Arch.SM120})
 ENTRY = "top_k_ragged_transform"
 
 

@@ -10,9 +10,10 @@ from dispatch.detect import detect_arch, triton_interpreter_on
 from dispatch.errors import InvalidKeyError
 from dispatch.key import Arch
 
-# fp8 tensor-core dots need sm89+ (the sm80 family here includes sm80/86, which have none) or CDNA3+;
-# e4m3fn does not compile for gfx942. The CPU runs the kernels under TRITON_INTERPRET=1.
-TRITON_ARCHS = frozenset({Arch.SM90, Arch.SM100, Arch.SM120, Arch.GFX950, Arch.CPU})
+# fp8 tensor-core dots need sm89+ (sm80 here is 8.0/8.6/8.7, which have none) or CDNA3+; sm89 (Ada)
+# runs the fp8 tl.dot natively. e4m3fn does not compile for gfx942. The CPU runs the kernels under
+# TRITON_INTERPRET=1.
+TRITON_ARCHS = frozenset({Arch.SM89, Arch.SM90, Arch.SM100, Arch.SM120, Arch.GFX950, Arch.CPU})
 # e4m3fnuz caches exist only on gfx942 (tl.float8e4b8 natively); the CPU runs the emulated bytes for tests.
 FNUZ_ARCHS = frozenset({Arch.GFX942, Arch.CPU})
 

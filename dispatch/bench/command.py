@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import platform
+import sys
 
 from dispatch.key import Fp8Dtype, Op
 
@@ -21,32 +22,53 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", choices=[o.value for o in Op] + ["step", "all"], default="all",
-                        help="one op, `step` (the whole indexer step per backend combination), or all")
-    parser.add_argument("--batch-sizes", type=_ints, default=[32, 128])
-    parser.add_argument("--next-n", type=_ints, default=[1, 2, 4])
-    parser.add_argument("--lengths", type=_ints, default=[8192, 32768], help="mean lengths; each batch is uniform in [L/2, 3L/2]")
-    parser.add_argument("--tokens", type=_ints, default=[64, 512, 16384],
-                        help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost)")
-    parser.add_argument("--k", type=_ints, default=[2048], help="keys kept per token, for topk")
+                        help="one op, `step` (the whole indexer step per backend combination), or all (default: all)")
+    parser.add_argument("--batch-sizes", type=_ints, default=[32, 128], metavar="B,B,...", help="requests per batch (default: 32,128)")
+    parser.add_argument("--next-n", type=_ints, default=[1, 2, 4], metavar="N,N,...", help="tokens scored per request (default: 1,2,4)")
+    parser.add_argument("--lengths", type=_ints, default=[8192, 32768], metavar="L,L,...",
+                        help="mean lengths; each batch is uniform in [L/2, 3L/2] (default: 8192,32768)")
+    parser.add_argument("--k", type=_ints, default=[2048], metavar="K,K,...", help="keys kept per token, for topk (default: 2048)")
+    parser.add_argument("--tokens", type=_ints, default=[64, 512, 16384], metavar="T,T,...",
+                        help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost; "
+                             "default: 64,512,16384)")
     parser.add_argument(
         "--prefill-shapes",
         type=lambda text: [part for part in text.split(",") if part],
         default=None,
+        metavar="RxE+P,...",
         help="extend batches for ragged_mqa_logits and the prefill step: RxE+P is R requests of E new tokens "
         "after P cached keys (M = R*E query rows, S = R*(P+E) keys); default " + ",".join(PREFILL_SHAPES)
         + " (--quick: " + ",".join(QUICK_PREFILL_SHAPES) + ")",
     )
-    parser.add_argument("--logits-budget", type=int, default=None,
+    parser.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
                         help="the prefill step's logits byte budget (default: dispatch.prefill's, 512 MiB)")
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=64, help="indexer heads H (default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=128, help="indexer head dim D (default: %(default)s)")
     parser.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the platform's")
-    parser.add_argument("--backends", help="comma-separated backend names (default: every available one)")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--backends", help="comma-separated backend names (default: every available one but the reference)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per backend and shape (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
-    parser.add_argument("--cluster")
-    parser.add_argument("--registry")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cluster", help="cluster overlay (default: DISPATCH_CLUSTER, else a declared match)")
+    parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")
+    parser.add_argument("--json", action="store_true", help="print the report (or {\"error\": ...}) as JSON")
+
+
+def _progress(message: str) -> None:
+    # Progress goes to stderr, so `--json > report.json` and pipes get the report alone.
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _cpu_note() -> None:
+    """On a CPU, say what the report can and cannot show, before the user waits for it."""
+    from dispatch.detect import triton_interpreter_on
+
+    _progress("no GPU visible to torch: CPU timings show no kernel's GPU speed")
+    if not triton_interpreter_on():
+        _progress(
+            "the Triton backends cannot run here (TRITON_INTERPRET is not 1) and the torch reference is timed "
+            "only when named, so nothing may be timed; run `TRITON_INTERPRET=1 python -m dispatch bench --quick` "
+            "to check the Triton kernels under the interpreter, or add `--backends torch.reference`"
+        )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -69,6 +91,8 @@ def run_bench(args: argparse.Namespace) -> int:
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
+    if device == "cpu":
+        _cpu_note()
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
     common = dict(device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
@@ -80,40 +104,49 @@ def run_bench(args: argparse.Namespace) -> int:
     ]
     ragged_shapes = [RaggedShape.parse(text, args.heads, args.head_dim) for text in args.prefill_shapes]
     budget = DEFAULT_LOGITS_BYTES if args.logits_budget is None else args.logits_budget
-    # Each op's rows, at its own shapes: one entry per op, in the order the indexer runs them. The
-    # ragged op's entry ends with the whole prefill step per shape and k (gather + quant + logits + top-k).
-    benches = {
-        Op.INDEXER_Q_QUANT: lambda: [
-            row
-            for tokens in args.tokens
-            for row in bench_quant(dispatcher, QuantShape(tokens, args.heads, args.head_dim), fp8, **common)
+    # One job per (op, shape), labelled for the progress line on stderr.
+    jobs = {
+        Op.INDEXER_Q_QUANT: [
+            (shape.label(), lambda shape=shape: bench_quant(dispatcher, shape, fp8, **common))
+            for shape in (QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens)
         ],
-        Op.PAGED_MQA_LOGITS: lambda: [
-            row for shape in logits_shapes for row in bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common)
+        Op.PAGED_MQA_LOGITS: [
+            (shape.label(), lambda shape=shape: bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common))
+            for shape in logits_shapes
         ],
-        Op.TOPK: lambda: [
-            row for shape in logits_shapes for k in args.k for row in bench_topk(dispatcher, shape, fp8, k=k, **common)
+        Op.TOPK: [
+            (f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(dispatcher, shape, fp8, k=k, **common))
+            for shape in logits_shapes
+            for k in args.k
         ],
     }
-    benches[Op.RAGGED_MQA_LOGITS] = lambda: [
-        row for shape in ragged_shapes for row in bench_ragged(dispatcher, shape, fp8, tolerance=tolerance, **common)
+    # The ragged op's jobs: the op per eligible backend, then the whole prefill step per shape and k
+    # (gather + quant + logits + top-k through the decided backends, with its peak memory).
+    jobs[Op.RAGGED_MQA_LOGITS] = [
+        (shape.label(), lambda shape=shape: bench_ragged(dispatcher, shape, fp8, tolerance=tolerance, **common))
+        for shape in ragged_shapes
     ] + [
-        row
+        (f"{shape.label()} k={k} step", lambda shape=shape, k=k: bench_extend_step(
+            dispatcher, shape, fp8, k=k, device=device, ceilings=ceilings, repeats=args.repeats,
+            tolerance=tolerance, logits_byte_budget=budget))
         for shape in ragged_shapes
         for k in args.k
-        for row in bench_extend_step(dispatcher, shape, fp8, k=k, device=device, ceilings=ceilings,
-                                     repeats=args.repeats, tolerance=tolerance, logits_byte_budget=budget)
     ]
-    rows = []
-    for op in Op:
-        if args.op in ("all", op.value):
-            rows += benches[op]()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    chosen = [(op.value, label, job) for op in Op if args.op in ("all", op.value) for label, job in jobs[op]]
     if args.op in ("all", "step"):
         from dispatch.bench.step import bench_step
 
-        rows += [row for shape in logits_shapes for k in args.k for row in bench_step(dispatcher, shape, fp8, k=k, **common)]
+        chosen += [
+            ("step", f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_step(dispatcher, shape, fp8, k=k, **common))
+            for shape in logits_shapes
+            for k in args.k
+        ]
+    rows = []
+    for number, (name, label, job) in enumerate(chosen, 1):
+        _progress(f"[{number}/{len(chosen)}] {name} {label}")
+        rows += job()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     report = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
         "date": datetime.date.today().isoformat(),
@@ -124,6 +157,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "dispatch_overhead": dispatch_overhead(dispatcher, device=device),
         "rows": [row.as_dict() for row in rows],
     }
+    if not rows:
+        _progress("no backend was timed: none of those asked for is available here (`python -m dispatch backends` says why)")
     print(json.dumps(report, indent=2) if args.json else report_text(report))
     failed = [row for row in report["rows"] if row["check"] != "ok"]
     return 1 if failed else 0
