@@ -1,4 +1,4 @@
-"""`python -m dispatch`: explain, validate, backends, schema, bench. The one place that turns the
+"""`python -m dispatch`: explain, validate, backends, schema, bench, tune. The one place that turns the
 project's errors into messages and exit codes (EXIT_CODES below)."""
 
 from __future__ import annotations
@@ -144,6 +144,10 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     from dispatch.bench.command import add_arguments
 
     add_arguments(command("bench", "check then time every backend available here", _bench))
+
+    from dispatch.bench.tune import add_arguments as add_tune_arguments
+
+    add_tune_arguments(command("tune", "measure a cluster's workload here and write its measured overlay", _tune))
     return parser
 
 
@@ -278,6 +282,7 @@ def _validate(args: argparse.Namespace) -> int:
     from dispatch.plugins import collect_backends
     from dispatch.registry.checks import findings, unknown_backend_names
     from dispatch.registry.document import load_registry
+    from dispatch.registry.measured import stale_evidence
     from dispatch.runtime import load_plugins, registry_path
 
     document = load_registry(registry_path(args.path))
@@ -287,6 +292,8 @@ def _validate(args: argparse.Namespace) -> int:
         [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)],
         key=lambda pair: pair[1].line or 0,
     )
+    for warning in stale_evidence(document, catalog):  # warned, not failed: the choice still stands
+        print(f"warning: {warning}", file=sys.stderr)
     for label, finding in found:
         print(f"{label}: {finding}", file=sys.stderr)
     if found:
@@ -296,7 +303,8 @@ def _validate(args: argparse.Namespace) -> int:
     per_op = ", ".join(f"{op.value} {len(tables[op].rules)}" for op in Op if op in tables)
     print(
         f"ok: {document.path}: {rules} rules over {len(tables)} ops ({per_op}), "
-        f"{len(document.registry.clusters)} clusters (fingerprint {document.fingerprint})"
+        f"{len(document.registry.clusters)} clusters, {len(document.measured)} measured overlays "
+        f"(fingerprint {document.fingerprint})"
     )
     return EXIT_OK
 
@@ -322,3 +330,9 @@ def _bench(args: argparse.Namespace) -> int:
     from dispatch.bench.command import run_bench
 
     return run_bench(args)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from dispatch.bench.tune import run_tune
+
+    return run_tune(args)

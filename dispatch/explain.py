@@ -94,6 +94,7 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
         f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution} "
         f"{decision.impl.plugin_version or '-'}; library version {decision.impl.version or '-'})",
         f"  cluster:  {decision.cluster or 'none'}",
+        *_evidence(decision),
         *_here(decision),
         f"  registry: {document.path} (fingerprint {decision.registry_fingerprint})",
     ]
@@ -102,6 +103,13 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
         lines.append("  rejected:")
         lines += [f"    {r.backend.ljust(width)}  {r.reason}" for r in decision.rejected]
     return "\n".join(lines)
+
+
+def _evidence(decision: Decision) -> list[str]:
+    if decision.evidence is None:
+        return []
+    evidence = decision.evidence
+    return [f"  evidence: {evidence.summary()} ({evidence.at})"] + [f"            {line}" for line in evidence.details()]
 
 
 def _here(decision: Decision) -> list[str]:

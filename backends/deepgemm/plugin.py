@@ -15,6 +15,7 @@ run the kernel does not load deep_gemm's CUDA extension just to say no.
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable
 from types import ModuleType
 
@@ -142,6 +143,21 @@ def probe_for(
     return probe
 
 
+# The distributions that ship the `deep_gemm` module; the first one installed names the version.
+DISTRIBUTIONS = ("sgl-deep-gemm", "tokenspeed-deepgemm", "deep-gemm")
+
+
+def library_version() -> str:
+    """"sgl-deep-gemm 0.1.5": the installed distribution, read from its metadata without importing
+    deep_gemm (a CUDA extension); "" when none is installed. A measurement records it (Backend.version)."""
+    for distribution in DISTRIBUTIONS:
+        try:
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
     """The three paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
@@ -160,6 +176,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
                 probe=probe_for(arch, load),
                 prepare=impl.prepare,
                 refresh_state=impl.refresh_state,
+                version=library_version(),
                 description=description,
             )
         )

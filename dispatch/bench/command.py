@@ -96,6 +96,7 @@ def run_bench(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
     common = dict(device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
+
     logits_shapes = [
         LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
         for batch_size in args.batch_sizes

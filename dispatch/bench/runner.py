@@ -90,6 +90,7 @@ def bench_logits(
     repeats: int,
     tolerance: float,
     wanted: set[str] | None,
+    budget_s: float | None = None,
 ) -> list[Row]:
     mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
@@ -116,7 +117,7 @@ def bench_logits(
                 (lambda inputs=inputs: paged_mqa_logits(plan_of[id(inputs)], inputs.q_tokens, inputs.kv_cache, inputs.weights))
                 for inputs in sets
             ]
-            row.seconds, row.extra["timing"] = time_rotating(calls, on_gpu=device != "cpu", repeats=repeats)
+            row.seconds, row.extra["timing"] = time_rotating(calls, on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 
@@ -148,6 +149,7 @@ def bench_quant(
     ceilings: Ceilings | None,
     repeats: int,
     wanted: set[str] | None,
+    budget_s: float | None = None,
 ) -> list[Row]:
     key = DispatchKey(dispatcher.target_arch, ForwardMode.DECODE, 1, fp8_dtype)
     inputs = quant_inputs(shape, device, seed=0)
@@ -168,7 +170,7 @@ def bench_quant(
         row.error, row.check = compare_q_quant(out, reference)
         if row.check == "ok":
             call = [lambda: call_backend(decision, **inputs, **settings)]
-            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 
@@ -182,18 +184,22 @@ def bench_topk(
     ceilings: Ceilings | None,
     repeats: int,
     wanted: set[str] | None,
+    budget_s: float | None = None,
 ) -> list[Row]:
     """Top-k alone, per eligible backend, on the logits the decided logits backend gives this workload,
     over the plan's per-token lengths; checked against torch.topk."""
     mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
+    candidates = _candidates(dispatcher, Op.TOPK, key, wanted)
+    if not candidates:  # a grid's worth of inputs and logits for nothing to time
+        return []
     inputs = logits_inputs(shape, fp8_dtype, device, seed=0)
     decided = _plan(dispatcher, dispatcher.decide(Op.PAGED_MQA_LOGITS, key).backend, mode, inputs, fp8_dtype)
     logits = paged_mqa_logits(decided, inputs.q_tokens, inputs.kv_cache, inputs.weights)
     floor = _floor(topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k), 0.0, ceilings)
     label = f"{shape.label()} k={k}"
     rows = []
-    for name in _candidates(dispatcher, Op.TOPK, key, wanted):
+    for name in candidates:
         plan = _plan(dispatcher, name, mode, inputs, fp8_dtype, op=Op.TOPK)
         bytes_ = topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k)
         row = Row(Op.TOPK.value, name, plan.topk.layout.value, label, bytes=bytes_, floor_seconds=floor)
@@ -206,7 +212,7 @@ def bench_topk(
         row.error, row.check = compare_topk(out, logits, plan.token_lengths, k)
         if row.check == "ok":
             call = [lambda plan=plan: topk(plan, logits, k)]
-            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats)
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 

@@ -27,11 +27,17 @@ class RegistryDocument:
     registry: Registry
     path: str
     lines: dict[Location, int] = field(repr=False)
+    # Each cluster's measured overlay (dispatch.registry.measured.MeasuredDocument), by cluster name.
+    measured: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def fingerprint(self) -> str:
-        """Hash of the validated content (not the text): equal for files that mean the same."""
+        """Hash of the validated content (not the text), measured overlays included: equal for files
+        that mean the same, different when any measured preference or its evidence differs."""
         canonical = json.dumps(self.registry.model_dump(mode="json"), sort_keys=True)
+        if self.measured:
+            overlays = {name: m.overlay.model_dump(mode="json") for name, m in self.measured.items()}
+            canonical += json.dumps(overlays, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def line_of(self, location: Location) -> int | None:
@@ -121,7 +127,9 @@ def parse_registry(text: str, path: str = "<registry>") -> RegistryDocument:
     duplicates = list(_duplicate_rule_ids(registry, lines))
     if duplicates:
         raise errors_in_file_order(path, duplicates)
-    return RegistryDocument(registry=registry, path=path, lines=lines)
+    from dispatch.registry.measured import attach_measured  # it reads files with this module's loader
+
+    return attach_measured(RegistryDocument(registry=registry, path=path, lines=lines))
 
 
 def _duplicate_rule_ids(registry: Registry, lines: dict[Location, int]):

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from dispatch.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.limits import MAX_RULE_NEXT_N
+from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, MAX_RULE_NEXT_N
 
 
 def _as_tuple(value: object) -> object:
@@ -139,12 +139,33 @@ class ClusterMatch(Strict):
     hostname: str | None = None  # shell-style glob over socket.gethostname()
 
 
+def _bounded(most: int) -> object:
+    """A non-empty list of integers from 1 to `most`: what one machine can measure in minutes. (Empty
+    is refused after the items are checked, so a bad item is not also reported as an empty list.)"""
+    item = Annotated[int, Field(ge=1, le=most, strict=True)]
+    return Annotated[tuple[item, ...], Field(max_length=16), AfterValidator(lambda v: _not_empty(v, "name at least one"))]
+
+
+class Workload(Strict):
+    """The shapes `python -m dispatch tune` measures for a cluster. The defaults cover serving
+    (README, "Choosing by measurement"); a cluster names only what it changes."""
+
+    batch_sizes: _bounded(MAX_CLI_BATCH) = (1, 8, 32, 128, 256)
+    lengths: _bounded(MAX_CLI_SEQ_LEN) = (2048, 8192, 32768, 131072)  # means; each batch uniform in [L/2, 3L/2]
+    next_n: _bounded(MAX_CLI_NEXT_N) = (1, 2, 4)
+    fp8_dtype: Fp8Dtype | None = None  # default: the platform's
+    tokens: _bounded(MAX_CLI_SEQ_LEN) = (64, 512, 16384)  # token counts for indexer_q_quant
+    k: _bounded(MAX_CLI_SEQ_LEN) = (2048,)  # keys kept per token, for topk
+
+
 class Cluster(Strict):
     description: str = ""
     match: ClusterMatch | None = None
     enable: NameList = ()  # backends the registry disables by default, switched on here
     disable: NameList = ()  # backends this cluster must never use
-    prefer: NameList = ()  # tried, in order, before the rules (each only where it supports the key)
+    prefer: NameList = ()  # tried, in order, before the measured order and the rules (each where it supports the key)
+    workload: Workload | None = None  # what `tune` measures for this cluster (default: Workload())
+    measured: Annotated[str, Field(min_length=1, max_length=4096)] | None = None  # `tune`'s overlay, relative to this file
 
 
 ClusterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]

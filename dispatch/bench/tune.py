@@ -1,0 +1,233 @@
+"""`python -m dispatch tune`: on this machine, for the keys and workload a cluster declares, check every
+eligible backend of every op against the reference and time it (the bench's own runners), then write
+the cluster's measured overlay: per op and key, the backends fastest first, with the evidence.
+
+Keys: next_n 1 is `decode`; next_n > 1 is `target_verify` and `draft_extend`, which hand the kernels
+the same tensors, so one measurement serves both (a mode whose eligible backends differ is left to
+the rules). Q quant's time depends on its token count alone, so its measurement at the workload's
+token counts serves every key. Where only one backend is eligible there is nothing to choose and
+nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.registry.measured import geometric_mean
+from dispatch.registry.models import Workload
+
+BUDGET_S = 0.5  # timing per backend and shape at most about this long: a slow reference takes 3 repeats
+QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", help="whose workload to measure (default: DISPATCH_CLUSTER, else a declared match)")
+    parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else registry.yaml)")
+    parser.add_argument(
+        "-o", "--output", help="overlay file to write (default: the cluster's `measured` path, else stdout)"
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and next_n <= 2, for a CPU run")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per backend and shape, at most")
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from dispatch.runtime import load_dispatcher
+
+    started = time.perf_counter()
+    dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
+    cluster = dispatcher.document.registry.clusters.get(dispatcher.cluster) if dispatcher.cluster else None
+    declared = _beside(dispatcher.document.path, cluster.measured) if cluster and cluster.measured else None
+    output = args.output or declared
+    text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text)
+        print(f"tune: wrote {output} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 1 if failures else 0
+
+
+def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, output: str | None = None) -> tuple[str, int]:
+    """(the overlay's YAML text, how many keys had a backend fail its check) for the dispatcher's
+    cluster (its workload, else the default), measured on this machine. The text is validated by the
+    loader `validate` uses before it is returned."""
+    import torch
+
+    from dispatch.detect import platform_fp8_dtype
+    from dispatch.registry.measured import parse_measured
+
+    name = dispatcher.cluster
+    cluster = dispatcher.document.registry.clusters.get(name) if name else None
+    workload = (cluster.workload if cluster and cluster.workload else None) or Workload()
+    fp8 = workload.fp8_dtype or platform_fp8_dtype(dispatcher.target_arch)
+    if quick:
+        small_n = tuple(n for n in workload.next_n if n <= 2) or (1,)
+        workload = workload.model_copy(update=dict(QUICK, next_n=small_n, k=tuple(min(k, 64) for k in workload.k)))
+        repeats = min(repeats, 3)
+    workload = workload.model_copy(update={"fp8_dtype": fp8})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tuner = _Tuner(dispatcher, workload, fp8, device, repeats, time.perf_counter())
+    ops = {op: tuner.measure(op) for op in Op}
+    overlay = {
+        "version": 1,
+        "cluster": name,
+        "machine": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({_cpu_name()})",
+        "date": datetime.date.today(),
+        "dispatch": _version("dispatch-dsa") or "unknown",
+        "torch": str(torch.__version__),
+        "triton": _version("triton"),
+        "workload": workload.model_dump(mode="json"),
+        "ops": {op.value: table for op, table in ops.items() if table["preferences"]},
+    }
+    relative = os.path.relpath(output, Path(dispatcher.document.path).parent) if output else None
+    text = _header(name, overlay, relative) + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None, width=120)
+    parse_measured(text, output or "<tune output>")  # what validate will read: refuse here, not there
+    return text, tuner.failures
+
+
+class _Tuner:
+    def __init__(self, dispatcher, workload: Workload, fp8: Fp8Dtype, device: str, repeats: int, started: float):
+        self.dispatcher, self.workload, self.fp8, self.device = dispatcher, workload, fp8, device
+        self.repeats, self.started = repeats, started
+        self.failures = 0
+        self.common = dict(device=device, ceilings=None, repeats=repeats, budget_s=BUDGET_S)
+
+    def measure(self, op: Op) -> dict:
+        """{"versions": {...}, "preferences": [...]} for `op` over the workload's keys."""
+        versions: dict[str, str] = {}
+        preferences = []
+        quant_rows = None
+        for next_n in self.workload.next_n:
+            modes = self._modes(op, next_n)
+            names = self._eligible(op, DispatchKey(self.dispatcher.target_arch, modes[0], next_n, self.fp8))
+            if len(names) < 2:
+                only = ", ".join(names) or "no backend"
+                self._say(f"{op.value} next_n={next_n}: only {only} eligible; nothing to choose")
+                continue
+            if op is Op.INDEXER_Q_QUANT:
+                quant_rows = quant_rows if quant_rows is not None else self._rows(op, None, None)
+                rows = [row for row in quant_rows if row.backend in names]
+                if {row.backend for row in rows} != set(names):
+                    continue  # a backend eligible here was not eligible where Q quant was measured
+            else:
+                rows = self._rows(op, next_n, set(names))
+            preference = self._preference(rows)
+            if preference is None:
+                continue
+            arch = self.dispatcher.target_arch.value
+            key = {"arch": arch, "forward_mode": [m.value for m in modes], "next_n": next_n, "fp8_dtype": self.fp8.value}
+            preferences.append({"key": key, **preference})
+            for name in names:
+                versions[name] = str(self.dispatcher.catalog.get(op, name).version)
+        return {"versions": dict(sorted(versions.items())), "preferences": preferences}
+
+    def _modes(self, op: Op, next_n: int) -> list[ForwardMode]:
+        if next_n == 1:
+            return [ForwardMode.DECODE]
+        arch = self.dispatcher.target_arch
+        first = self._eligible(op, DispatchKey(arch, ForwardMode.TARGET_VERIFY, next_n, self.fp8))
+        same = self._eligible(op, DispatchKey(arch, ForwardMode.DRAFT_EXTEND, next_n, self.fp8)) == first
+        return [ForwardMode.TARGET_VERIFY] + ([ForwardMode.DRAFT_EXTEND] if same else [])
+
+    def _eligible(self, op: Op, key: DispatchKey) -> list[str]:
+        # The cluster's disabled backends are never used here, so they are not measured.
+        return sorted(b.name for b in self.dispatcher.eligible(op, key))
+
+    def _rows(self, op: Op, next_n: int | None, names: set[str] | None) -> list:
+        from dispatch.bench.runner import bench_logits, bench_quant, bench_topk
+        from dispatch.bench.workload import LogitsShape, QuantShape
+
+        rows = []
+        w, d = self.workload, self.dispatcher
+        if op is Op.INDEXER_Q_QUANT:
+            names = set(self._eligible(op, DispatchKey(d.target_arch, ForwardMode.DECODE, 1, self.fp8)))
+            for tokens in w.tokens:
+                rows += self._report(bench_quant(d, QuantShape(tokens), self.fp8, wanted=names, **self.common))
+            return rows
+        tolerance = 1e-3 if self.device == "cuda" else 1e-5
+        for batch_size in w.batch_sizes:
+            for length in w.lengths:
+                shape = LogitsShape(batch_size, next_n, length)
+                if op is Op.PAGED_MQA_LOGITS:
+                    measured = bench_logits(d, shape, self.fp8, tolerance=tolerance, wanted=names, **self.common)
+                    rows += self._report(measured)
+                else:
+                    for k in w.k:
+                        rows += self._report(bench_topk(d, shape, self.fp8, k=k, wanted=names, **self.common))
+                self._free()
+        return rows
+
+    def _report(self, rows: list) -> list:
+        if rows:
+            times = ", ".join(f"{r.backend} " + (f"{r.seconds * 1e6:.1f} us" if r.seconds else r.check) for r in rows)
+            self._say(f"{rows[0].op} {rows[0].shape}: {times}")
+        return rows
+
+    def _preference(self, rows: list) -> dict | None:
+        """Order, per-shape times and failures from one key's rows; None when every backend failed."""
+        failed: dict[str, str] = {}
+        times: dict[str, dict[str, float]] = {}
+        for row in rows:
+            if row.check != "ok":
+                failed.setdefault(row.backend, f"{row.check} at {row.shape}")
+            else:
+                times.setdefault(row.shape, {})[row.backend] = round(row.seconds * 1e6, 1) or 0.1
+        if failed:
+            self.failures += 1
+            self._say(f"check failed, never preferred: {failed}")
+        order = sorted({r.backend for r in rows} - set(failed), key=lambda name: (_geomean(times, name), name))
+        if not order:
+            return None
+        shapes = [{"shape": shape, "median_us": {name: by[name] for name in order}} for shape, by in times.items()]
+        return {"order": order, "shapes": shapes, **({"failed": failed} if failed else {})}
+
+    def _free(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def _say(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def _geomean(times: dict[str, dict[str, float]], name: str) -> float:
+    return geometric_mean([by[name] for by in times.values()])
+
+
+def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:
+    include = f"`measured: {relative}`" if relative else "`measured: <this file, relative to the registry>`"
+    return (
+        f"# Measured by `python -m dispatch tune{f' --cluster {cluster}' if cluster else ''}` on {overlay['machine']}, "
+        f"{overlay['date']}.\n"
+        "# Per op and key: the backends fastest first (geometric mean of median times over the shapes), each\n"
+        "# shape's times, and the backends that failed the check against the reference (never preferred).\n"
+        f"# A cluster includes it with {include}; re-run tune rather than edit it.\n"
+    )
+
+
+def _beside(registry: str, relative: str) -> str:
+    return str(Path(registry).parent / relative)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    import platform
+
+    return platform.processor() or platform.machine()

@@ -1,0 +1,233 @@
+"""A measured overlay: the order of backends `python -m dispatch tune` chose per (op, key) on one
+machine, with its evidence (each candidate's median time per shape, the machine, the date and the
+versions). A cluster includes one with `measured: <path>` (relative to the registry file). It is read
+with the registry's own loader, so its errors name file, line and key in the same way.
+
+The order is fastest first by the geometric mean of each backend's median times over the key's
+shapes: every shape weighs the same whatever its size, and it orders backends exactly as the
+geometric mean of their time ratios to the fastest at each shape would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from dispatch.errors import RegistryError
+from dispatch.key import Arch, DispatchKey, Fp8Dtype, Op
+from dispatch.registry.document import (
+    Location,
+    RegistryDocument,
+    _deepest_line,
+    _is_validator_tag,
+    _message,
+    _read_bounded,
+    _safe_load_with_lines,
+    dotted,
+    errors_in_file_order,
+)
+from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
+
+Micros = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class MeasuredKey(Strict):
+    """The keys one measurement serves: exact values, forward modes listed when one shape serves
+    several (target_verify and draft_extend hand the kernels the same tensors at one next_n)."""
+
+    arch: Arch
+    forward_mode: ModeList
+    next_n: NextN
+    fp8_dtype: Fp8Dtype
+
+    @model_validator(mode="after")
+    def _can_occur(self) -> "MeasuredKey":
+        self.keys()  # InvalidKeyError is a ValueError: reported at this key's line
+        return self
+
+    def keys(self) -> tuple[DispatchKey, ...]:
+        return tuple(DispatchKey(self.arch, mode, self.next_n, self.fp8_dtype) for mode in self.forward_mode)
+
+
+class ShapeTimes(Strict):
+    shape: Annotated[str, Field(min_length=1)]
+    median_us: dict[BackendName, Micros]
+
+
+class Preference(Strict):
+    key: MeasuredKey
+    order: NameList  # fastest first; only backends that passed the check
+    shapes: tuple[ShapeTimes, ...]
+    failed: dict[BackendName, str] = {}  # backend -> why its output differed from the reference
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Preference":
+        if not self.order or not self.shapes:
+            raise ValueError("a preference needs at least one backend in `order` and one shape")
+        if len(set(self.order)) != len(self.order):
+            raise ValueError(f"`order` names a backend twice: {', '.join(self.order)}")
+        for shape in self.shapes:
+            if set(shape.median_us) != set(self.order):
+                raise ValueError(
+                    f"shape `{shape.shape}` times {_ticks(sorted(shape.median_us))} but `order` lists "
+                    f"{_ticks(self.order)}; every ordered backend needs a time at every shape"
+                )
+        both = sorted(set(self.failed) & set(self.order))
+        if both:
+            raise ValueError(f"{_ticks(both)} failed the check and cannot be in `order`")
+        for faster, slower in zip(self.order, self.order[1:]):
+            if self.mean_us(faster) > self.mean_us(slower):
+                raise ValueError(
+                    f"`order` puts `{faster}` ({self.mean_us(faster):.1f} us) before `{slower}` "
+                    f"({self.mean_us(slower):.1f} us); the measured order is fastest first "
+                    "(to override a measurement, use the cluster's `prefer`)"
+                )
+        return self
+
+    def mean_us(self, backend: str) -> float:
+        """Geometric mean of `backend`'s median times over this key's shapes."""
+        return geometric_mean([shape.median_us[backend] for shape in self.shapes])
+
+
+def geometric_mean(values: list[float]) -> float:
+    """The one aggregate `tune` orders by and the loader checks the order with (a single value exactly)."""
+    return values[0] if len(values) == 1 else math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+class MeasuredOp(Strict):
+    versions: dict[BackendName, str] = {}  # each measured backend's Backend.version when measured
+    preferences: tuple[Preference, ...] = ()
+
+
+class MeasuredOverlay(Strict):
+    version: Literal[1]
+    cluster: ClusterName | None = None  # the cluster it was measured for
+    machine: Annotated[str, Field(min_length=1)]  # the GPU's name (torch.cuda.get_device_name), or the CPU's
+    date: datetime.date
+    dispatch: str  # versions when measured
+    torch: str
+    triton: str | None = None
+    workload: Workload
+    ops: dict[Op, MeasuredOp] = {}
+
+
+@dataclass(frozen=True)
+class MeasuredDocument:
+    """A validated overlay with where each part came from, and its preferences indexed by key."""
+
+    overlay: MeasuredOverlay
+    path: str
+    lines: dict[Location, int] = field(repr=False)
+    index: dict[tuple[Op, DispatchKey], int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        index = {
+            (op, key): position
+            for op, table in self.overlay.ops.items()
+            for position, preference in enumerate(table.preferences)
+            for key in preference.key.keys()
+        }
+        object.__setattr__(self, "index", index)
+
+    def find(self, op: Op, key: DispatchKey) -> tuple[int, Preference] | None:
+        position = self.index.get((op, key))
+        return None if position is None else (position, self.overlay.ops[op].preferences[position])
+
+    def where(self, location: Location) -> str:
+        line = _deepest_line(self.lines, location)
+        return f"{self.path}:{line}" if line else self.path
+
+
+def parse_measured(text: str, path: str = "<measured>") -> MeasuredDocument:
+    data, lines = _safe_load_with_lines(text, path)
+    try:
+        overlay = MeasuredOverlay.model_validate(data)
+    except ValidationError as error:
+        problems = []
+        for detail in error.errors():
+            location = tuple(part for part in detail["loc"] if not _is_validator_tag(part))
+            problems.append((_deepest_line(lines, location), location, _message(detail)))
+        raise errors_in_file_order(path, problems) from None
+    problems = [(_deepest_line(lines, at), at, message) for at, message in _across_preferences(overlay)]
+    if problems:
+        raise errors_in_file_order(path, problems)
+    return MeasuredDocument(overlay=overlay, path=path, lines=lines)
+
+
+def _across_preferences(overlay: MeasuredOverlay):
+    """What one preference cannot check alone: a key measured twice, a backend without a version."""
+    for op, table in overlay.ops.items():
+        seen: dict[DispatchKey, int] = {}
+        for index, preference in enumerate(table.preferences):
+            here = ("ops", op.value, "preferences", index)
+            for key in preference.key.keys():
+                if key in seen:
+                    yield here + ("key",), f"measures {key} again (also preferences[{seen[key]}])"
+                seen[key] = index
+            for name in sorted((set(preference.order) | set(preference.failed)) - set(table.versions)):
+                where = ("order", preference.order.index(name)) if name in preference.order else ("failed", name)
+                yield here + where, f"`{name}` has no entry in ops.{op.value}.versions"
+
+
+def load_measured(path: str | Path) -> MeasuredDocument:
+    """Raises RegistryError naming the file (and line) when it cannot be read or is invalid."""
+    return parse_measured(_read(Path(path)), str(path))
+
+
+def _read(path: Path) -> str:
+    raw = _read_bounded(path)  # the registry's size bound, and no hanging on a FIFO
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise RegistryError(f"{path}:{line}: not UTF-8 text: byte {raw[error.start]:#04x} is {error.reason}") from None
+
+
+def attach_measured(document: RegistryDocument) -> RegistryDocument:
+    """`document` with each cluster's `measured:` overlay loaded, paths relative to the registry file."""
+    measured = {}
+    base = Path(document.path).parent
+    for name, cluster in document.registry.clusters.items():
+        if cluster.measured is None:
+            continue
+        location = ("clusters", name, "measured")
+        path = base / cluster.measured
+        if not path.is_file():
+            raise document.error(location, f"the measured overlay {path} is not a file")
+        overlay = load_measured(path)  # its own errors name its own file and line
+        if overlay.overlay.cluster not in (None, name):
+            measured_for = overlay.overlay.cluster
+            raise document.error(location, f"{overlay.path} was measured for cluster `{measured_for}`, not `{name}`")
+        measured[name] = overlay
+    return dataclasses.replace(document, measured=measured) if measured else document
+
+
+def stale_evidence(document: RegistryDocument, catalog) -> list[str]:
+    """Warnings (not errors) for measurements that may no longer hold: a backend's version differs
+    from the one it was measured with, or a measured backend is no longer registered."""
+    warnings = []
+    for cluster, measured in document.measured.items():
+        for op, table in measured.overlay.ops.items():
+            for name, version in table.versions.items():
+                location = ("ops", op.value, "versions", name)
+                where = f"{measured.where(location)}: {dotted(location)}"
+                backend = catalog.get(op, name)
+                if backend is None:
+                    problem = f"`{name}` was measured but is not registered for {op.value} now"
+                elif backend.version != version:
+                    problem = f"`{name}` was measured at version {version or '-'}; it is {backend.version or '-'} now"
+                else:
+                    continue
+                rerun = f"python -m dispatch tune --cluster {cluster}"
+                warnings.append(f"{where}: stale evidence: {problem}; re-run `{rerun}`")
+    return warnings
+
+
+def _ticks(names) -> str:
+    return ", ".join(f"`{n}`" for n in names)
