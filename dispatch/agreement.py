@@ -7,14 +7,16 @@ from typing import Iterable
 
 from dispatch.dispatcher import Dispatcher
 from dispatch.errors import RankDisagreementError
-from dispatch.key import DispatchKey, Op
+from dispatch.key import DispatchKey
+from dispatch.plan import ops_for
 
 
 def summary(dispatcher: Dispatcher, keys: Iterable[DispatchKey]) -> dict[str, str]:
-    """What must agree, as flat fields: the registry fingerprint and each (op, key)'s choice."""
+    """What must agree, as flat fields: the registry fingerprint and the choice for each key of every op
+    its step runs (dispatch.plan.ops_for: extend keys the ragged step, the others the paged one)."""
     fields = {"registry_fingerprint": dispatcher.fingerprint, "cluster": str(dispatcher.cluster)}
     for key in keys:
-        for op in Op:
+        for op in ops_for(key.forward_mode):
             decision = dispatcher.decide(op, key)
             fields[f"{op.value} @ {key}"] = f"{decision.backend} ({decision.layout.value}, {decision.rule})"
     return fields

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from dispatch.errors import BackendError, DispatchError, NoBackendError
+from dispatch.errors import BackendError, DispatchError, InvalidKeyError, NoBackendError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
 
@@ -110,20 +110,27 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
         return sub
 
     explain = command("explain", "the chosen path for a key, the rule that chose it, and every rejection", _explain)
-    explain.add_argument("--op", choices=[o.value for o in Op] + ["all"], default=Op.PAGED_MQA_LOGITS.value,
-                         help="the op to explain, or all (default: %(default)s)")
+    explain.add_argument("--op", choices=[o.value for o in Op] + ["all"], default=None,
+                         help="the op to explain, or all (default: the mode's logits op: ragged_mqa_logits for "
+                              "extend, paged_mqa_logits otherwise)")
     explain.add_argument("--arch", choices=[a.value for a in Arch],
                          help="explain for this arch, a what-if when it is not this machine's (default: this machine's)")
     explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode",
                          help="the batch's forward mode (default: %(default)s)")
     explain.add_argument("--next-n", type=_next_n, default=None,
-                         help=f"tokens scored per request (default: 1 for decode, else 2; at most {MAX_CLI_NEXT_N})")
+                         help=f"tokens scored per request (default: 1 for decode and extend, else 2; at most {MAX_CLI_NEXT_N})")
     explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype],
                          help="the K cache's fp8 dtype (default: the arch's platform dtype)")
     explain.add_argument("--seq-lens", type=_seq_lens, metavar="L,L,...",
                          help="explain a whole batch plan: each request's total length L, drafts included, "
                               f"each at least next-n (e.g. 130,64,7); at most {MAX_CLI_BATCH} requests of at most "
-                              f"{MAX_CLI_SEQ_LEN} tokens")
+                              f"{MAX_CLI_SEQ_LEN} tokens; with --forward-mode extend, each request's new tokens")
+    explain.add_argument("--prefix-lens", type=_prefix_lens, metavar="P,P,...",
+                         help="with --forward-mode extend and --seq-lens: each request's keys already cached "
+                              "(default: all 0)")
+    explain.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
+                         help="with --forward-mode extend and --seq-lens: each chunk's fp32 logits budget "
+                              "(default: 512 MiB)")
     _common(explain)
 
     validate = command("validate", "validate and lint a registry file", _validate)
@@ -180,6 +187,16 @@ def _seq_lens(text: str) -> list[int]:
     return lens
 
 
+def _prefix_lens(text: str) -> list[int]:
+    parts = text.split(",")
+    if len(parts) > MAX_CLI_BATCH:
+        raise argparse.ArgumentTypeError(f"--prefix-lens lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
+    lens = [_bounded(part.strip(), "a --prefix-lens length", MAX_CLI_SEQ_LEN, low=None) for part in parts]
+    if min(lens) < 0:
+        raise argparse.ArgumentTypeError(f"a --prefix-lens length is {min(lens)}; lengths must be >= 0")
+    return lens
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="cluster overlay (default: DISPATCH_CLUSTER, else a declared match)")
     parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")
@@ -191,15 +208,23 @@ def _explain(args: argparse.Namespace) -> int:
     from dispatch.detect import detect_arch, platform_fp8_dtype
     from dispatch.explain import explain
     from dispatch.key import DispatchKey
+    from dispatch.plan import ops_for
     from dispatch.runtime import load_dispatcher
 
     arch = Arch(args.arch) if args.arch else detect_arch()
     mode = ForwardMode(args.forward_mode)
-    next_n = args.next_n if args.next_n is not None else (1 if mode is ForwardMode.DECODE else 2)
+    single = mode in (ForwardMode.DECODE, ForwardMode.EXTEND)
+    next_n = args.next_n if args.next_n is not None else (1 if single else 2)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(arch)
     key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8)
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster, arch=arch)
-    ops = list(Op) if args.op == "all" else [Op(args.op)]
+    if args.prefix_lens is not None and (mode is not ForwardMode.EXTEND or not args.seq_lens):
+        raise InvalidKeyError("--prefix-lens goes with --forward-mode extend and --seq-lens")
+    if args.seq_lens and mode is ForwardMode.EXTEND:
+        return _explain_extend_plan(dispatcher, key, args.seq_lens, args.prefix_lens, args.logits_budget, args.json)
+    if args.op is None:
+        args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
+    ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
     explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens)
     if args.json:
         print(json.dumps(explanation.as_dict(), indent=2))
@@ -207,6 +232,46 @@ def _explain(args: argparse.Namespace) -> int:
     if not dispatcher.check_availability:
         print(f"(this machine is {detect_arch().value}; explaining {arch.value} as a what-if)")
     print(explanation.text())
+    return EXIT_OK
+
+
+def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: list[int] | None,
+                         budget: int | None, as_json: bool) -> int:
+    """Build the extend plan an engine would build for this batch (on the CPU) and show its decisions,
+    ragged metadata shapes and chunks."""
+    from dispatch.bench.paged_cache import page_table_for
+    from dispatch.explain import decision_text
+    from dispatch.extend import build_extend_plan
+    from dispatch.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
+
+    prefix = prefix_lens or [0] * len(extend_lens)
+    if len(prefix) != len(extend_lens):
+        raise InvalidKeyError(f"--prefix-lens has {len(prefix)} requests, --seq-lens {len(extend_lens)}")
+    if sum(prefix) + sum(extend_lens) > MAX_CLI_PLAN_TOKENS:
+        raise InvalidKeyError(f"--prefix-lens and --seq-lens add up to more than {MAX_CLI_PLAN_TOKENS} keys, "
+                              "too large a plan to print")
+    table = page_table_for([p + e for p, e in zip(prefix, extend_lens)])
+    budget = DEFAULT_LOGITS_BYTES if budget is None else budget
+    batch = ExtendBatch.from_lengths(prefix, extend_lens, table)
+    plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype=key.fp8_dtype, arch=key.arch, logits_byte_budget=budget,
+                             prepare=False)
+    meta = plan.metadata
+    if as_json:  # the shape of every --json explain: {"decisions": [...], "plan": {...}}
+        described = {key: value for key, value in plan.as_dict().items() if key != "decisions"}
+        described |= {"ks": meta.ks.tolist(), "ke": meta.ke.tolist()}
+        decisions = [decision.as_dict() for decision in plan.decisions.values()]
+        print(json.dumps({"decisions": decisions, "plan": described}, indent=2))
+        return EXIT_OK
+    print(f"extend plan for B={len(extend_lens)}: M={meta.total_tokens} query rows, S={meta.total_keys} gathered keys")
+    print(f"  ks, ke [{meta.total_tokens}] int32; gather_slots [{meta.total_keys}]; row_request [{meta.total_tokens}]; "
+          f"key_offsets {meta.key_offsets.tolist()}")
+    print(f"  chunks under {plan.logits_byte_budget} bytes of fp32 logits (largest {plan.peak_logits_bytes}):")
+    for c in plan.chunks:
+        chunk = c.chunk
+        print(f"    rows [{chunk.row_begin}, {chunk.row_end}) x keys [{chunk.key_begin}, {chunk.key_end}): "
+              f"logits [{chunk.row_end - chunk.row_begin}, {chunk.key_end - chunk.key_begin}], {chunk.logits_bytes} bytes")
+    print()
+    print("\n\n".join(decision_text(d, dispatcher) for d in plan.decisions.values()))
     return EXIT_OK
 
 

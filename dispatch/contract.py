@@ -28,17 +28,17 @@ from dispatch.rope import RopeSpec
 if TYPE_CHECKING:
     import torch
 
-    from dispatch.input_checks import check_logits_inputs
+    from dispatch.input_checks import check_logits_inputs, check_ragged_logits_inputs
     from dispatch.plan import IndexerPlan
 
 
 def __getattr__(name: str):
     # check_logits_inputs imports torch; registering a backend must not (`validate` runs without torch),
     # so it loads on first use. A plugin imports it inside its run, or at the top if it needs torch anyway.
-    if name == "check_logits_inputs":
-        from dispatch.input_checks import check_logits_inputs
+    if name in ("check_logits_inputs", "check_ragged_logits_inputs"):
+        from dispatch import input_checks
 
-        return check_logits_inputs
+        return getattr(input_checks, name)
     raise AttributeError(f"module 'dispatch.contract' has no attribute {name!r}")
 
 __all__ = [
@@ -63,10 +63,13 @@ __all__ = [
     "Op",
     "OpContract",
     "PagedMqaLogitsRun",
+    "RaggedKeyGather",
+    "RaggedMqaLogitsRun",
     "RopeSpec",
     "Support",
     "TopkRun",
     "check_logits_inputs",
+    "check_ragged_logits_inputs",
     "hookimpl",
     "split_kv_cache",
     "torch_dtype",
@@ -138,6 +141,45 @@ class TopkRun(Protocol):
     ) -> torch.Tensor: ...
 
 
+class RaggedMqaLogitsRun(Protocol):
+    """run(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True) -> fp32 logits [M, S].
+
+    DeepGEMM's fp8_mqa_logits convention: q fp8 [M, H, D], k fp8 [S, D] (keys gathered into one
+    contiguous buffer) with fp32 scales [S], weights fp32 [M, H], ks / ke int32 [M]; row m sees keys
+    [ks[m], ke[m]) and logits[m, s] = sum_h w[m, h] * relu(q[m, h] . k[s]) * scales[s] there. Every
+    other column is -inf; with clean_logits=False (DeepGEMM's flag) those columns are unspecified
+    (garbage, NaN included), which a top-k that reads only [ks, ke) never sees. fp8_dtype is the
+    decision's key's (the K cache's): the run checks q and k against it with
+    check_ragged_logits_inputs. The result may have a row stride wider than S (last dim contiguous).
+
+    A ragged backend's `prepare(plan)` returns the batch's RaggedKeyGather (below): how it wants its
+    k buffer filled from the paged cache, once per layer, from slots built once per batch."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scales: torch.Tensor,
+        weights: torch.Tensor,
+        ks: torch.Tensor,
+        ke: torch.Tensor,
+        *,
+        fp8_dtype: Fp8Dtype,
+        clean_logits: bool = True,
+    ) -> torch.Tensor: ...
+
+
+class RaggedKeyGather(Protocol):
+    """gather(kv_cache) -> (k fp8 [S, D] in the plan's fp8 dtype, contiguous; scales fp32 [S]).
+
+    What a ragged logits backend's prepare(plan) returns: the batch's keys copied out of one layer's
+    paged cache (uint8 [num_blocks, block_kv, 1, D + 4]) through the plan's gather_slots. A slot
+    outside the cache is never read: a GPU gather poisons that key (NaN scale) and sets the plan's
+    error_flags; a torch reference raises LayoutError naming the request."""
+
+    def __call__(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class OpContract:
     """What a backend of one op promises: its run's call convention and the layouts it may consume."""
@@ -155,4 +197,7 @@ OP_CONTRACTS: dict[Op, OpContract] = {
         PagedMqaLogitsRun, (Layout.NATIVE, Layout.FLATTEN), "fp32 logits of every visible cached key"
     ),
     Op.TOPK: OpContract(TopkRun, (Layout.ROWS,), "the k largest visible logits per row, -1 padded"),
+    Op.RAGGED_MQA_LOGITS: OpContract(
+        RaggedMqaLogitsRun, (Layout.RAGGED,), "fp32 logits of each query row over its key range [ks, ke)"
+    ),
 }

@@ -28,6 +28,11 @@ class CapturedIndexerStep:
     def __init__(self, step: IndexerStep, batch: ForwardBatch, inputs: StaticInputs, *, warmup: int = 2) -> None:
         """Capture step.select for this batch's shape. batch.max_seq_len is the bound every replayed
         batch must stay within (the logits width is part of the graph)."""
+        if not isinstance(batch, ForwardBatch):
+            raise GraphMismatchError(
+                f"CapturedIndexerStep captures paged batches (ForwardBatch); got {type(batch).__name__}: extend "
+                "(prefill) batches change shape every batch and run eagerly"
+            )
         self.step = step
         self.plan: IndexerPlan = step.plan(batch)
         self.inputs = inputs

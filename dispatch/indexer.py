@@ -1,5 +1,9 @@
 """The indexer step as a serving engine calls it, shaped like SGLang's init_forward_metadata /
-_get_topk_paged pair: `plan` once per batch, then `select` in every layer (Q quant, logits, top-k)."""
+_get_topk_paged pair: `plan` once per batch, then `select` in every layer (Q quant, logits, top-k).
+
+Paged batches (decode, target_verify, draft_extend: a ForwardBatch) score the paged cache; extend
+(prefill) batches (an ExtendBatch) gather their keys and score them ragged, chunked to a logits byte
+budget (dispatch/extend.py). The same pair serves both; the plan says which step runs."""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from dispatch.dispatcher import Dispatcher
+from dispatch.errors import LayoutError
+from dispatch.extend import ExtendPlan, build_extend_plan
 from dispatch.key import Fp8Dtype
-from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
+from dispatch.ops import gather_keys, indexer_q_quant, paged_mqa_logits, ragged_mqa_logits, topk, topk_rows
 from dispatch.plan import ForwardBatch, IndexerPlan, build_plan
+from dispatch.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
 from dispatch.rope import RopeSpec
 
 DEFAULT_TOPK = 2048
@@ -29,23 +36,39 @@ class IndexerStep:
     # Return physical KV slots (page_table[b, i // block] * block + i % block) instead of positions,
     # as sparse attention reads them next; fused into the top-k backend.
     transform_to_slots: bool = False
+    # Extend batches: each chunk's fp32 logits [rows, keys] stay under this many bytes (vLLM's default).
+    logits_byte_budget: int = DEFAULT_LOGITS_BYTES
 
-    def plan(self, batch: ForwardBatch) -> IndexerPlan:
-        """Once per batch: decide, and build the decided layout's tensors (no host-device sync)."""
+    def plan(self, batch: ForwardBatch | ExtendBatch) -> IndexerPlan | ExtendPlan:
+        """Once per batch: decide, and build the decided layout's tensors (no host-device sync). An
+        ExtendBatch gets an ExtendPlan: the ragged step's decisions, metadata and chunks."""
+        if isinstance(batch, ExtendBatch):
+            return build_extend_plan(
+                self.dispatcher, batch, kv_fp8_dtype=self.kv_fp8_dtype, logits_byte_budget=self.logits_byte_budget
+            )
         return build_plan(self.dispatcher, batch, kv_fp8_dtype=self.kv_fp8_dtype)
 
     def select(
         self,
-        plan: IndexerPlan,
+        plan: IndexerPlan | ExtendPlan,
         q: torch.Tensor,
         weights: torch.Tensor,
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """Per layer: quantise q [B*N, H, D], score every visible cached key, keep the top-k per token:
-        int32 [B*N, topk], -1 past what a token sees; each step through the plan's decision for it."""
-        q_fp8, folded = indexer_q_quant(
+        """Per layer: quantise q [T, H, D], score every visible cached key, keep the top-k per token:
+        int32 [T, topk], -1 past what a token sees; each step through the plan's decision for it.
+        T is B*N for a paged plan, the batch's new tokens M (request after request) for an extend plan;
+        positions are then relative to each request's first key (or physical slots with transform_to_slots)."""
+        if isinstance(plan, ExtendPlan):
+            return self._select_extend(plan, q, weights, positions, cos_sin_cache, kv_cache)
+        q_fp8, folded = self._quantise(plan, q, weights, positions, cos_sin_cache)
+        logits = paged_mqa_logits(plan, q_fp8, kv_cache, folded)
+        return topk(plan, logits, self.topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])
+
+    def _quantise(self, plan, q, weights, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        return indexer_q_quant(
             plan,
             q,
             weights,
@@ -55,5 +78,30 @@ class IndexerStep:
             softmax_scale=self.softmax_scale,
             head_scale=self.head_scale,
         )
-        logits = paged_mqa_logits(plan, q_fp8, kv_cache, folded)
-        return topk(plan, logits, self.topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])
+
+    def _select_extend(self, plan: ExtendPlan, q, weights, positions, cos_sin_cache, kv_cache) -> torch.Tensor:
+        """Gather this layer's K (the cache differs per layer), then per chunk of query rows: Q quant ->
+        ragged logits over the chunk's key window -> top-k over each row's [ks, ke). The logits are
+        asked for without the -inf fill (clean_logits=False): the top-k reads only [ks, ke)."""
+        rows = plan.total_tokens
+        if q.dim() != 3 or q.shape[0] != rows:
+            raise LayoutError(f"q has shape {list(q.shape)}; the extend plan expects [M={rows}, H, D]")
+        if kv_cache.dim() != 4 or kv_cache.shape[1] != plan.block_kv:
+            raise LayoutError(
+                f"kv_cache has shape {list(kv_cache.shape)}; the extend plan's pages hold block_kv={plan.block_kv}"
+            )
+        k, scales = gather_keys(plan, kv_cache)
+        out = torch.empty(rows, self.topk, dtype=torch.int32, device=q.device)
+        transform = {"page_table": plan.page_table, "block_size": plan.block_kv} if self.transform_to_slots else {}
+        for chunk in plan.chunks:
+            q_fp8, folded = self._quantise(
+                plan, q[chunk.rows], weights[chunk.rows], positions[chunk.rows], cos_sin_cache
+            )
+            logits = ragged_mqa_logits(
+                plan, q_fp8, k[chunk.keys], scales[chunk.keys], folded, chunk.ks, chunk.ke, clean_logits=False
+            )
+            page_rows = {"page_rows": chunk.page_rows} if self.transform_to_slots else {}
+            out[chunk.rows] = topk_rows(
+                plan, logits, chunk.lengths, self.topk, starts=chunk.ks, **transform, **page_rows
+            )
+        return out

@@ -36,6 +36,7 @@ class Op(str, enum.Enum):
     PAGED_MQA_LOGITS = "paged_mqa_logits"
     INDEXER_Q_QUANT = "indexer_q_quant"
     TOPK = "topk"
+    RAGGED_MQA_LOGITS = "ragged_mqa_logits"
 
 
 # Which fp8 encodings each arch can hold natively. gfx942 (MI300) has only the fnuz

@@ -15,6 +15,8 @@ class Layout(str, enum.Enum):
     TOKENS = "tokens"
     # top-k works on logits rows: logits [rows, W], visible lengths [rows] (request-major tokens).
     ROWS = "rows"
+    # ragged (prefill) logits: q [M, H, D] against one contiguous k [S, D], row m seeing keys [ks[m], ke[m]).
+    RAGGED = "ragged"
 
     def describe(self) -> str:
         return _DESCRIPTIONS[self]
@@ -25,6 +27,7 @@ _DESCRIPTIONS = {
     Layout.FLATTEN: "q [B*N, 1, H, D], context lens [B*N, 1], block table [B*N, M] (repeated per token)",
     Layout.TOKENS: "q [T, H, D], weights [T, H]",
     Layout.ROWS: "logits [rows, W], lengths [rows], starts [rows] or none",
+    Layout.RAGGED: "q [M, H, D], k [S, D] + scales [S], weights [M, H], ks / ke [M]",
 }
 
 

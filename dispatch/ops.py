@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dispatch.calling import call_backend
+from dispatch.errors import LayoutError
 from dispatch.key import Op
 from dispatch.kv_cache import BLOCK_KV
 from dispatch.plan import IndexerPlan
@@ -61,5 +62,57 @@ def topk(
     each position becomes its physical KV slot through the plan's block table (pages of `block_size`)."""
     transform = {}
     if transform_to_slots:
-        transform = {"page_table": plan.block_table, "page_rows": plan.page_rows, "block_size": block_size}
-    return call_backend(plan.decision(Op.TOPK), logits, plan.token_lengths, k, sorted=sorted, **transform)
+        transform = {"page_table": plan.block_table, "page_rows": plan.page_rows}
+    return topk_rows(plan, logits, plan.token_lengths, k, block_size=block_size, sorted=sorted, **transform)
+
+
+def topk_rows(
+    plan: Any,
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    starts: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_rows: torch.Tensor | None = None,
+    block_size: int = BLOCK_KV,
+    sorted: bool = False,
+) -> torch.Tensor:
+    """int32 [rows, k]: the top-k op on explicit rows (dispatch.contract.TopkRun) through the plan's
+    decided backend: row r sees columns starts[r] .. starts[r] + lengths[r] - 1."""
+    optional = {name: value for name, value in (("starts", starts), ("page_table", page_table),
+                                                 ("page_rows", page_rows)) if value is not None}
+    if page_table is not None:
+        optional["block_size"] = block_size
+    return call_backend(plan.decision(Op.TOPK), logits, lengths, k, sorted=sorted, **optional)
+
+
+def ragged_mqa_logits(
+    plan: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scales: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    clean_logits: bool = True,
+) -> torch.Tensor:
+    """fp32 [M, S] ragged MQA logits (dispatch.contract.RaggedMqaLogitsRun) through the plan's decided
+    backend; q fp8 [M, H, D] and k fp8 [S, D] must be in the plan's fp8 dtype (the K cache's)."""
+    decision = plan.decision(Op.RAGGED_MQA_LOGITS)
+    return call_backend(
+        decision, q, k, scales, weights, ks, ke, fp8_dtype=decision.key.fp8_dtype, clean_logits=clean_logits
+    )
+
+
+def gather_keys(plan: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k fp8 [S, D], scales fp32 [S]): one layer's keys of an extend plan's batch, gathered by the
+    ragged logits backend's per-batch gather (dispatch.contract.RaggedKeyGather)."""
+    decision = plan.decision(Op.RAGGED_MQA_LOGITS)
+    gather = plan.state_of(Op.RAGGED_MQA_LOGITS)
+    if gather is None:
+        raise LayoutError(
+            f"backend `{decision.backend}` gave the plan no K gather (its prepare); a ragged logits backend must"
+        )
+    return call_backend(decision, kv_cache, entry=gather)

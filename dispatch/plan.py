@@ -98,9 +98,40 @@ def _described(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
-# The ops a batch's plan decides, in the order IndexerStep.select runs them. Adding an op to the
+# The ops a batch's plan decides, per forward mode, in the order IndexerStep.select runs them. Paged
+# batches (decode, target_verify, draft_extend) score the paged cache; extend (prefill) batches score
+# keys gathered into one buffer with the ragged kernel (dispatch/extend.py). Adding an op to the
 # indexer step means adding it here; its per-batch work is its backend's `prepare`, kept per op.
-STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.PAGED_MQA_LOGITS, Op.TOPK)
+PAGED_STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.PAGED_MQA_LOGITS, Op.TOPK)
+EXTEND_STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.RAGGED_MQA_LOGITS, Op.TOPK)
+STEP_OPS = PAGED_STEP_OPS  # the paged step's, as before the extend path existed
+
+
+def ops_for(mode: ForwardMode | str) -> tuple[Op, ...]:
+    """The ops a batch of `mode` runs, so its plan decides exactly these (and explain, validate's
+    callers and rank agreement ask for these): extend the ragged step, every other mode the paged one."""
+    return EXTEND_STEP_OPS if ForwardMode(mode) is ForwardMode.EXTEND else PAGED_STEP_OPS
+
+
+def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | None, allow_disabled: bool):
+    """decide(op) -> Decision for `key`: the pinned backend where `pinned` names one, else the rules'."""
+    pinned = pinned or {}
+
+    def decide(op: Op) -> Decision:
+        if op in pinned:
+            return dispatcher.pin(op, key, pinned[op], allow_disabled=allow_disabled)
+        return dispatcher.decide(op, key)
+
+    return decide
+
+
+def prepare_states(decisions: Mapping[Op, Decision], plan: Any) -> dict[Op, Any]:
+    """Each decided backend's per-batch state (its prepare(plan)), for those that have one."""
+    return {
+        op: call_backend(decision, plan, entry=decision.impl.prepare)
+        for op, decision in decisions.items()
+        if decision.impl.prepare is not None
+    }
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,7 +139,7 @@ class IndexerPlan:
     """Decisions plus layout tensors. Backends read only this; nothing re-derives the path."""
 
     key: DispatchKey
-    decisions: Mapping[Op, Decision]  # one per op of STEP_OPS
+    decisions: Mapping[Op, Decision]  # one per op of ops_for(key.forward_mode)
     batch_size: int
     next_n: int
     context_lens: torch.Tensor  # native [B, N]; flatten [B*N, 1]
@@ -232,7 +263,7 @@ def build_plan(
     allow_disabled: bool = False,
     prepare: bool = True,
 ) -> IndexerPlan:
-    """Decide every op of STEP_OPS for this batch and build the decided layout's tensors. No host-device sync.
+    """Decide every op of ops_for(batch.forward_mode) for this batch and build the decided layout's tensors. No host-device sync.
 
     `kv_fp8_dtype` is the K cache's fp8 dtype (a key name or the cache's torch dtype): it becomes the
     key's fp8_dtype, so Q is quantised into exactly the dtype the cache holds. `pinned` names a backend
@@ -241,18 +272,19 @@ def build_plan(
     describes the plan without running any backend's per-batch prepare (`states` stays empty):
     explain does so, since a what-if for another machine must not need that machine's libraries.
     """
-    fp8 = kv_fp8_dtype if isinstance(kv_fp8_dtype, (Fp8Dtype, str)) else fp8_dtype_of(kv_fp8_dtype, "the K cache")
+    if ForwardMode(batch.forward_mode) is ForwardMode.EXTEND:
+        raise LayoutError(
+            "an extend batch is planned from an ExtendBatch (dispatch.prefill) through IndexerStep.plan or "
+            "dispatch.extend.build_extend_plan: its keys are gathered and scored ragged, not paged"
+        )
     key = DispatchKey(
-        arch=arch or dispatcher.target_arch, forward_mode=batch.forward_mode, next_n=batch.next_n, fp8_dtype=fp8
+        arch=arch or dispatcher.target_arch,
+        forward_mode=batch.forward_mode,
+        next_n=batch.next_n,
+        fp8_dtype=key_fp8_dtype(kv_fp8_dtype),
     )
-    pinned = pinned or {}
-
-    def decide(op: Op):
-        if op in pinned:
-            return dispatcher.pin(op, key, pinned[op], allow_disabled=allow_disabled)
-        return dispatcher.decide(op, key)
-
-    decisions = {op: decide(op) for op in STEP_OPS}
+    decide = decider(dispatcher, key, pinned, allow_disabled)
+    decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
     logits = decisions[Op.PAGED_MQA_LOGITS]
     batch_size = batch.seq_lens.shape[0]
     context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
@@ -269,12 +301,15 @@ def build_plan(
     )
     if not prepare:
         return plan
-    states = {
-        op: call_backend(decision, plan, entry=decision.impl.prepare)
-        for op, decision in decisions.items()
-        if decision.impl.prepare is not None
-    }
+    states = prepare_states(decisions, plan)
     return dataclasses.replace(plan, states=states) if states else plan
+
+
+def key_fp8_dtype(kv_fp8_dtype: Fp8Dtype | str | torch.dtype) -> Fp8Dtype | str:
+    """The key's fp8 dtype from the K cache's (a key name, or the cache's torch dtype)."""
+    if isinstance(kv_fp8_dtype, (Fp8Dtype, str)):
+        return kv_fp8_dtype
+    return fp8_dtype_of(kv_fp8_dtype, "the K cache")
 
 
 @functools.lru_cache(maxsize=64)

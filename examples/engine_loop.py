@@ -1,13 +1,16 @@
-"""An engine's loop over the indexer, through dispatch: ragged, growing sequences; batches that
-switch between decode, speculative verification and draft extension; several layers per step.
+"""An engine's loop over the indexer, through dispatch: ragged, growing sequences; each request's
+prompt prefilled in two extend batches (the second with the first as its cached prefix), then batches
+that switch between decode, speculative verification and draft extension; several layers per step.
 
-    python examples/engine_loop.py [--steps 6] [--layers 3] [--device cuda] [--quiet]
+    python examples/engine_loop.py [--steps 7] [--layers 3] [--device cuda] [--quiet]
 
 Each new decision is logged once on stderr (the `dispatch` logger at INFO); --quiet hides it.
 
 Where SGLang decided the path inside the indexer with `ctx.shape == (B, next_n)` on a tensor that
 another module built under its own condition, here `step.plan(batch)` decides once per batch and the
-plan carries the decision; every layer's call is checked against it. Nothing looks at a shape.
+plan carries the decision; every layer's call is checked against it. Nothing looks at a shape. An
+ExtendBatch gets the ragged step (keys gathered per layer, logits chunked to a byte budget); a
+ForwardBatch the paged one; the same plan / select pair serves both.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from dispatch.key import ForwardMode
 from dispatch.kv_cache import BLOCK_KV
 from dispatch.logs import show_logs
 from dispatch.plan import ForwardBatch
+from dispatch.prefill import ExtendBatch
 from dispatch.rope import RopeSpec
 
 HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
-# (forward mode, tokens scored per request): plain decode, MTP verification of 3 drafts, draft extension.
+# After the two prefill steps, (forward mode, tokens scored per request): plain decode, MTP
+# verification of 3 drafts, draft extension.
 SCHEDULE = [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 2)]
+PREFILL_STEPS = 2
 
 
 class PagedKV:
@@ -57,7 +63,7 @@ class PagedKV:
 
 def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="engine steps (batches)")
+    parser.add_argument("--steps", type=int, default=7, help="engine steps (batches)")
     parser.add_argument("--layers", type=int, default=3, help="indexer layers per step")
     parser.add_argument("--requests", type=int, default=4, help="requests per batch")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
@@ -69,30 +75,56 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
         sys.exit(f"engine_loop.py: --device cuda, but torch sees no CUDA GPU ({build}); use --device cpu")
     show_logs(0 if args.quiet else 1)
     generator = torch.Generator().manual_seed(0)
+    # A small logits budget so the example's prefill runs in several chunks, as long prompts do.
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, topk=256)
+                       softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, topk=256, logits_byte_budget=1 << 18)
     kv = PagedKV(args.layers, num_blocks=512, device=args.device, generator=generator)
-    lengths = torch.randint(40, 400, (args.requests,), generator=generator).tolist()  # ragged prompts
+    prompts = torch.randint(40, 400, (args.requests,), generator=generator).tolist()  # ragged prompts
+    # Two extend steps: the prompt's first part (a one-token first part for request 0), then the rest.
+    first_parts = [1] + [max(n // 3, 1) for n in prompts[1:]]
+    lengths = [0] * args.requests
     cos_sin = torch.randn(4096, ROT_DIM, generator=generator).to(torch.bfloat16).to(args.device)
     selected = []
     for number in range(args.steps):
-        mode, next_n = SCHEDULE[number % len(SCHEDULE)]
-        lengths = [n + next_n for n in lengths]  # each request's total length L now includes this step's tokens
-        for request, length in enumerate(lengths):
-            kv.grow(request, length)
-        batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32, device=args.device), kv.table(args.device),
-                             max_seq_len=max(lengths), forward_mode=mode, next_n=next_n,
-                             num_kv_blocks=kv.caches.shape[1])  # the pool: its page table is checked once per batch
-        plan = step.plan(batch)  # once per batch: the decision, its layout's tensors, the page checks
-        print(f"step {number}: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
-              f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.indexer_q_quant.backend}")
-        tokens = args.requests * next_n
-        positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=args.device)
+        if number < PREFILL_STEPS:
+            new = first_parts if number == 0 else [p - f for p, f in zip(prompts, first_parts)]
+            plan, tokens, positions = prefill_plan(step, kv, lengths, new, args.device)
+            lengths = [n + e for n, e in zip(lengths, new)]
+        else:
+            mode, next_n = SCHEDULE[(number - PREFILL_STEPS) % len(SCHEDULE)]
+            lengths = [n + next_n for n in lengths]  # each request's total length L now includes this step's tokens
+            plan, tokens, positions = paged_plan(step, kv, lengths, mode, next_n, args.device)
         for layer in range(args.layers):
             q = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16).to(args.device)
             weights = torch.randn(tokens, HEADS, generator=generator).to(args.device)
             selected.append((plan, step.select(plan, q, weights, positions, cos_sin, kv.caches[layer])))
     return selected
+
+
+def prefill_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[int], device: str):
+    """An extend batch: each request's `new` prompt tokens after its `cached` ones (their keys written
+    to the cache before the indexer runs)."""
+    for request, (prefix, extend) in enumerate(zip(cached, new)):
+        kv.grow(request, prefix + extend)
+    plan = step.plan(ExtendBatch.from_lengths(cached, new, kv.table(device)))
+    print(f"step: extend        {sum(new)} new tokens over {plan.total_keys} keys -> logits "
+          f"{plan.ragged_logits.backend} ({plan.ragged_logits.rule}) in {len(plan.chunks)} chunks, "
+          f"q quant {plan.indexer_q_quant.backend}")
+    positions = torch.tensor([p + j for p, e in zip(cached, new) for j in range(e)], device=device)
+    return plan, sum(new), positions
+
+
+def paged_plan(step: IndexerStep, kv: PagedKV, lengths: list[int], mode: ForwardMode, next_n: int, device: str):
+    for request, length in enumerate(lengths):
+        kv.grow(request, length)
+    batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32, device=device), kv.table(device),
+                         max_seq_len=max(lengths), forward_mode=mode, next_n=next_n,
+                         num_kv_blocks=kv.caches.shape[1])  # the pool: its page table is checked once per batch
+    plan = step.plan(batch)  # once per batch: the decision, its layout's tensors, the page checks
+    print(f"step: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
+          f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.indexer_q_quant.backend}")
+    positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=device)
+    return plan, len(lengths) * next_n, positions
 
 
 if __name__ == "__main__":

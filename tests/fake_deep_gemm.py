@@ -147,11 +147,11 @@ class FakeDeepGemm(types.ModuleType):
         keys = k.shape[0]
         stride = math.ceil((keys + SPLIT_KV) / RAGGED_ROW_ALIGN) * RAGGED_ROW_ALIGN
         if clean_logits:
-            buffer = torch.full((rows, stride), float("-inf"))
+            buffer = torch.full((rows, stride), float("-inf"), device=q.device)
         elif self._garbage == "nan":
-            buffer = torch.full((rows, stride), float("nan"))
+            buffer = torch.full((rows, stride), float("nan"), device=q.device)
         else:
-            buffer = torch.randn(rows, stride) * 1e3
+            buffer = torch.randn(rows, stride, device=q.device) * 1e3
         out = buffer[:, :keys]
         visible = exact != float("-inf")
         out[visible] = exact[visible]

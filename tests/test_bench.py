@@ -31,6 +31,40 @@ def test_compare_logits_catches_a_wrong_mask_and_nan():
     assert verdict.startswith("error") and abs(error - 0.1 / 5**0.5) < 1e-6
 
 
+def test_quick_bench_of_the_prefill_path(capsys):
+    """bench --op ragged_mqa_logits: the op per eligible backend (checked against the reference), then
+    the whole prefill step through the decided backends, checked on sampled rows, with its chunks."""
+    code = main(["bench", "--quick", "--op", "ragged_mqa_logits", "--backends", "triton", "--k", "16",
+                 "--prefill-shapes", "2x24+40,3x5+0", "--logits-budget", "4096", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {(r["op"], r["backend"], r["shape"]): r for r in report["rows"]}
+    assert set(rows) == {
+        ("ragged_mqa_logits", "triton", "M=48 S=128 R=2 H=64 D=128"),
+        ("ragged_mqa_logits", "triton", "M=15 S=15 R=3 H=64 D=128"),
+        ("extend_step", "torch.reference", "M=48 S=128 R=2 H=64 D=128 k=16"),
+        ("extend_step", "torch.reference", "M=15 S=15 R=3 H=64 D=128 k=16"),
+    }
+    assert all(r["check"] == "ok" and r["median_us"] > 0 for r in report["rows"])
+    step = rows[("extend_step", "torch.reference", "M=48 S=128 R=2 H=64 D=128 k=16")]
+    assert step["chunks"] > 1 and step["step"] == "q quant torch.reference, top-k torch.reference"
+    assert rows[("ragged_mqa_logits", "triton", "M=48 S=128 R=2 H=64 D=128")]["no_fill_us"] > 0
+
+
+def test_compare_ragged_topk_catches_wrong_rows():
+    from dispatch.bench.compare import compare_ragged_topk
+
+    logits = torch.tensor([[9.0, 1.0, 5.0, 7.0, 3.0], [0.0, 0.0, 2.0, 8.0, 4.0]])
+    ks, ke = torch.tensor([0, 2]), torch.tensor([4, 5])
+    good = torch.tensor([[0, 3, -1], [1, 2, 0]], dtype=torch.int32)  # row 1: positions relative to ks = 2
+    assert compare_ragged_topk(good, logits, ks, ke, 3, 1e-6)[1] != "ok"  # row 0 must select 3 of its 4 keys
+    good = torch.tensor([[0, 3, 2], [1, 2, 0]], dtype=torch.int32)
+    assert compare_ragged_topk(good, logits, ks, ke, 3, 1e-6) == (0.0, "ok")
+    assert "twice" in compare_ragged_topk(torch.tensor([[0, 0, 2], [1, 2, 0]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
+    assert "error" in compare_ragged_topk(torch.tensor([[0, 3, 1], [1, 2, 0]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
+    assert "positions in" in compare_ragged_topk(torch.tensor([[0, 3, 2], [1, 2, 3]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
+
+
 def test_quick_bench_times_the_whole_step_per_backend_combination(capsys):
     code = main(["bench", "--quick", "--op", "step", "--next-n", "2", "--k", "16",
                  "--backends", "triton,torch.reference", "--json"])

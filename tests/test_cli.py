@@ -168,10 +168,12 @@ def test_exit_1_when_no_backend_fits(capsys, tmp_path):
             fallback: [torch.reference.flatten]
           indexer_q_quant: {fallback: [torch.reference]}
           topk: {fallback: [torch.reference]}
+          ragged_mqa_logits: {fallback: [torch.reference]}
         """,
     )
     code, out, err = run(
-        capsys, "explain", "--registry", str(path), "--arch", "cpu", "--forward-mode", "extend", "--next-n", "2"
+        capsys, "explain", "--registry", str(path), "--arch", "cpu", "--forward-mode", "extend", "--next-n", "2",
+        "--op", "paged_mqa_logits",
     )
     assert code == 1
     assert out == "" and "Traceback" not in err
@@ -203,7 +205,7 @@ def test_exit_2_on_an_invalid_registry(capsys, tmp_path):
 
 def test_exit_2_on_an_unknown_backend_name(capsys, tmp_path):
     path = write_registry(
-        tmp_path, "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [torch.reference, no.such.backend]\n  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n"
+        tmp_path, "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [torch.reference, no.such.backend]\n  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n  ragged_mqa_logits: {fallback: [torch.reference]}\n"
     )
     code, out, err = run(capsys, "validate", str(path))
     assert_clean_exit_2(code, out, err)
@@ -225,6 +227,7 @@ def test_exit_2_on_lint_findings(capsys, tmp_path):
                 use: [torch.reference]
           indexer_q_quant: {fallback: [torch.reference]}
           topk: {fallback: [torch.reference]}
+          ragged_mqa_logits: {fallback: [torch.reference]}
         """,
     )
     code, out, err = run(capsys, "validate", str(path))
@@ -356,6 +359,63 @@ def test_explain_a_whole_batch_plan_as_json(capsys):
     flatten = explain_all_json(capsys, "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "2",
                                "--seq-lens", "5,9", "--cluster", "reference-only")
     assert flatten["plan"]["context_lens_shape"] == [2, 2]
+
+
+# --- extend (prefill) batches --------------------------------------------------------------------
+
+EXTEND_RULES = {
+    "sm100": ("deepgemm.sm100", "sm100-deepgemm-ragged"),
+    "sm90": ("deepgemm.sm90", "sm90-deepgemm-ragged"),
+    "gfx942": ("rocm.fnuz", "gfx942-fnuz-ragged"),
+    "gfx950": ("triton", "portable-triton-ragged"),
+    "sm120": ("triton", "portable-triton-ragged"),
+    "sm89": ("triton", "portable-triton-ragged"),
+    "sm80": ("torch.reference", "fallback[1]"),
+    "cpu": ("torch.reference", "cpu-reference-ragged"),
+}
+
+
+@needs_cpu_host
+@pytest.mark.parametrize("arch", sorted(EXTEND_RULES))
+def test_explain_extend_decides_every_op_of_the_ragged_step_on_every_arch(capsys, arch):
+    # Issue 12's symptom: `explain --forward-mode extend` exited 1 on every arch.
+    code, out, err = run(capsys, "explain", "--arch", arch, "--forward-mode", "extend")
+    assert f"ragged_mqa_logits for arch={arch} forward_mode=extend next_n=1" in out
+    backend, rule = EXTEND_RULES[arch]
+    assert code == 0, err
+    assert f"chosen:   {backend}" in out and (f"rule `{rule}`" in out or rule in out)
+    payload = explain_all_json(capsys, "--arch", arch, "--forward-mode", "extend", "--op", "all")["decisions"]
+    assert [d["op"] for d in payload] == ["indexer_q_quant", "topk", "ragged_mqa_logits"]
+    assert {d["key"]["next_n"] for d in payload} == {1}
+
+
+@needs_cpu_host
+def test_explain_an_extend_batch_shows_its_ragged_plan_and_chunks(capsys):
+    code, out, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "extend", "--seq-lens", "100,3,700",
+                         "--prefix-lens", "0,500,64", "--logits-budget", "400000")
+    assert code == 0, err
+    assert "M=803 query rows, S=1367 gathered keys" in out and "key_offsets [0, 100, 603, 1367]" in out
+    assert "rows [0, 141) x keys [0, 705): logits [141, 705], 397620 bytes" in out
+    assert "chosen:   deepgemm.sm90" in out and "rule `sm90-deepgemm-ragged`" in out
+    payload = explain_all_json(capsys, "--arch", "gfx942", "--forward-mode", "extend", "--seq-lens", "3,2",
+                               "--prefix-lens", "1,0")
+    plan = payload["plan"]
+    assert plan["ks"] == [0, 0, 0, 4, 4] and plan["ke"] == [2, 3, 4, 5, 6]
+    assert plan["chunks"] == [{"row_begin": 0, "row_end": 5, "key_begin": 0, "key_end": 6}]
+    assert {d["op"]: d["backend"] for d in payload["decisions"]} == {
+        "indexer_q_quant": "rocm.fnuz", "ragged_mqa_logits": "rocm.fnuz", "topk": "torch.reference"}
+
+
+def test_explain_extend_refuses_what_cannot_be_planned(capsys):
+    code, _, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "extend", "--seq-lens", "100",
+                       "--logits-budget", "100")
+    assert code == 2 and "query row 25 sees 26 keys" in err and "more than the budget of 100" in err
+    code, _, err = run(capsys, "explain", "--forward-mode", "decode", "--seq-lens", "5", "--prefix-lens", "1")
+    assert code == 2 and "--prefix-lens goes with --forward-mode extend" in err
+    code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--seq-lens", "5,6", "--prefix-lens", "1")
+    assert code == 2 and "--prefix-lens has 1 requests, --seq-lens 2" in err
+    code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--op", "paged_mqa_logits")
+    assert code == 1 and "forward_mode extend not supported" in err
 
 
 def test_a_what_if_plan_runs_no_backend(capsys, clean_environment):

@@ -13,7 +13,7 @@ from backends.deepgemm import plugin as availability
 from backends.deepgemm.plugin import deepgemm_availability, probe_for
 from backends.deepgemm.plugin import deepgemm_backends, register_backends
 from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.key import Arch, ForwardMode
+from dispatch.key import Arch, ForwardMode, Op
 from dispatch.layout import Layout
 from tests.fake_deep_gemm import FakeDeepGemm
 from tests.paged_batch import expected_logits, paged_batch
@@ -44,20 +44,35 @@ def causal_lens(seq_lens: list[int], next_n: int) -> torch.Tensor:
 # --- registration and import --------------------------------------------------------------------
 
 
-def test_package_registers_three_backends_without_importing_deep_gemm():
+def test_package_registers_five_backends_without_importing_deep_gemm():
     code = (
         "import sys; from backends.deepgemm.plugin import register_backends; seen = []; "
-        "register_backends(seen.append); print([b.name for b in seen]); print('deep_gemm' in sys.modules)"
+        "register_backends(seen.append); print([(b.op.value, b.name) for b in seen]); print('deep_gemm' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     names, imported = result.stdout.splitlines()
-    assert names == "['deepgemm.sm100', 'deepgemm.sm90', 'deepgemm.sm90.flatten']"
+    assert names == str([("paged_mqa_logits", "deepgemm.sm100"), ("paged_mqa_logits", "deepgemm.sm90"),
+                         ("paged_mqa_logits", "deepgemm.sm90.flatten"), ("ragged_mqa_logits", "deepgemm.sm100"),
+                         ("ragged_mqa_logits", "deepgemm.sm90")])
     assert imported == "False"
+
+
+def test_ragged_backend_table():
+    seen = []
+    register_backends(seen.append)
+    ragged = {b.name: b for b in seen if b.op is Op.RAGGED_MQA_LOGITS}
+    assert set(ragged) == {"deepgemm.sm100", "deepgemm.sm90"}
+    for name, backend in ragged.items():
+        assert backend.layout is Layout.RAGGED and backend.prepare is not None
+        assert backend.supports.archs == {Arch(name.split(".")[1])}
+        assert {d.value for d in backend.supports.fp8_dtypes} == {"e4m3fn"}
+        assert ForwardMode.EXTEND in backend.supports.forward_modes
 
 
 def test_backend_table():
     seen = []
     register_backends(seen.append)
+    seen = [b for b in seen if b.op is Op.PAGED_MQA_LOGITS]
     by_name = {b.name: b for b in seen}
     sm100, sm90, flatten = by_name["deepgemm.sm100"], by_name["deepgemm.sm90"], by_name["deepgemm.sm90.flatten"]
     assert (sm100.layout, sm90.layout, flatten.layout) == (Layout.NATIVE, Layout.NATIVE, Layout.FLATTEN)

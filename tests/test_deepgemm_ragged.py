@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.deepgemm.ragged_logits import launch_ragged_mqa_logits, missing_ragged_symbols
+from backends.deepgemm.adapter import launch_ragged_mqa_logits, missing_ragged_symbols
 from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.key import Fp8Dtype
@@ -83,3 +83,39 @@ def test_empty_sides_do_not_launch():
     q, k, scales, weights, ks, ke = inputs(4)
     out = launch_ragged_mqa_logits(fake, q, k[:0], scales[:0], weights, ks, ke)
     assert out.shape == (q.shape[0], 0) and fake.calls == []
+
+
+def test_the_extend_step_through_deepgemm_sm90_with_the_stand_in():
+    """IndexerStep on an sm90 what-if plan whose ragged decision is deepgemm.sm90 (running the stand-in):
+    one fp8_mqa_logits call per chunk, without the -inf fill, NaN garbage outside the ranges never
+    selected, the selection the formula's."""
+    import dataclasses
+
+    from backends.deepgemm.adapter import DeepGemmRaggedLogits
+    from dispatch.catalog import Catalog
+    from dispatch.dispatcher import Dispatcher
+    from dispatch.indexer import IndexerStep
+    from dispatch.key import Arch, Op
+    from dispatch.runtime import load_dispatcher
+    from tests.test_extend_step import SETTINGS, assert_selects_the_reference_top_k, layer_inputs_at, reference_step
+
+    fake = FakeDeepGemm("fp8_fp4", garbage="nan")
+    stand_in = DeepGemmRaggedLogits(lambda: fake)
+    base = load_dispatcher(arch="sm90")
+    backends = [
+        dataclasses.replace(b, run=stand_in.run) if (b.op is Op.RAGGED_MQA_LOGITS and b.name == "deepgemm.sm90") else b
+        for b in base.catalog.backends
+    ]
+    dispatcher = Dispatcher(base.document, Catalog.of(backends), cluster=None, target_arch=Arch.SM90,
+                            check_availability=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton gather and Q quant: compiled or interpreted
+    case = prefill_case([70, 0, 5], [6, 40, 1], heads=32, head_dim=64, seed=4, device=device)
+    step = IndexerStep(dispatcher, kv_fp8_dtype=Fp8Dtype.E4M3FN, topk=40, logits_byte_budget=4 * 2000, **SETTINGS)
+    plan = step.plan(case.batch)
+    assert plan.ragged_logits.backend == "deepgemm.sm90" and plan.ragged_logits.rule == "sm90-deepgemm-ragged"
+    inputs = {name: value.to(device) for name, value in layer_inputs_at(case, 32, 64).items()}
+    indices = step.select(plan, **inputs, kv_cache=case.kv_cache)
+    calls = fake.calls_to("fp8_fp4_mqa_logits")
+    assert len(plan.chunks) > 1 and len(calls) == len(plan.chunks)
+    assert all(call.args[5] is False for call in calls)
+    assert_selects_the_reference_top_k(indices, reference_step(case, inputs, 40), 40)

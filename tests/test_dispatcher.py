@@ -46,6 +46,7 @@ ops:
     fallback: [c, a]
   indexer_q_quant: {fallback: [q]}
   topk: {fallback: [topk]}
+  ragged_mqa_logits: {fallback: [topk]}
 """
 
 
@@ -170,6 +171,7 @@ ops:
     fallback: [c]
   indexer_q_quant: {fallback: [q]}
   topk: {fallback: [topk]}
+  ragged_mqa_logits: {fallback: [topk]}
 clusters:
   plain:
     description: changes nothing
@@ -260,6 +262,7 @@ ops:
     fallback: [a]
   indexer_q_quant: {fallback: [q]}
   topk: {fallback: [topk]}
+  ragged_mqa_logits: {fallback: [topk]}
 clusters:
   h200:
     match: {arch: sm90, gpu_name: "NVIDIA H200*"}
@@ -328,7 +331,7 @@ def test_two_matching_clusters_is_an_error(no_env_cluster):
 def test_load_dispatcher_applies_the_matched_cluster(no_env_cluster, tmp_path):
     path = tmp_path / "registry.yaml"
     path.write_text(CLUSTERS.replace("description: only when named", "disable: [a]"))
-    plugins = [fake_plugin("p", fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("topk", Op.TOPK))]
+    plugins = [fake_plugin("p", fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS))]
     no_env_cluster.setattr("dispatch.clusters.gpu_name", lambda: "NVIDIA H100 PCIe")
     chosen = load_dispatcher(path, arch="sm90", plugins=plugins)
     assert chosen.cluster == "h100" and chosen.check_availability is False
@@ -356,6 +359,7 @@ def test_no_backend_lists_every_candidate_with_its_reason():
         fallback: [gone]
       indexer_q_quant: {fallback: [q]}
       topk: {fallback: [topk]}
+      ragged_mqa_logits: {fallback: [topk]}
     """
     catalog = catalog_of(
         fake_backend("narrow", next_n_max=1),
@@ -377,7 +381,7 @@ def test_no_backend_lists_every_candidate_with_its_reason():
 
 
 def test_no_backend_when_nothing_matches_and_there_is_no_fallback():
-    text = "version: 1\nops:\n  paged_mqa_logits:\n    rules:\n      - id: cpu\n        when: {arch: cpu}\n        use: [a]\n  indexer_q_quant: {fallback: [q]}\n  topk: {fallback: [topk]}\n"
+    text = "version: 1\nops:\n  paged_mqa_logits:\n    rules:\n      - id: cpu\n        when: {arch: cpu}\n        use: [a]\n  indexer_q_quant: {fallback: [q]}\n  topk: {fallback: [topk]}\n  ragged_mqa_logits: {fallback: [topk]}\n"
     catalog = catalog_of(fake_backend("a"))
     with pytest.raises(NoBackendError, match="a: eligible, but no cluster preference"):
         dispatcher(text, catalog).decide(LOGITS, key())

@@ -1,5 +1,6 @@
-"""The engine example runs end to end, and each layer's top-k holds exactly the visible keys of each
-token (every one, when fewer than k are visible), with -1 padding."""
+"""The engine example runs end to end (two prefill steps, then decode, verify and draft extension), and
+each layer's top-k holds exactly the visible keys of each token (every one, when fewer than k are
+visible), with -1 padding: positions in the request, causal inside an extend batch."""
 
 import importlib.util
 import logging
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from dispatch.extend import ExtendPlan
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "engine_loop.py"
 
@@ -22,26 +25,36 @@ def load_example():
 
 
 def test_engine_loop_selects_only_visible_keys():
-    results = load_example().main(["--steps", "3", "--layers", "2", "--requests", "3", "--device", "cpu"])
-    assert len(results) == 6
-    modes = {plan.key.forward_mode.value for plan, _ in results}
-    assert modes == {"decode", "target_verify", "draft_extend"}
+    results = load_example().main(["--steps", "5", "--layers", "2", "--requests", "3", "--device", "cpu"])
+    assert len(results) == 10
+    modes = [plan.key.forward_mode.value for plan, _ in results[::2]]
+    assert modes == ["extend", "extend", "decode", "target_verify", "draft_extend"]
     for plan, topk in results:
-        assert topk.dtype == torch.int32 and topk.shape == (plan.batch_size * plan.next_n, 256)
-        visible = plan.context_lens.reshape(-1)
-        for row, count in enumerate(visible.tolist()):
+        if isinstance(plan, ExtendPlan):
+            visible = [ke - ks for ks, ke in zip(plan.metadata.host_ks, plan.metadata.host_ke)]
+            assert topk.shape == (plan.total_tokens, 256)
+        else:
+            visible = plan.context_lens.reshape(-1).tolist()
+            assert topk.shape == (plan.batch_size * plan.next_n, 256)
+        assert topk.dtype == torch.int32
+        for row, count in enumerate(visible):
             chosen = topk[row][topk[row] >= 0]
             assert len(chosen) == min(count, 256)
             assert chosen.unique().numel() == len(chosen) and (chosen < count).all()
+    first, second = results[0][0], results[2][0]
+    assert first.total_keys == first.total_tokens  # nothing cached yet
+    assert second.total_keys == second.total_tokens + first.total_tokens  # the first part is its prefix
+    assert len(second.chunks) > 1  # the example's small logits budget chunks the second prefill
 
 
 def test_the_decision_log_is_on_by_default(capsys):
     logger = logging.getLogger("dispatch")
     level = logger.level
     try:
-        load_example().main(["--steps", "2", "--layers", "1", "--requests", "2", "--device", "cpu"])
+        load_example().main(["--steps", "3", "--layers", "1", "--requests", "2", "--device", "cpu"])
         err = capsys.readouterr().err
         assert "dispatch INFO: using torch.reference (native, rule cpu-reference) for paged_mqa_logits" in err
+        assert "dispatch INFO: using torch.reference (ragged, rule cpu-reference-ragged) for ragged_mqa_logits" in err
         load_example().main(["--steps", "1", "--layers", "1", "--requests", "2", "--device", "cpu", "--quiet"])
         assert "INFO" not in capsys.readouterr().err
     finally:

@@ -33,6 +33,8 @@ ops:
     fallback: [faulty]
   topk:
     fallback: [topk]
+  ragged_mqa_logits:
+    fallback: [topk]
 """
 
 
@@ -48,7 +50,7 @@ def plan_with(logits_error: Exception, quant_error: Exception | None = None):
         fake_backend("faulty", run=raising(logits_error)),
         fake_backend("healthy", run=lambda *a: "healthy ran"),
         fake_backend("faulty", QUANT, run=raising(quant_error or logits_error)),
-        fake_backend("topk", Op.TOPK),
+        fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS),
     )
     batch = ForwardBatch(
         seq_lens=torch.tensor([5, 9], dtype=torch.int32),
@@ -82,7 +84,7 @@ def test_a_prepare_that_raises_is_a_backend_error_and_no_plan_is_returned():
         fake_backend("faulty", prepare=raising(schedule_failure)),
         fake_backend("healthy"),
         fake_backend("faulty", QUANT),
-        fake_backend("topk", Op.TOPK),
+        fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS),
     )
     batch = ForwardBatch(torch.tensor([5, 9], dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32), 9,
                          ForwardMode.TARGET_VERIFY, 2)
@@ -110,8 +112,8 @@ def test_q_quant_fault_names_the_fallback_that_chose_it():
 
 
 def test_a_pinned_backend_fault_says_pinned():
-    catalog = catalog_of(fake_backend("faulty", run=raising(RuntimeError("x"))), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK))
-    text = "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [faulty]\n  indexer_q_quant:\n    fallback: [q]\n  topk:\n    fallback: [topk]\n"
+    catalog = catalog_of(fake_backend("faulty", run=raising(RuntimeError("x"))), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS))
+    text = "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [faulty]\n  indexer_q_quant:\n    fallback: [q]\n  topk:\n    fallback: [topk]\n  ragged_mqa_logits:\n    fallback: [topk]\n"
     batch = ForwardBatch(torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 3, "decode", 1)
     plan = build_plan(dispatcher(text, catalog), batch, kv_fp8_dtype="e4m3fn", pinned={LOGITS: "faulty"})
     with pytest.raises(BackendError, match="chosen by pinned: x$"):
@@ -148,6 +150,8 @@ ops:
     fallback: [q]
   topk:
     fallback: [topk]
+  ragged_mqa_logits:
+    fallback: [topk]
 clusters:
   ops-team:
     description: {description}
@@ -159,7 +163,7 @@ def registry_text(backend: str = "a", description: str = "x") -> str:
 
 
 def reload_catalog():
-    return catalog_of(fake_backend("a"), fake_backend("b"), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK))
+    return catalog_of(fake_backend("a"), fake_backend("b"), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS))
 
 
 @pytest.fixture

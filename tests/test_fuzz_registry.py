@@ -268,6 +268,7 @@ ops:
   paged_mqa_logits: {fallback: &names [triton.flatten]}
   indexer_q_quant: {fallback: *names}
   topk: {fallback: [torch.reference]}
+  ragged_mqa_logits: {fallback: [torch.reference]}
 """
     with pytest.raises(RegistryError) as error:
         check_backend_names(parse_registry(text, PATH), CATALOG)

@@ -25,6 +25,8 @@ ops:
     fallback: torch.reference
   topk:
     fallback: torch.reference
+  ragged_mqa_logits:
+    fallback: torch.reference
 """
 
 
@@ -67,3 +69,15 @@ def test_a_batch_whose_decision_differs_is_refused(dispatcher):
 def test_shapes_past_the_capture_are_refused(dispatcher, batch, message):
     with pytest.raises(GraphMismatchError, match=message):
         _check(dispatcher, _batch(), batch)
+
+
+def test_an_extend_batch_is_not_captured():
+    from dispatch.graphs import CapturedIndexerStep
+    from dispatch.indexer import IndexerStep
+    from dispatch.rope import RopeSpec
+    from tests.prefill_batch import prefill_case
+
+    step = IndexerStep(load_dispatcher(arch="cpu"), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
+                       softmax_scale=1.0, head_scale=1.0)
+    with pytest.raises(GraphMismatchError, match="captures paged batches.*got ExtendBatch"):
+        CapturedIndexerStep(step, prefill_case([3], [2]).batch, inputs=None)

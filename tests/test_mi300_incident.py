@@ -80,3 +80,57 @@ def test_keys_and_rules_that_pair_the_wrong_dtype_with_gfx942_are_rejected():
             "        when: {arch: gfx942, fp8_dtype: e4m3fn}\n        use: torch.reference\n",
             "registry.yaml",
         )
+
+
+# --- the same incident in prefill (extend batches: gathered K, ragged logits) -------------------------
+
+
+def _extend_case(seed):
+    from tests.prefill_batch import prefill_case
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton gather: compiled or interpreted
+    return prefill_case([40, 0, 7], [5, 30, 1], heads=H, head_dim=D, fp8_dtype="e4m3fnuz", seed=seed, device=device)
+
+
+def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
+    from dispatch.extend import build_extend_plan
+
+    dispatcher = load_dispatcher(arch="gfx942")  # a what-if on this machine
+    plan = build_extend_plan(dispatcher, _extend_case(3).batch, kv_fp8_dtype=torch.float8_e4m3fnuz)
+    assert plan.key == DispatchKey("gfx942", "extend", 1, "e4m3fnuz")
+    assert (plan.indexer_q_quant.backend, plan.ragged_logits.backend) == ("rocm.fnuz", "rocm.fnuz")
+    assert plan.ragged_logits.rule == "gfx942-fnuz-ragged" and plan.indexer_q_quant.rule == "gfx942-fnuz"
+    assert Op.RAGGED_MQA_LOGITS in plan.decisions and Op.PAGED_MQA_LOGITS not in plan.decisions
+    rejected = {r.backend: r.reason for r in plan.ragged_logits.rejected}
+    assert "arch gfx942 not supported" in rejected["triton"]
+    assert "arch gfx942 not supported" in rejected["deepgemm.sm90"]
+
+
+@pytest.mark.parametrize("backend", ["torch.reference", "rocm.fnuz"])
+def test_e4m3fn_q_against_an_fnuz_cache_is_refused_in_prefill_too(backend):
+    from dispatch.extend import build_extend_plan
+    from dispatch.ops import gather_keys, ragged_mqa_logits
+
+    case = _extend_case(4)
+    plan = build_extend_plan(load_dispatcher(arch="cpu"), case.batch, kv_fp8_dtype=torch.float8_e4m3fnuz,
+                             pinned={Op.RAGGED_MQA_LOGITS: backend})
+    k, scales = gather_keys(plan, case.kv_cache)
+    assert k.dtype == torch.float8_e4m3fnuz
+    generator = torch.Generator().manual_seed(5)
+    rows = case.batch.total_tokens
+    inputs = dict(
+        q=(torch.randn(rows, H, D, generator=generator) * 300).to(torch.bfloat16),
+        weights=torch.randn(rows, H, generator=generator),
+        positions=torch.arange(rows),
+        cos_sin_cache=torch.randn(64, ROT, generator=generator).to(torch.bfloat16),
+    )
+    inputs = {name: value.to(case.kv_cache.device) for name, value in inputs.items()}
+    hard_coded_q, weights = reference_indexer_q_quant(**inputs, fp8_dtype="e4m3fn", **SETTINGS)  # the bug
+    assert hard_coded_q.float().abs().max() > 224
+    metadata = plan.metadata
+    with pytest.raises(DtypeMismatchError, match=r"float8_e4m3fn.*e4m3fnuz"):
+        ragged_mqa_logits(plan, hard_coded_q, k, scales, weights, metadata.ks, metadata.ke)
+    q_fp8, folded = indexer_q_quant(plan, **inputs, **SETTINGS)  # through the plan: fnuz, FP8_MAX 224
+    assert q_fp8.dtype == torch.float8_e4m3fnuz and q_fp8.float().abs().max() <= 224
+    logits = ragged_mqa_logits(plan, q_fp8, k, scales, folded, metadata.ks, metadata.ke)
+    assert torch.isfinite(logits).sum() == int((metadata.ke - metadata.ks).sum())

@@ -205,6 +205,8 @@ ops:
     fallback: [quant]
   topk:
     fallback: [topk]
+  ragged_mqa_logits:
+    fallback: [topk]
 """
 
 
@@ -220,7 +222,7 @@ def test_prepare_is_called_once_per_plan_in_the_decided_layout():
         fake_backend("scheduled", prepare=prepare),
         fake_backend("scheduled.flatten", layout=Layout.FLATTEN, prepare=prepare),
         fake_backend("quant", Op.INDEXER_Q_QUANT),
-        fake_backend("topk", Op.TOPK),
+        fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS),
     )
     chooser = dispatcher(PREPARE_REGISTRY, catalog, arch=Arch.CPU)
     first = build_plan(chooser, batch(), kv_fp8_dtype="e4m3fn")
@@ -239,7 +241,7 @@ def test_no_prepare_no_state():
         fake_backend("scheduled"),
         fake_backend("scheduled.flatten", layout=Layout.FLATTEN),
         fake_backend("quant", Op.INDEXER_Q_QUANT),
-        fake_backend("topk", Op.TOPK),
+        fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS),
     )
     plan = build_plan(dispatcher(PREPARE_REGISTRY, catalog, arch=Arch.CPU), batch(), kv_fp8_dtype="e4m3fn")
     assert plan.state is None and plan.layout is Layout.FLATTEN

@@ -76,7 +76,7 @@ def test_a_probe_returning_something_else_is_a_plugin_error_when_it_runs(result)
     catalog = collect_backends(
         [fake_plugin("liar", backend(name="liar", probe=lambda: result), distribution="dispatch-liar")]
     )
-    text = "version: 1\nops:\n  paged_mqa_logits: {fallback: [liar]}\n  indexer_q_quant: {fallback: [q]}\n  topk: {fallback: [topk]}\n"
+    text = "version: 1\nops:\n  paged_mqa_logits: {fallback: [liar]}\n  indexer_q_quant: {fallback: [q]}\n  topk: {fallback: [topk]}\n  ragged_mqa_logits: {fallback: [topk]}\n"
     dispatcher = Dispatcher(registry(text), catalog, cluster=None, target_arch=Arch.SM90, check_availability=True)
     with pytest.raises(PluginError) as error:
         dispatcher.decide(Op.PAGED_MQA_LOGITS, KEY)
@@ -171,6 +171,7 @@ def test_an_unknown_backend_names_the_installed_plugin_left_out(site, monkeypatc
               paged_mqa_logits: {fallback: [torch.reference]}
               indexer_q_quant: {fallback: [torch.reference]}
               topk: {fallback: [torch.reference]}
+              ragged_mqa_logits: {fallback: [torch.reference]}
             clusters:
               acme:
                 prefer: [acme.fast]
@@ -180,7 +181,7 @@ def test_an_unknown_backend_names_the_installed_plugin_left_out(site, monkeypatc
     code = main(["validate", str(path)])
     err = capsys.readouterr().err
     assert code == 2
-    assert f"{path}:8: clusters.acme.prefer[0]: unknown backend `acme.fast`" in err
+    assert f"{path}:9: clusters.acme.prefer[0]: unknown backend `acme.fast`" in err
     assert "plugin `acme` (distribution `acme-dispatch-plugin`) is installed but not allowed and may register it" in err
     assert "set DISPATCH_PLUGINS=something-else,acme" in err
     assert site.imported() == set()  # the plugin left out was never imported to find that out
@@ -199,7 +200,7 @@ def test_the_plugin_version_is_the_distributions_and_the_library_version_stays_s
     assert (impl.plugin_version, impl.version) == ("1.0", "")
     row = backend_row(impl)
     assert (row["plugin_version"], row["version"]) == ("1.0", "")
-    text = "version: 1\nops:\n  paged_mqa_logits: {fallback: [acme.fast]}\n  indexer_q_quant: {fallback: [q]}\n  topk: {fallback: [topk]}\n"
+    text = "version: 1\nops:\n  paged_mqa_logits: {fallback: [acme.fast]}\n  indexer_q_quant: {fallback: [q]}\n  topk: {fallback: [topk]}\n  ragged_mqa_logits: {fallback: [topk]}\n"
     dispatcher = Dispatcher(registry(text), catalog, cluster=None, target_arch=Arch.SM90, check_availability=False)
     shown = decision_text(dispatcher.decide(Op.PAGED_MQA_LOGITS, KEY), dispatcher)
     assert "plugin:   acme (distribution acme-dispatch-plugin 1.0; library version -)" in shown

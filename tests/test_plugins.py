@@ -329,6 +329,8 @@ ops:
     fallback: [reference]
   topk:
     fallback: [reference]
+  ragged_mqa_logits:
+    fallback: [reference]
 clusters:
   lab:
     enable: [experimental]
@@ -363,7 +365,7 @@ def order_plugins() -> list[LoadedPlugin]:
             "reference",
             fake_backend("reference", forward_modes=paged),
             fake_backend("reference", Op.INDEXER_Q_QUANT),
-            fake_backend("reference", Op.TOPK),
+            fake_backend("reference", Op.TOPK), fake_backend("reference", Op.RAGGED_MQA_LOGITS),
             fake_backend("experimental", next_n_min=3, forward_modes=paged),
             distribution="dist-reference",
         ),

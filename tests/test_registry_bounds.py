@@ -21,7 +21,7 @@ from dispatch.registry.checks import coverage, lint
 from dispatch.registry.document import load_registry, parse_registry
 from tests.fakes import catalog_of, fake_backend
 
-OPS = "  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n"
+OPS = "  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n  ragged_mqa_logits: {fallback: [torch.reference]}\n"
 
 
 def error_of(text: str, path: str = "r.yaml") -> str:
@@ -212,10 +212,10 @@ def test_every_op_is_declared_and_serves_something(text, words):
         ("    fallback: !!set {triton, torch.reference}\n", 4, "ops.paged_mqa_logits.fallback"),
         ("    fallback: {triton: 1, torch.reference: 2}\n", 4, "ops.paged_mqa_logits.fallback"),
         ("    rules:\n      - id: a\n        use: !!set {triton, torch.reference}\n", 6, "ops.paged_mqa_logits.rules[0].use"),
-        ("    fallback: [a]\nclusters:\n  c:\n    prefer: !!set {triton, torch.reference}\n", 9, "clusters.c.prefer"),
-        ("    fallback: [a]\nclusters:\n  c:\n    disable: !!set {triton}\n", 9, "clusters.c.disable"),
-        ("    fallback: [a]\nclusters:\n  c:\n    enable: {triton: null}\n", 9, "clusters.c.enable"),
-        ("    fallback: [a]\ndisabled: !!set {triton}\n", 7, "disabled"),
+        ("    fallback: [a]\nclusters:\n  c:\n    prefer: !!set {triton, torch.reference}\n", 10, "clusters.c.prefer"),
+        ("    fallback: [a]\nclusters:\n  c:\n    disable: !!set {triton}\n", 10, "clusters.c.disable"),
+        ("    fallback: [a]\nclusters:\n  c:\n    enable: {triton: null}\n", 10, "clusters.c.enable"),
+        ("    fallback: [a]\ndisabled: !!set {triton}\n", 8, "disabled"),
     ],
     ids=["set-fallback", "map-fallback", "set-use", "set-prefer", "set-disable", "map-enable", "set-disabled"],
 )
@@ -255,10 +255,11 @@ def test_lint_reasons_about_next_n_ranges_without_enumerating(low):
             fallback: [a]
           indexer_q_quant: {{fallback: [q]}}
           topk: {{fallback: [q]}}
+          ragged_mqa_logits: {{fallback: [q]}}
         """
     )
     catalog = catalog_of(
-        fake_backend("a"), fake_backend("b", next_n_max=8), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("q", Op.TOPK)
+        fake_backend("a"), fake_backend("b", next_n_max=8), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("q", Op.TOPK), fake_backend("q", Op.RAGGED_MQA_LOGITS)
     )
     document = parse_registry(text, "deep.yaml")
     started = time.perf_counter()

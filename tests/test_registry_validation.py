@@ -17,7 +17,7 @@ from dispatch.registry.document import load_registry, parse_registry
 from tests.fakes import catalog_of, fake_backend
 
 HEAD = "version: 1\nops:\n  paged_mqa_logits:\n    rules:\n"
-TAIL = "  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n"  # every op is declared
+TAIL = "  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n  ragged_mqa_logits: {fallback: [torch.reference]}\n"  # every op is declared
 
 
 def write(tmp_path, text: str):
@@ -137,7 +137,7 @@ def test_unknown_op_names_file_line_and_key(tmp_path):
 
 
 def test_unknown_cluster_field(tmp_path):
-    message = load_error(tmp_path, "version: 1\nops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\nclusters:\n  c:\n    match: {gpu: H200}\n")
+    message = load_error(tmp_path, "version: 1\nops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}, ragged_mqa_logits: {fallback: [x]}}\nclusters:\n  c:\n    match: {gpu: H200}\n")
     assert_located(message, tmp_path / "registry.yaml", 5, "clusters.c.match.gpu")
     assert "unknown field" in message
 
@@ -157,25 +157,25 @@ def test_duplicate_key_inside_a_rule(tmp_path):
 
 @pytest.mark.parametrize("key", ["[a, b]", "{a: 1}"])
 def test_non_scalar_mapping_key(tmp_path, key):
-    message = load_error(tmp_path, f"version: 1\nops: {{paged_mqa_logits: {{fallback: [x]}}, indexer_q_quant: {{fallback: [x]}}, topk: {{fallback: [x]}}}}\nclusters:\n  ? {key}\n  : {{}}\n")
+    message = load_error(tmp_path, f"version: 1\nops: {{paged_mqa_logits: {{fallback: [x]}}, indexer_q_quant: {{fallback: [x]}}, topk: {{fallback: [x]}}, ragged_mqa_logits: {{fallback: [x]}}}}\nclusters:\n  ? {key}\n  : {{}}\n")
     assert_located(message, tmp_path / "registry.yaml", 4, "clusters")
     assert "a key must be a plain name" in message
 
 
 def test_version_missing(tmp_path):
-    message = load_error(tmp_path, "ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\n")
+    message = load_error(tmp_path, "ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}, ragged_mqa_logits: {fallback: [x]}}\n")
     assert_located(message, tmp_path / "registry.yaml", 1, "version")
     assert "required field is missing" in message
 
 
 def test_version_wrong(tmp_path):
-    message = load_error(tmp_path, "ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\nversion: 2\n")
+    message = load_error(tmp_path, "ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}, ragged_mqa_logits: {fallback: [x]}}\nversion: 2\n")
     assert_located(message, tmp_path / "registry.yaml", 2, "version")
     assert "1" in message
 
 
 def test_version_as_string_is_wrong(tmp_path):
-    message = load_error(tmp_path, "version: '1'\nops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\n")
+    message = load_error(tmp_path, "version: '1'\nops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}, ragged_mqa_logits: {fallback: [x]}}\n")
     assert_located(message, tmp_path / "registry.yaml", 1, "version")
 
 
@@ -215,7 +215,7 @@ def test_file_missing(tmp_path):
 )
 def test_python_tags_are_rejected_and_nothing_is_imported(tmp_path, tag):
     before = set(sys.modules)
-    message = load_error(tmp_path, f"version: 1\nops: {{paged_mqa_logits: {{fallback: [x]}}, indexer_q_quant: {{fallback: [x]}}, topk: {{fallback: [x]}}}}\nclusters:\n  c:\n    description: {tag}\n")
+    message = load_error(tmp_path, f"version: 1\nops: {{paged_mqa_logits: {{fallback: [x]}}, indexer_q_quant: {{fallback: [x]}}, topk: {{fallback: [x]}}, ragged_mqa_logits: {{fallback: [x]}}}}\nclusters:\n  c:\n    description: {tag}\n")
     assert message.startswith(f"{tmp_path / 'registry.yaml'}:5: ")
     assert "not valid YAML" in message
     assert not {m for m in set(sys.modules) - before if "evil" in m}
@@ -224,7 +224,7 @@ def test_python_tags_are_rejected_and_nothing_is_imported(tmp_path, tag):
 
 def test_parse_registry_names_the_given_path():
     with pytest.raises(RegistryError, match=r"^somewhere\.yaml:1: version: "):
-        parse_registry("ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}}\n", "somewhere.yaml")
+        parse_registry("ops: {paged_mqa_logits: {fallback: [x]}, indexer_q_quant: {fallback: [x]}, topk: {fallback: [x]}, ragged_mqa_logits: {fallback: [x]}}\n", "somewhere.yaml")
 
 
 def test_shorthands_mean_the_same_as_the_long_form():
@@ -254,6 +254,7 @@ ops:
   indexer_q_quant:
     fallback: [q]
   topk: {fallback: [topk]}
+  ragged_mqa_logits: {fallback: [topk]}
 clusters:
   c:
     prefer: [q]
@@ -262,7 +263,7 @@ clusters:
 
 def small_catalog():
     return catalog_of(
-        fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("topk", Op.TOPK)
+        fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS)
     )
 
 
@@ -282,7 +283,7 @@ def test_known_backends_pass():
             9,
             "ops.paged_mqa_logits.fallback[1]",
         ),
-        (CATALOG_TEXT.replace("{name}", "b").replace("prefer: [q]", "prefer: [q, zz]"), 15, "clusters.c.prefer[1]"),
+        (CATALOG_TEXT.replace("{name}", "b").replace("prefer: [q]", "prefer: [q, zz]"), 16, "clusters.c.prefer[1]"),
         (CATALOG_TEXT.replace("{name}", "b").replace("disabled: [b]", "disabled: [zz]"), 2, "disabled[0]"),
     ],
     ids=["rule-use", "other-op", "fallback", "cluster-prefer", "disabled"],

@@ -34,12 +34,14 @@ ops:
     fallback: [q]
   topk:
     fallback: [topk]
+  ragged_mqa_logits:
+    fallback: [topk]
 """
 
 
 def catalog():
     return catalog_of(
-        fake_backend("a"), fake_backend("wide", next_n_max=4), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK)
+        fake_backend("a"), fake_backend("wide", next_n_max=4), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS)
     )
 
 

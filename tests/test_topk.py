@@ -206,6 +206,12 @@ def test_a_batch_whose_topk_decision_differs_is_refused_for_replay():
             when: {forward_mode: target_verify}
             use: [fast]
         fallback: [plain]
+      ragged_mqa_logits:
+        rules:
+          - id: verify-fast
+            when: {forward_mode: target_verify}
+            use: [fast]
+        fallback: [plain]
     """
     catalog = catalog_of(
         fake_backend("logits"), fake_backend("quant", Op.INDEXER_Q_QUANT),

@@ -37,6 +37,8 @@ ops:
     fallback: [torch.reference]
   topk:
     fallback: [torch.reference]
+  ragged_mqa_logits:
+    fallback: [torch.reference]
 clusters:
   ci-cpu:
     workload: {next_n: [1, 2]}
@@ -276,7 +278,7 @@ def test_a_cluster_names_a_missing_or_foreign_overlay_at_its_line(tmp_path):
     (tmp_path / "registry.yaml").write_text(text)
     with pytest.raises(RegistryError) as error:
         load_registry(tmp_path / "registry.yaml")
-    assert str(error.value).startswith(f"{tmp_path / 'registry.yaml'}:16: clusters.ci-cpu.measured: the measured overlay ")
+    assert str(error.value).startswith(f"{tmp_path / 'registry.yaml'}:18: clusters.ci-cpu.measured: the measured overlay ")
     (tmp_path / "measured").mkdir()
     (tmp_path / "measured" / "none.yaml").write_text(OVERLAY)  # measured for h200-mtp
     with pytest.raises(RegistryError) as error:
@@ -315,7 +317,7 @@ def test_workload_block_is_validated_in_the_registry(tmp_path):
     (tmp_path / "registry.yaml").write_text(textwrap.dedent(text))
     with pytest.raises(RegistryError) as error:
         load_registry(tmp_path / "registry.yaml")
-    assert str(error.value).startswith(f"{tmp_path / 'registry.yaml'}:15: clusters.ci-cpu.workload.next_n[0]: ")
+    assert str(error.value).startswith(f"{tmp_path / 'registry.yaml'}:17: clusters.ci-cpu.workload.next_n[0]: ")
 
 
 def test_the_readme_overlay_example_is_one_the_loader_accepts():

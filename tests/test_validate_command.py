@@ -42,7 +42,7 @@ def test_the_shipped_registry_is_ok(capsys, tmp_path):
 
 
 def test_every_schema_error_in_one_run_in_file_order(capsys, tmp_path):
-    text = SHIPPED.replace("when: {arch: sm100, fp8_dtype: e4m3fn}", "when: {arch: sm101, fp8_dtype: e4m3fn}")
+    text = SHIPPED.replace("when: {arch: sm100, fp8_dtype: e4m3fn}", "when: {arch: sm101, fp8_dtype: e4m3fn}", 1)
     text = text.replace("when: {arch: sm90, next_n: {min: 3}}", "when: {arch: sm90, next_n: {min: 3}, colour: red}")
     text = text.replace("    match: {arch: sm90, gpu_name:", "    match: {arch: sm91, gpu_name:")
     code, out, err = validate(capsys, tmp_path, text)
@@ -59,7 +59,7 @@ def test_every_schema_error_in_one_run_in_file_order(capsys, tmp_path):
 
 
 def test_unknown_names_and_lint_together_in_file_order(capsys, tmp_path):
-    text = SHIPPED.replace("use: [deepgemm.sm90, triton]", "use: [deepgemm.sm90, tritn]")
+    text = SHIPPED.replace("use: [deepgemm.sm90, triton]", "use: [deepgemm.sm90, tritn]", 1)
     text = text.replace("prefer: [torch.reference]", "prefer: [Torch.Reference]")
     text = text.replace("      - id: portable-triton\n", "      - id: never\n        when: {arch: cpu}\n        use: [triton]\n      - id: portable-triton\n")
     code, out, err = validate(capsys, tmp_path, text)
@@ -117,6 +117,11 @@ ops:
         when: {arch: sm90}
         use: [torch.reference]
   topk:
+    rules:
+      - id: only-sm90
+        when: {arch: sm90}
+        use: [torch.reference]
+  ragged_mqa_logits:
     rules:
       - id: only-sm90
         when: {arch: sm90}

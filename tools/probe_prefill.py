@@ -105,7 +105,7 @@ def probe(args) -> None:
     try:
         import deep_gemm
 
-        from backends.deepgemm.ragged_logits import launch_ragged_mqa_logits as deepgemm_logits
+        from backends.deepgemm.adapter import launch_ragged_mqa_logits as deepgemm_logits
         dg_version = getattr(deep_gemm, "__version__", "?")
         print(f"deep_gemm {dg_version}: fp8_fp4_mqa_logits={hasattr(deep_gemm, 'fp8_fp4_mqa_logits')}, "
               f"fp8_mqa_logits={hasattr(deep_gemm, 'fp8_mqa_logits')}", flush=True)

@@ -1,5 +1,6 @@
 """DeepGEMM behind dispatch: the one import of deep_gemm, the bridge over its API generations, the
-input checks its extension would assert, and the paged MQA logits backend (prepare and run).
+input checks its extension would assert, and its two backends: paged MQA logits (prepare and run)
+and ragged MQA logits for extend batches (fp8_mqa_logits; API notes at its section below).
 
 deep_gemm is imported only when a backend is probed, prepared or run (never at module load): the
 packaged builds link libtorch and load CUDA libraries, which fails or is slow where they cannot run.
@@ -42,8 +43,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dispatch.bounds import check_pages, debug_bounds_on
-from dispatch.errors import LayoutError
-from dispatch.input_checks import check_logits_inputs
+from dispatch.errors import DtypeMismatchError, LayoutError
+from dispatch.input_checks import check_logits_inputs, check_ragged_logits_inputs
 from dispatch.kv_cache import BLOCK_KV
 from dispatch.layout import Layout
 from dispatch.plan import IndexerPlan
@@ -228,6 +229,94 @@ class DeepGemmPagedLogits:
 
 
 # --- ragged MQA logits (extend / prefill) -----------------------------------------------------------
-# The second DeepGEMM entry point, fp8_mqa_logits (non-paged, ragged [ks, ke) per token), goes here:
-# its symbol names beside LOGITS_FP8 above, a launch_mqa_logits(module, ...) bridging its generations,
-# and a backend class like DeepGemmPagedLogits. plugin.py then adds its rows to its table.
+# deep_gemm's non-paged fp8_mqa_logits, tolerant of the API generations in the field:
+# - `fp8_mqa_logits(q, (k, scales), weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits)`: the
+#   first generation.
+# - Then `max_seqlen_k` (default 0) after clean_logits: non-zero asks for a compressed [M, max_seqlen_k]
+#   output (column j = key ks[m] + j) and forbids clean_logits. This adapter never passes it, so every
+#   generation returns the full [M, S] layout.
+# - Newest: `fp8_fp4_mqa_logits(q, ...)` with q a (values, scales) pair and `logits_dtype` last; fp8 q
+#   goes as `(q, None)` (a scales tensor means FP4). Builds that have it keep `fp8_mqa_logits` as a
+#   legacy alias, so the newer name is tried first.
+# With clean_logits the extension writes -inf outside each row's [ks, ke) (a second kernel); without it
+# those positions are garbage. The output is a slice of a wider buffer: rows are not contiguous.
+
+RAGGED_LOGITS_FP8_FP4 = "fp8_fp4_mqa_logits"
+RAGGED_LOGITS_FP8 = "fp8_mqa_logits"
+# What the SM90 / SM100 fp8 ragged kernels are instantiated for (heads: HEAD_COUNTS).
+RAGGED_HEAD_DIMS = (32, 64, 128)
+
+
+def missing_ragged_symbols(module: ModuleType) -> list[str]:
+    """The ragged API names this adapter needs and `module` lacks, as they would read in a message."""
+    if hasattr(module, RAGGED_LOGITS_FP8_FP4) or hasattr(module, RAGGED_LOGITS_FP8):
+        return []
+    return [f"`{RAGGED_LOGITS_FP8_FP4}` or `{RAGGED_LOGITS_FP8}`"]
+
+
+def launch_ragged_mqa_logits(
+    module: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scales: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    clean_logits: bool = True,
+) -> torch.Tensor:
+    """fp32 [M, S] (row stride wider than S); -inf outside [ks, ke) with clean_logits, garbage without."""
+    check_ragged_kernel_inputs(q, k, scales, weights, ks, ke)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        # The extension's TMA descriptors need a non-empty tensor; an empty side is all -inf by definition.
+        return torch.full((q.shape[0], k.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    if hasattr(module, RAGGED_LOGITS_FP8_FP4):
+        kernel, q_arg = getattr(module, RAGGED_LOGITS_FP8_FP4), (q, None)
+    else:
+        kernel, q_arg = getattr(module, RAGGED_LOGITS_FP8), q
+    # Positional: the six leading parameters sit in the same places in every generation.
+    return kernel(q_arg, (k, scales), weights, ks, ke, clean_logits)
+
+
+def check_ragged_kernel_inputs(q, k, scales, weights, ks, ke) -> None:
+    """LayoutError / DtypeMismatchError for anything the extension would assert on, naming the tensor."""
+    if q.dim() != 3:
+        raise LayoutError(f"q must be [M, H, D]; got {list(q.shape)}")
+    rows, heads, head_dim = q.shape
+    if q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn:
+        raise DtypeMismatchError(f"deep_gemm's fp8 MQA logits read e4m3fn only; q is {q.dtype}, k is {k.dtype}")
+    if not q.is_contiguous():
+        raise LayoutError(f"deep_gemm needs a contiguous q; got strides {list(q.stride())}")
+    if heads not in HEAD_COUNTS or head_dim not in RAGGED_HEAD_DIMS:
+        raise LayoutError(f"deep_gemm supports H in {HEAD_COUNTS} and D in {RAGGED_HEAD_DIMS}; q is {list(q.shape)}")
+    if k.dim() != 2 or k.shape[1] != head_dim or not k.is_contiguous():
+        raise LayoutError(f"deep_gemm needs a contiguous k [S, D={head_dim}]; got {list(k.shape)}, "
+                          f"strides {list(k.stride())}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (k.shape[0],) or not scales.is_contiguous():
+        raise LayoutError(f"deep_gemm needs contiguous fp32 scales [S={k.shape[0]}]; "
+                          f"got {scales.dtype} {list(scales.shape)}")
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (rows, heads) or not weights.is_contiguous():
+        raise LayoutError(f"deep_gemm needs contiguous fp32 weights [M={rows}, H={heads}]; got {weights.dtype} "
+                          f"{list(weights.shape)}, strides {list(weights.stride())}")
+    for name, bound in (("ks", ks), ("ke", ke)):
+        if bound.dtype != torch.int32 or tuple(bound.shape) != (rows,) or not bound.is_contiguous():
+            raise LayoutError(f"deep_gemm needs {name} as contiguous int32 [M={rows}]; "
+                              f"got {bound.dtype} {list(bound.shape)}")
+
+
+@dataclass(frozen=True)
+class DeepGemmRaggedLogits:
+    """The ragged logits op through deep_gemm's fp8_mqa_logits. Its per-batch state is the Triton K
+    gather (a byte copy that runs wherever deep_gemm does): deep_gemm has no gather of its own."""
+
+    load: Callable[[], ModuleType]
+
+    @staticmethod
+    def prepare(plan):
+        from backends.triton.kv_gather import TritonKeyGather  # triton ships with every CUDA torch
+
+        return TritonKeyGather.for_plan(plan)
+
+    def run(self, q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True) -> torch.Tensor:
+        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
+        return launch_ragged_mqa_logits(self.load(), q, k, scales, weights, ks, ke, clean_logits=clean_logits)

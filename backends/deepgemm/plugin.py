@@ -1,11 +1,14 @@
-"""Registers DeepGEMM's paged MQA logits backends. Each one's whole contract is its row below.
+"""Registers DeepGEMM's MQA logits backends. Each one's whole contract is its row below.
 
-| backend               | layout  | arch  | next_n | why                                                 |
-| deepgemm.sm100        | native  | sm100 | >= 1   | SM100 kernels take any next_n (odd ones padded)     |
-| deepgemm.sm90         | native  | sm90  | 1, 2   | SM90 kernels are instantiated for next_n 1 and 2    |
-| deepgemm.sm90.flatten | flatten | sm90  | >= 1   | every token its own request: next_n 1 in the kernel |
+| backend               | op                | layout  | arch  | next_n | why                                        |
+| deepgemm.sm100        | paged_mqa_logits  | native  | sm100 | >= 1   | SM100 kernels take any next_n (odd padded) |
+| deepgemm.sm90         | paged_mqa_logits  | native  | sm90  | 1, 2   | SM90 kernels exist for next_n 1 and 2      |
+| deepgemm.sm90.flatten | paged_mqa_logits  | flatten | sm90  | >= 1   | every token its own request: next_n 1      |
+| deepgemm.sm100        | ragged_mqa_logits | ragged  | sm100 | any    | fp8_mqa_logits, every mode                 |
+| deepgemm.sm90         | ragged_mqa_logits | ragged  | sm90  | any    | fp8_mqa_logits, every mode                 |
 
-All take e4m3fn only (the kernels read OCP fp8) in the paged modes (decode, target_verify, draft_extend).
+All take e4m3fn only (the kernels read OCP fp8); the paged ones in the paged modes (decode,
+target_verify, draft_extend), the ragged ones in any (extend is what they are for).
 The availability probe checks the cheap facts first (a GPU, its arch), so a machine that could never
 run the kernel does not load deep_gemm's CUDA extension just to say no.
 """
@@ -64,10 +67,49 @@ class _OnFirstUse:
         DeepGemmPagedLogits.refresh_state(captured, fresh)
 
 
+class _RaggedOnFirstUse:
+    """The adapter's DeepGemmRaggedLogits, built on first use; its per-batch state is the Triton K gather."""
+
+    def __init__(self, load: Callable[[], ModuleType]) -> None:
+        self._load = load
+        self._impl = None
+
+    def run(self, q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
+        if self._impl is None:
+            from backends.deepgemm.adapter import DeepGemmRaggedLogits
+
+            self._impl = DeepGemmRaggedLogits(self._load)
+        return self._impl.run(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype, clean_logits=clean_logits)
+
+    @staticmethod
+    def prepare(plan):
+        from backends.deepgemm.adapter import DeepGemmRaggedLogits
+
+        return DeepGemmRaggedLogits.prepare(plan)
+
+
+def missing_paged_symbols(module: ModuleType) -> list[str]:
+    from backends.deepgemm.adapter import missing_symbols
+
+    return missing_symbols(module)
+
+
+def missing_ragged_symbols(module: ModuleType) -> list[str]:
+    from backends.deepgemm.adapter import missing_ragged_symbols as missing
+
+    return missing(module)
+
+
 def deepgemm_availability(
-    required: Arch, *, host: Arch, gpu_visible: bool, load: Callable[[], ModuleType]
+    required: Arch,
+    *,
+    host: Arch,
+    gpu_visible: bool,
+    load: Callable[[], ModuleType],
+    missing: Callable[[ModuleType], list[str]] = missing_paged_symbols,
 ) -> Availability:
-    """Availability of a backend built for `required` on a machine of arch `host`."""
+    """Availability of a backend built for `required` on a machine of arch `host`; `missing` names the
+    API symbols the backend needs that the module lacks (the paged ones by default)."""
     if not gpu_visible:
         return Availability.no(f"no CUDA GPU is visible to torch (host arch {host.value})")
     if host is not required:
@@ -76,22 +118,26 @@ def deepgemm_availability(
         module = load()
     except (ImportError, OSError) as error:
         return Availability.no(f"deep_gemm cannot be imported: {type(error).__name__}: {error}")
-    from backends.deepgemm.adapter import missing_symbols, version_of
+    from backends.deepgemm.adapter import version_of
 
-    missing = missing_symbols(module)
-    if missing:
-        return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(missing)}")
+    absent = missing(module)
+    if absent:
+        return Availability.no(f"deep_gemm {version_of(module)} has no {' and no '.join(absent)}")
     return Availability.yes()
 
 
-def probe_for(required: Arch, load: Callable[[], ModuleType] = import_deep_gemm) -> Callable[[], Availability]:
+def probe_for(
+    required: Arch,
+    load: Callable[[], ModuleType] = import_deep_gemm,
+    missing: Callable[[ModuleType], list[str]] = missing_paged_symbols,
+) -> Callable[[], Availability]:
     """A Backend.probe: this machine's facts, read when the probe runs (detect_arch honours DISPATCH_ARCH)."""
 
     def probe() -> Availability:
         import torch
 
         return deepgemm_availability(
-            required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load
+            required, host=detect.detect_arch(), gpu_visible=torch.cuda.is_available(), load=load, missing=missing
         )
 
     return probe
@@ -113,7 +159,7 @@ def library_version() -> str:
 
 
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
-    """The three backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
+    """The three paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
     for name, layout, arch, next_n_max, description in _TABLE:
         impl = _OnFirstUse(layout, load)
@@ -137,7 +183,28 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
     return backends
 
 
+def deepgemm_ragged_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
+    """The two ragged (prefill) backends, named per arch like the paged ones, resolving deep_gemm
+    through `load` (tests pass a stand-in)."""
+    backends = []
+    for arch in (Arch.SM100, Arch.SM90):
+        ragged = _RaggedOnFirstUse(load)
+        backends.append(
+            Backend(
+                name=f"deepgemm.{arch.value}",
+                op=Op.RAGGED_MQA_LOGITS,
+                layout=Layout.RAGGED,
+                supports=Support(archs=frozenset({arch}), fp8_dtypes=_E4M3FN),
+                run=ragged.run,
+                probe=probe_for(arch, load, missing_ragged_symbols),
+                prepare=ragged.prepare,
+                description=f"DeepGEMM fp8_mqa_logits (ragged, prefill), {arch.value.upper()}; Triton K gather",
+            )
+        )
+    return backends
+
+
 @hookimpl
 def register_backends(register):
-    for backend in deepgemm_backends():
+    for backend in deepgemm_backends() + deepgemm_ragged_backends():
         register(backend)

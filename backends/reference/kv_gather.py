@@ -7,6 +7,8 @@ cache's physical slot slots[i] = block * block_kv + offset; the result is (fp8 k
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dispatch.kv_cache import split_kv_cache
@@ -43,3 +45,21 @@ def reference_gather_keys(
         )
     index = slots.long()
     return keys.reshape(num_slots, head_dim)[index], scales.reshape(num_slots)[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceKeyGather:
+    """An extend plan's K gather in plain torch (dispatch.contract.RaggedKeyGather): the batch's slots,
+    bound once per batch, applied to each layer's cache. A bad slot raises, naming its request."""
+
+    slots: torch.Tensor
+    key_offsets: torch.Tensor
+    fp8_dtype: Fp8Dtype
+
+    @classmethod
+    def for_plan(cls, plan) -> "ReferenceKeyGather":
+        return cls(plan.metadata.gather_slots, plan.metadata.key_offsets, plan.fp8_dtype)
+
+    def __call__(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, scales = reference_gather_keys(kv_cache, self.slots, self.fp8_dtype, key_offsets=self.key_offsets)
+        return keys.contiguous(), scales.contiguous()

@@ -32,6 +32,22 @@ def run_topk(*args, **kwargs):
     return topk_indices(*args, **kwargs)
 
 
+def run_ragged_mqa_logits(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
+    from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
+    from dispatch.contract import check_ragged_logits_inputs
+
+    # Always writes -inf outside [ks, ke): what clean_logits=False leaves unspecified may be -inf too.
+    check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
+    return reference_ragged_mqa_logits(q, k, scales, weights, ks, ke)
+
+
+def reference_key_gather(plan):
+    """The extend plan's K gather in plain torch (it raises, naming the request, on a bad slot)."""
+    from backends.reference.kv_gather import ReferenceKeyGather
+
+    return ReferenceKeyGather.for_plan(plan)
+
+
 def _torch_version() -> str:
     try:
         return importlib.metadata.version("torch")
@@ -74,5 +90,17 @@ def register_backends(register):
             run=run_topk,
             version=_torch_version(),
             description="plain torch two-key stable sort: visible first, then by value; NaN never selected",
+        )
+    )
+    register(
+        Backend(
+            name="torch.reference",
+            op=Op.RAGGED_MQA_LOGITS,
+            layout=Layout.RAGGED,
+            supports=Support(archs=ALL_ARCHS),
+            run=run_ragged_mqa_logits,
+            prepare=reference_key_gather,
+            version=_torch_version(),
+            description="plain torch ragged logits over [ks, ke), -inf elsewhere; torch gather (raises on a bad slot)",
         )
     )

@@ -4,11 +4,13 @@ function, with the team's device-side bound check instead of an exception.
 A program copies BLOCK_S gathered keys: D fp8 bytes and one fp32 scale each, moved as 32-bit words
 (fp8 bytes need no decoding to be copied, so one kernel serves e4m3fn and e4m3fnuz alike). A slot
 outside [0, num_blocks * block_kv) is never read: its key is written as zeros with a NaN scale, so
-every logit that uses it is NaN and top-k never selects it, and `error_flag[0]` is set to 1 for the
-engine to read when it syncs anyway. Nothing here waits on the device.
+every logit that uses it is NaN and top-k never selects it, and BAD_PAGE (1, dispatch/bounds.py) is
+ORed into `error_flag[0]` for the engine to read when it syncs anyway. Nothing here waits on the device.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -49,7 +51,8 @@ def _gather_keys_kernel(
     tl.store(k_ptr + index.to(tl.int64)[:, None] * DW + word[None, :], values, mask=present[:, None])
     scale = tl.load(cache_ptr + base + BLOCK_KV * DW + offset, mask=good, other=NAN_BITS)
     tl.store(s_ptr + index, scale, mask=present)
-    tl.atomic_max(flag_ptr + tl.zeros_like(index), tl.full((BLOCK_S,), 1, tl.int32), mask=bad)
+    # OR, not max: the word is shared with other kernels' bits (dispatch/bounds.py: 1 is BAD_PAGE).
+    tl.atomic_or(flag_ptr + tl.zeros_like(index), tl.full((BLOCK_S,), 1, tl.int32), mask=bad)
 
 
 def triton_gather_keys(
@@ -64,7 +67,7 @@ def triton_gather_keys(
     """(k fp8 [S, D] in `fp8_dtype`, fp32 scales [S]) for int32 slots [S].
 
     `error_flag` is an int32 tensor of at least one element on
-    the cache's device; the kernel only ever sets element 0 to 1 (the caller zeroes it when it reads
+    the cache's device; the kernel only ever ORs BAD_PAGE (1) into element 0 (the caller zeroes it when it reads
     it). `k_out` / `scales_out` are preallocated results (a per-batch workspace).
     """
     num_blocks, block_kv, head_dim = _check(kv_cache, slots, error_flag)
@@ -118,3 +121,21 @@ def _check(kv_cache, slots, error_flag) -> tuple[int, int, int]:
     if len(devices) != 1:
         raise LayoutError(f"kv_cache, slots and error_flag must be on one device; got {sorted(map(str, devices))}")
     return num_blocks, block_kv, head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKeyGather:
+    """An extend plan's K gather through the Triton copy kernel (dispatch.contract.RaggedKeyGather):
+    the batch's slots and error flags, bound once per batch, applied to each layer's cache with no
+    host-device sync. It copies bytes, so it serves every ragged GPU backend and both fp8 dtypes."""
+
+    slots: torch.Tensor
+    error_flags: torch.Tensor
+    fp8_dtype: Fp8Dtype
+
+    @classmethod
+    def for_plan(cls, plan) -> "TritonKeyGather":
+        return cls(plan.metadata.gather_slots, plan.error_flags, plan.fp8_dtype)
+
+    def __call__(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_gather_keys(kv_cache, self.slots, self.error_flags, self.fp8_dtype)

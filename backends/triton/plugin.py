@@ -172,7 +172,58 @@ def topk_backends() -> list[Backend]:
     ]
 
 
+def ragged_runner(fnuz_mode: Fp8Mode | None = None) -> Callable:
+    """run(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits); `fnuz_mode` None lets the machine choose."""
+
+    def run(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
+        from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
+        from dispatch.contract import check_ragged_logits_inputs
+
+        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
+
+        return triton_ragged_mqa_logits(q, k, scales, weights, ks, ke, clean_logits=clean_logits, fnuz_mode=fnuz_mode)
+
+    return run
+
+
+def triton_key_gather(plan):
+    """The extend plan's K gather: the Triton copy kernel (bytes, so e4m3fn and e4m3fnuz alike)."""
+    from backends.triton.kv_gather import TritonKeyGather  # imports triton, which the probe found
+
+    return TritonKeyGather.for_plan(plan)
+
+
+def ragged_backends() -> list[Backend]:
+    """The ragged (prefill) logits kernel twice, as the paged one: `triton` reads OCP e4m3fn, `rocm.fnuz`
+    e4m3fnuz (tl.float8e4b8 on gfx94x, emulated exactly through e4m3fn elsewhere)."""
+    version = triton_version()
+    return [
+        Backend(
+            name="triton",
+            op=Op.RAGGED_MQA_LOGITS,
+            layout=Layout.RAGGED,
+            supports=Support(archs=TRITON_ARCHS, fp8_dtypes=frozenset({Fp8Dtype.E4M3FN})),
+            run=ragged_runner(),
+            prepare=triton_key_gather,
+            probe=probe_for(TRITON_ARCHS),
+            version=version,
+            description="Triton fp8 dot over each row tile's key window [min ks, max ke); Triton K gather",
+        ),
+        Backend(
+            name="rocm.fnuz",
+            op=Op.RAGGED_MQA_LOGITS,
+            layout=Layout.RAGGED,
+            supports=Support(archs=FNUZ_ARCHS, fp8_dtypes=frozenset({Fp8Dtype.E4M3FNUZ})),
+            run=ragged_runner(),
+            prepare=triton_key_gather,
+            probe=probe_for(FNUZ_ARCHS),
+            version=version,
+            description="Triton ragged logits, e4m3fnuz: tl.float8e4b8 on gfx94x, emulated through e4m3fn elsewhere",
+        ),
+    ]
+
+
 @hookimpl
 def register_backends(register):
-    for backend in logits_backends() + q_quant_backends() + topk_backends():
+    for backend in logits_backends() + q_quant_backends() + ragged_backends() + topk_backends():
         register(backend)

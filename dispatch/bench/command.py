@@ -11,6 +11,11 @@ import sys
 from dispatch.key import Fp8Dtype, Op
 
 
+# M in {4K, 16K} query rows, S from 4K to 64K keys, several requests (issue 12's prefill shapes).
+PREFILL_SHAPES = ["4x1024+0", "2x2048+14336", "4x4096+0", "4x4096+12288"]
+QUICK_PREFILL_SHAPES = ["2x24+40"]
+
+
 def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -26,6 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=_ints, default=[64, 512, 16384], metavar="T,T,...",
                         help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost; "
                              "default: 64,512,16384)")
+    parser.add_argument(
+        "--prefill-shapes",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=None,
+        metavar="RxE+P,...",
+        help="extend batches for ragged_mqa_logits and the prefill step: RxE+P is R requests of E new tokens "
+        "after P cached keys (M = R*E query rows, S = R*(P+E) keys); default " + ",".join(PREFILL_SHAPES)
+        + " (--quick: " + ",".join(QUICK_PREFILL_SHAPES) + ")",
+    )
+    parser.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
+                        help="the prefill step's logits byte budget (default: dispatch.prefill's, 512 MiB)")
     parser.add_argument("--heads", type=int, default=64, help="indexer heads H (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=128, help="indexer head dim D (default: %(default)s)")
     parser.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the platform's")
@@ -60,14 +76,18 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from dispatch.bench.ceilings import measure_ceilings
     from dispatch.bench.runner import bench_logits, bench_quant, bench_topk, dispatch_overhead
-    from dispatch.bench.workload import LogitsShape, QuantShape
+    from dispatch.bench.prefill_runner import bench_extend_step, bench_ragged
+    from dispatch.bench.workload import LogitsShape, QuantShape, RaggedShape
+    from dispatch.prefill import DEFAULT_LOGITS_BYTES
     from dispatch.detect import platform_fp8_dtype
     from dispatch.runtime import load_dispatcher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.batch_sizes, args.lengths, args.tokens, args.repeats = [2], [256], [64], min(args.repeats, 3)
+        args.prefill_shapes = args.prefill_shapes or QUICK_PREFILL_SHAPES
         args.k = [min(k, 64) for k in args.k]
+    args.prefill_shapes = args.prefill_shapes or PREFILL_SHAPES
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
@@ -83,6 +103,8 @@ def run_bench(args: argparse.Namespace) -> int:
         for length in args.lengths
         for next_n in args.next_n
     ]
+    ragged_shapes = [RaggedShape.parse(text, args.heads, args.head_dim) for text in args.prefill_shapes]
+    budget = DEFAULT_LOGITS_BYTES if args.logits_budget is None else args.logits_budget
     # One job per (op, shape), labelled for the progress line on stderr.
     jobs = {
         Op.INDEXER_Q_QUANT: [
@@ -99,6 +121,18 @@ def run_bench(args: argparse.Namespace) -> int:
             for k in args.k
         ],
     }
+    # The ragged op's jobs: the op per eligible backend, then the whole prefill step per shape and k
+    # (gather + quant + logits + top-k through the decided backends, with its peak memory).
+    jobs[Op.RAGGED_MQA_LOGITS] = [
+        (shape.label(), lambda shape=shape: bench_ragged(dispatcher, shape, fp8, tolerance=tolerance, **common))
+        for shape in ragged_shapes
+    ] + [
+        (f"{shape.label()} k={k} step", lambda shape=shape, k=k: bench_extend_step(
+            dispatcher, shape, fp8, k=k, device=device, ceilings=ceilings, repeats=args.repeats,
+            tolerance=tolerance, logits_byte_budget=budget))
+        for shape in ragged_shapes
+        for k in args.k
+    ]
     chosen = [(op.value, label, job) for op in Op if args.op in ("all", op.value) for label, job in jobs[op]]
     if args.op in ("all", "step"):
         from dispatch.bench.step import bench_step
@@ -156,8 +190,19 @@ def report_text(report: dict) -> str:
             f"{_num(row['median_us'], '.1f'):>10} {_num(row['GBps'], '.0f'):>7} {_num(row['TFLOPs'], '.0f'):>8} "
             f"{_num(row['x_floor'], '.2f'):>8} {_num(row['rel_error'], '.1e'):>9}  {row.get('timing', '-'):<6} {row['check']}"
             + _stage_times(row)
+            + _notes(row)
         )
     return "\n".join(lines)
+
+
+# Extra figures some rows carry (the prefill rows), printed after the check when present.
+_NOTES = (("step", "{}"), ("no_fill_us", "without -inf fill {:.1f} us"), ("x_deepgemm", "{:.2f}x deepgemm"),
+          ("chunks", "{} chunks"), ("peak_MiB", "peak {:.0f} MiB"), ("plan_us", "plan {:.0f} us (host)"))
+
+
+def _notes(row: dict) -> str:
+    notes = [text.format(row[name]) for name, text in _NOTES if row.get(name) is not None]
+    return f"  ({', '.join(notes)})" if notes else ""
 
 
 def _stage_times(row: dict) -> str:

@@ -57,3 +57,29 @@ def compare_topk(indices: torch.Tensor, logits: torch.Tensor, lengths: torch.Ten
     bad_rows |= (ordered[:, 1:] == ordered[:, :-1]).any(dim=1) if k > 1 else torch.zeros_like(bad_rows)
     wrong = int(bad_rows.sum())
     return wrong / max(rows, 1), "ok" if wrong == 0 else f"{wrong} of {rows} rows differ from torch.topk"
+
+
+def compare_ragged_topk(
+    indices: torch.Tensor, logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int, tolerance: float
+) -> tuple[float | None, str]:
+    """(relative error, verdict) of ragged top-k rows against torch.topk over each row's [ks, ke) of
+    reference `logits` [rows, S]: positions (relative to ks) distinct and visible, exactly
+    min(k, ke - ks) of them then -1s, and their reference logits, sorted, torch.topk's values (one
+    relative error over all rows, so near-ties between close logits pass)."""
+    picked_all, wanted_all = [], []
+    for row in range(indices.shape[0]):
+        begin, end = int(ks[row]), int(ke[row])
+        visible = logits[row, begin:end]
+        count = min(k, end - begin)
+        chosen = indices[row]
+        if (chosen[count:] != -1).any() or (chosen[:count] < 0).any() or (chosen[:count] >= end - begin).any():
+            return None, f"row {row}: expected {count} positions in [0, {end - begin}) then -1s"
+        if chosen[:count].unique().numel() != count:
+            return None, f"row {row}: a position is selected twice"
+        picked_all.append(visible[chosen[:count].long()].sort(descending=True).values)
+        wanted_all.append(torch.topk(visible, count).values)
+    if not picked_all:
+        return 0.0, "ok"
+    picked, wanted = torch.cat(picked_all).double(), torch.cat(wanted_all).double()
+    error = float((picked - wanted).norm() / wanted.norm().clamp(min=1e-30))
+    return error, "ok" if error <= tolerance else f"error {error:.2e} > {tolerance:.0e}"

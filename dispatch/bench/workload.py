@@ -108,3 +108,76 @@ def visible_token_count(lengths: list[int], next_n: int) -> int:
 def topk_floor_bytes(lengths: list[int], next_n: int, k: int) -> float:
     """Every visible logit read once (fp32) and every row's k int32 indices written once."""
     return float(visible_token_count(lengths, next_n) * 4 + len(lengths) * next_n * k * 4)
+
+
+@dataclass(frozen=True)
+class RaggedShape:
+    """An extend (prefill) batch: `requests` requests of `extend` new tokens after `prefix` cached keys
+    each, so M = requests * extend query rows and S = requests * (prefix + extend) gathered keys."""
+
+    requests: int
+    extend: int
+    prefix: int = 0
+    heads: int = 64
+    head_dim: int = 128
+
+    @classmethod
+    def parse(cls, text: str, heads: int, head_dim: int) -> "RaggedShape":
+        """"RxE+P": R requests of E new tokens after P cached keys (e.g. 4x4096+12288)."""
+        requests, rest = text.split("x")
+        extend, _, prefix = rest.partition("+")
+        return cls(int(requests), int(extend), int(prefix or 0), heads, head_dim)
+
+    @property
+    def rows(self) -> int:
+        return self.requests * self.extend
+
+    @property
+    def keys(self) -> int:
+        return self.requests * (self.prefix + self.extend)
+
+    def label(self) -> str:
+        def short(n: int) -> str:
+            return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+        return f"M={short(self.rows)} S={short(self.keys)} R={self.requests} H={self.heads} D={self.head_dim}"
+
+
+@dataclass(frozen=True)
+class RaggedInputs:
+    batch: "ExtendBatch"  # noqa: F821 (dispatch.prefill; imported where built)
+    kv_cache: torch.Tensor  # uint8 [num_blocks, BLOCK_KV, 1, D + 4]
+    q: torch.Tensor  # bf16 [M, H, D], before quantisation (the step's input)
+    weights: torch.Tensor  # fp32 [M, H]
+    positions: torch.Tensor  # int64 [M]
+    cos_sin_cache: torch.Tensor  # bf16 [max_pos, 64]
+
+
+def ragged_inputs(shape: RaggedShape, fp8_dtype: Fp8Dtype, device: str, seed: int) -> RaggedInputs:
+    """One extend batch on `device`: every request's keys quantised into shuffled pages, bf16 q."""
+    from dispatch.prefill import ExtendBatch
+
+    on = torch.Generator(device=device).manual_seed(seed)
+    total = shape.prefix + shape.extend
+    keys = [torch.randn(total, shape.head_dim, device=device, generator=on) for _ in range(shape.requests)]
+    cache, table = build_paged_kv_cache(keys, fp8_dtype, generator=on)
+    del keys
+    rows = shape.rows
+    positions = torch.arange(shape.prefix, total, device=device).repeat(shape.requests)
+    return RaggedInputs(
+        batch=ExtendBatch.from_lengths([shape.prefix] * shape.requests, [shape.extend] * shape.requests, table),
+        kv_cache=cache,
+        q=torch.randn(rows, shape.heads, shape.head_dim, device=device, generator=on).to(torch.bfloat16),
+        weights=torch.randn(rows, shape.heads, device=device, generator=on),
+        positions=positions,
+        cos_sin_cache=torch.randn(max(total, 1), 64, device=device, generator=on).to(torch.bfloat16),
+    )
+
+
+def ragged_floor_counts(shape: RaggedShape) -> tuple[float, float]:
+    """(bytes, flops) of the ragged logits at their least: every gathered key read once, every fp32 logit
+    of [M, S] written once (the -inf fill included: the op's contract), q and weights read once; the
+    fp8 dot over each row's visible keys only (causal: prefix + j + 1 for new token j)."""
+    visible = shape.requests * (shape.extend * shape.prefix + shape.extend * (shape.extend + 1) // 2)
+    bytes_ = shape.keys * (shape.head_dim + 4) + shape.rows * shape.keys * 4 + shape.rows * shape.heads * (shape.head_dim + 4)
+    return float(bytes_), 2.0 * shape.heads * shape.head_dim * visible
