@@ -403,7 +403,7 @@ def test_explain_an_extend_batch_shows_its_ragged_plan_and_chunks(capsys):
     assert plan["ks"] == [0, 0, 0, 4, 4] and plan["ke"] == [2, 3, 4, 5, 6]
     assert plan["chunks"] == [{"row_begin": 0, "row_end": 5, "key_begin": 0, "key_end": 6}]
     assert {d["op"]: d["backend"] for d in payload["decisions"]} == {
-        "indexer_q_quant": "rocm.fnuz", "ragged_mqa_logits": "rocm.fnuz", "topk": "torch.reference"}
+        "indexer_q_quant": "rocm.fnuz", "ragged_mqa_logits": "rocm.fnuz", "topk": "triton"}
 
 
 def test_explain_extend_refuses_what_cannot_be_planned(capsys):
