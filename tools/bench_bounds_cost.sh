@@ -7,6 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
-python -m dispatch bench --op paged_mqa_logits --batch-sizes 32,128 --lengths 8192,32768 --next-n 1,4 \
+python3 -m dispatch bench --op paged_mqa_logits --batch-sizes 32,128 --lengths 8192,32768 --next-n 1,4 \
     --repeats 20 | tee "$out/bench_bounds.txt"
-PYTHONPATH=. python tools/time_page_guard.py | tee "$out/page_guard.txt"
+PYTHONPATH=".:${PYTHONPATH:-}" python3 tools/time_page_guard.py | tee "$out/page_guard.txt"
