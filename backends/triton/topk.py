@@ -240,11 +240,55 @@ def _entries(base, idx, count, FROM_ROW: tl.constexpr):
 
 
 @triton.jit
+def _digits(key, live, prefix, r: tl.constexpr, shift: tl.constexpr, RADIX: tl.constexpr, NB: tl.constexpr):
+    """Histogram of round r's digit over the live entries that share the digits found so far (the
+    top digit of a signed key is biased by 2^(RADIX-1) so that digit order is key order). Any shape."""
+    if r == 0:
+        d = (key >> shift) + (1 << (RADIX - 1))
+    else:
+        live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
+        d = (key >> shift) & ((1 << RADIX) - 1)
+    flat = tl.reshape(tl.where(live, d, 0), (key.numel,))
+    dead = key.numel - tl.sum(tl.reshape(live.to(tl.int32), (key.numel,)), axis=0)
+    return tl.histogram(flat, NB) - tl.where(tl.arange(0, NB) == 0, dead, 0)
+
+
+@triton.jit
+def _next_prefix(digits, need, prefix, r: tl.constexpr, shift: tl.constexpr, RADIX: tl.constexpr,
+                 NB: tl.constexpr):
+    db, d_above, _ = _threshold_bin(digits, need, NB)
+    if r == 0:
+        prefix = (db - (1 << (RADIX - 1))) << shift
+    else:
+        prefix = prefix | (db << shift)
+    return prefix, need - d_above
+
+
+@triton.jit
+def _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, k, pt_row, pages,
+                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One [rows, lanes] tile of the last scan: entries above T at slots from gt_next, entries equal
+    to T at slots from eq_next while below k. Returns the tile's (above, equal) counts."""
+    gt = live & (key > prefix)
+    eq = live & (key == prefix)
+    flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+    line = tl.sum(flags, axis=1)
+    packed = (tl.cumsum(line, axis=0) - line)[:, None] + tl.cumsum(flags, axis=1)
+    eq_rank = eq_next + (packed >> 16) - 1
+    slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
+    take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
+    tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
+    total = tl.sum(line, axis=0)
+    return total & 0xFFFF, total >> 16
+
+
+@triton.jit
 def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
             HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
             RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr):
     """The output holds `above` keys; the k - above largest live entries of the source fill the rest
-    (the caller guarantees there are at least that many). NB = max(2^RADIX, 32) histogram bins
+    (the caller guarantees there are at least that many). Streams the source once per round (the
+    row fallback and lists longer than the resident tile). NB = max(2^RADIX, 32) histogram bins
     (Triton's ballot lowering wants at least a warp's worth)."""
     offs = tl.arange(0, BLOCK)
     # The entries' smallest and largest keys: the digits they all share need no histogram (a narrow
@@ -255,8 +299,7 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
         key, _, live = _entries(base, t + offs, count, FROM_ROW)
         kmin = tl.minimum(kmin, tl.min(tl.where(live, key, 2147483647), axis=0))
         kmax = tl.maximum(kmax, tl.max(tl.where(live, key, -2147483648), axis=0))
-    # Radix rounds RADIX bits at a time from the top (the top digit of a signed key is biased by
-    # 2^(RADIX-1) so that digit order is key order): T, the k-th largest key, and how many keys
+    # Radix rounds RADIX bits at a time from the top: T, the k-th largest key, and how many keys
     # equal to T are still needed. Wider digits mean fewer rounds but a costlier histogram per key
     # when tl.histogram lowers to warp ballots (Triton before 3.7).
     need = k - above
@@ -269,19 +312,8 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
             digits = tl.zeros((NB,), dtype=tl.int32)
             for t in range(0, count, BLOCK):
                 key, _, live = _entries(base, t + offs, count, FROM_ROW)
-                if r == 0:
-                    d = (key >> shift) + (1 << (RADIX - 1))
-                else:
-                    live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
-                    d = (key >> shift) & ((1 << RADIX) - 1)
-                digits += tl.histogram(tl.where(live, d, 0), NB)
-                digits -= tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
-            db, d_above, _ = _threshold_bin(digits, need, NB)
-            need -= d_above
-            if r == 0:
-                prefix = (db - (1 << (RADIX - 1))) << shift
-            else:
-                prefix = prefix | (db << shift)
+                digits += _digits(key, live, prefix, r, shift, RADIX, NB)
+            prefix, need = _next_prefix(digits, need, prefix, r, shift, RADIX, NB)
 
     # Last scan: entries above T, then the first `need` equal to T (ties: any index will do).
     # Tiles laid out as in the split (axis 0 contiguous, a thread's LANES entries along axis 1);
@@ -291,18 +323,33 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
     eq_next = k - need
     for t in range(0, count, BLOCK):
         key, pos, live = _entries(base, t + idx0, count, FROM_ROW)
-        gt = live & (key > prefix)
-        eq = live & (key == prefix)
-        flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-        line = tl.sum(flags, axis=1)
-        packed = (tl.cumsum(line, axis=0) - line)[:, None] + tl.cumsum(flags, axis=1)
-        eq_rank = eq_next + (packed >> 16) - 1
-        slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
-        take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
-        tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
-        total = tl.sum(line, axis=0)
-        gt_next += total & 0xFFFF
-        eq_next += total >> 16
+        gt_add, eq_add = _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, k, pt_row, pages,
+                                     HAS_PAGES, BLOCK_SIZE)
+        gt_next += gt_add
+        eq_next += eq_add
+
+
+@triton.jit
+def _select_resident(base, count, above, out_row, k, pt_row, pages, HAS_PAGES: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, RES: tl.constexpr, RADIX: tl.constexpr, NB: tl.constexpr,
+                     LANES: tl.constexpr):
+    """_select over a candidate list of count <= RES entries held in registers: one load from L2
+    instead of one per round, and every round, the min / max and the last scan run on the same
+    registers (a round is then a histogram and a few block reductions, no memory latency)."""
+    idx = tl.arange(0, RES // LANES)[:, None] + tl.arange(0, LANES)[None, :] * (RES // LANES)
+    key, pos, live = _entries(base, idx, count, False)
+    kmin = tl.min(tl.min(tl.where(live, key, 2147483647), axis=1), axis=0)
+    kmax = tl.max(tl.max(tl.where(live, key, -2147483648), axis=1), axis=0)
+    need = k - above
+    prefix = 0
+    for r in tl.static_range(32 // RADIX):
+        shift = 32 - RADIX * (r + 1)
+        if (kmin >> shift) == (kmax >> shift):
+            prefix = (kmin >> shift) << shift
+        else:
+            prefix, need = _next_prefix(_digits(key, live, prefix, r, shift, RADIX, NB), need, prefix, r, shift,
+                                        RADIX, NB)
+    _write_tile(key, pos, live, prefix, above, k - need, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE)
 
 
 @triton.jit
@@ -337,9 +384,9 @@ def _write_all(src, n, out_row, k, pt_row, pages,
 def _finish_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, counts_ptr,
     out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
-    width, num_pt_rows, pages, k, cap,
+    width, num_pt_rows, pages, k, cap, resident_max,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr, LANES: tl.constexpr, RADIX: tl.constexpr, RADIX_BINS: tl.constexpr,
+    BLOCK: tl.constexpr, LANES: tl.constexpr, RADIX: tl.constexpr, RADIX_BINS: tl.constexpr, RES: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -354,8 +401,12 @@ def _finish_kernel(
     if n <= k:
         _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
     elif (above <= k) & (above + in_bracket >= k) & (in_bracket <= cap):
-        _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages, False,
-                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
+        if in_bracket <= resident_max:  # resident_max <= RES (the host's check); 0: never
+            _select_resident(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages,
+                             HAS_PAGES, BLOCK_SIZE, RES, RADIX, RADIX_BINS, LANES)
+        else:
+            _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages, False,
+                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
         if HAS_PAGES:
             # The split wrote positions into slots [0, above); the select wrote the rest as slots.
             offs = tl.arange(0, BLOCK)
@@ -436,10 +487,17 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
     if triton_interpreter_on() if interpreted is None else interpreted:
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
         return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 1024, "z": 4.0, "radix": 8,
-                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8}
+                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8, "resident": 256, "bracket_warps": 8,
+                "sort_warps": 8}
     block = 2048 if max(rows, 1) * max(width, 1) >= 2048 * PROGRAMS_PER_SM * SMS else 1024
     return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
-            "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8}
+            "radix": 8, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8,
+            "resident": RESIDENT, "bracket_warps": 8, "sort_warps": 4}
+
+
+# Candidate lists up to this long are held in the finish's registers (16 keys a thread at 8 warps;
+# the expected list is ~1.4K at L~32K, up to ~4.9K at L~8K: NOTES.md).
+RESIDENT = 4096
 
 
 # The finish's tiles: a column of 8 keys a thread, so its tile follows its warps (2048 keys at 8).
@@ -447,7 +505,8 @@ FINISH_LANES = 8
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
-           block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps):
+           block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps, resident=0, bracket_warps=None,
+           sort_warps=None):
     """Check the inputs, then run the kernels with an explicit config (the probe calls this directly).
 
     block: keys per split tile (a power of two, at most 2^15: the packed scan
@@ -457,12 +516,20 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
     half-width in standard deviations (huge: every key a candidate, so the list overflows and the
     exact path runs; very negative: the bracket is one bin, usually wrong, same); radix: bits per
     refine round (4 or 8); cap: candidate list entries per row (>= 1); num_warps: the split's;
-    finish_warps: the bracket's, the finish's (tiles of FINISH_LANES keys a thread) and the sort's."""
+    finish_warps: the finish's (tiles of FINISH_LANES keys a thread); resident: candidate lists up to
+    this long are refined in registers (0: never; else a power of two >= FINISH_LANES * 32, at most
+    16 keys a thread of the finish is the sane range); bracket_warps, sort_warps: those kernels'
+    warps (None: finish_warps)."""
+    bracket_warps = finish_warps if bracket_warps is None else bracket_warps
+    sort_warps = finish_warps if sort_warps is None else sort_warps
     if not (_pow2(block) and block <= 1 << 15 and tiles >= 1 and _pow2(bins) and bins >= 32 and _pow2(sample)
-            and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1):
+            and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1
+            and (resident == 0 or (_pow2(resident) and resident >= FINISH_LANES * 32))
+            and all(_pow2(w) for w in (num_warps, finish_warps, bracket_warps, sort_warps))):
         raise ValueError(f"block={block}, tiles={tiles}, bins={bins}, sample={sample}, lanes={lanes}, radix={radix}, "
-                         f"cap={cap}: powers of two, block <= 32768, tiles >= 1, bins >= 32, sample >= 8, "
-                         "lanes < block, radix 4 or 8, cap >= 1")
+                         f"cap={cap}, resident={resident}, warps {num_warps}/{finish_warps}/{bracket_warps}/"
+                         f"{sort_warps}: powers of two, block <= 32768, tiles >= 1, bins >= 32, sample >= 8, "
+                         f"lanes < block, radix 4 or 8, cap >= 1, resident 0 or >= {FINISH_LANES * 32}")
     rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
@@ -474,7 +541,7 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
                 starts if starts is not None else dummy, starts.stride(0) if starts is not None else 0)
     has_starts = starts is not None
     _bracket_kernel[(rows,)](*row_args, bracket, counts, width, k, HAS_STARTS=has_starts, BINS=bins,
-                             SAMPLE=sample, Z=z, num_warps=finish_warps)
+                             SAMPLE=sample, Z=z, num_warps=bracket_warps)
     chunks = triton.cdiv(max(width, 1), block * tiles)
     _split_kernel[(rows, chunks)](*row_args, bracket, counts, out, cand, cand.stride(0), width, k, cap,
                                   HAS_STARTS=has_starts, BLOCK=block, TILES=tiles, LANES=lanes, num_warps=num_warps)
@@ -482,8 +549,9 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
                  page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0)
     table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if fuse_pages else (1, 0)
     _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), *page_args, width, table_rows,
-                            table_pages, k, cap, HAS_STARTS=has_starts, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
-                            BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
+                            table_pages, k, cap, min(resident, cap), HAS_STARTS=has_starts, HAS_PAGES=fuse_pages,
+                            BLOCK_SIZE=block_size, BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES,
+                            RADIX=radix, RADIX_BINS=max(1 << radix, 32), RES=max(resident, FINISH_LANES * 32),
                             num_warps=finish_warps)
     if sorted:
         with_pages = page_table is not None
@@ -498,7 +566,7 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
         table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if with_pages else (1, 0)
         _sort_kernel[(rows,)](logits, logits.stride(0), row_args[4], row_args[5], out, *page_args, width,
                               table_rows, table_pages, k, min(k, width), HAS_STARTS=has_starts, HAS_PAGES=with_pages,
-                              BLOCK_SIZE=block_size, KP=sort_width, num_warps=finish_warps)
+                              BLOCK_SIZE=block_size, KP=sort_width, num_warps=sort_warps)
     return out
 
 
