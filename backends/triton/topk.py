@@ -490,9 +490,15 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
                 "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8, "resident": 256, "bracket_warps": 8,
                 "sort_warps": 8}
     block = 2048 if max(rows, 1) * max(width, 1) >= 2048 * PROGRAMS_PER_SM * SMS else 1024
+    # The per-row kernels run one program a row. Past 2 rows an SM, 8-warp programs of the bracket
+    # (80 registers at sm_90) and the resident finish (114-122) fit 3 and 2 an SM: two waves at 512
+    # rows. 4 warps (106 and 121 registers) fit 4 an SM, one wave; the finish then holds 2048 entries
+    # (16 a thread, as 4096 at 8 warps). Fewer rows: 8 warps, 4096 resident, one wave either way.
+    many_rows = rows > 2 * SMS
     return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
-            "radix": 8, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8,
-            "resident": RESIDENT, "bracket_warps": 8, "sort_warps": 4}
+            "radix": 8, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 4 if many_rows else 8,
+            "resident": RESIDENT // 2 if many_rows else RESIDENT, "bracket_warps": 4 if many_rows else 8,
+            "sort_warps": 8}
 
 
 # Candidate lists up to this long are held in the finish's registers (16 keys a thread at 8 warps;
