@@ -77,9 +77,11 @@ def test_random_ragged_batches(rows, width, k, seed):
     {"z": 1e9, "radix": 4}, {"cap": 8}, {"block": 256, "tiles": 2}, {"block": 128, "tiles": 1, "lanes": 4},
     {"block": 512, "tiles": 3, "cap": 300}, {"resident": 0}, {"resident": 4096}, {"resident": 4096, "radix": 4},
     {"resident": 256, "z": 1e9, "cap": 2048}, {"bracket_warps": 2, "sort_warps": 2, "finish_warps": 4},
+    {"run": 8}, {"run": 1024, "sample": 1024},
 ], ids=["sampled", "all-candidates", "fallback", "sampled-radix4", "all-candidates-radix4", "list-overflow",
         "chunks-of-two-tiles", "twenty-chunks", "three-tiles-small-cap", "streamed-list", "resident-list",
-        "resident-list-radix4", "long-list-streamed", "other-warps"])
+        "resident-list-radix4", "long-list-streamed", "other-warps", "sample-runs-of-8",
+        "sample-one-run"])
 def test_every_path_of_the_select(change):
     gen = torch.Generator().manual_seed(11)
     width, k = 2500, 64

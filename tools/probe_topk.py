@@ -46,8 +46,12 @@ SWEEP = [
     {"finish_warps": 8, "resident": 2048},
     {"bracket_warps": 4},
     {"bracket_warps": 8},
+    {"run": 8},
+    {"run": 64},
+    {"bins": 64},
     {"sample": 2048},
     {"sample": 1024},
+    {"finish_warps": 16, "resident": 4096},
     {"block": 1024, "tiles": 1, "num_warps": 4},
     {"block": 2048, "tiles": 1, "num_warps": 8},
     {"block": 2048, "tiles": 2, "num_warps": 8},
@@ -56,8 +60,8 @@ SWEEP = [
 SORT_SWEEP = [1, 2, 4, 8, 16]
 FALLBACK = {"z": -1e9}  # the bracket is one bin: the exact radix select over each row, what a misjudged sample costs
 TIME_BUDGET_S = 90  # the whole probe must stay within ~100 s: sweep configs past a shape's share are skipped
-KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "finish_warps", "resident",
-        "bracket_warps", "sort_warps")
+KEYS = ("block", "tiles", "lanes", "num_warps", "bins", "sample", "z", "radix", "cap", "finish_warps", "resident",
+        "bracket_warps", "sort_warps", "run")
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # the script's own check, under the interpreter: tiny shapes, two configs, wall-clock timing
@@ -282,7 +286,8 @@ def resources() -> None:
         for change in SWEEP + [{"sort_warps": w} for w in SORT_SWEEP]:
             c = {**launch_config(rows, width, K, interpreted=False), **change}
             variants = [
-                (topk._bracket_kernel, {"HAS_STARTS": False, "BINS": c["bins"], "SAMPLE": c["sample"], "Z": c["z"]},
+                (topk._bracket_kernel, {"HAS_STARTS": False, "BINS": c["bins"], "SAMPLE": c["sample"], "Z": c["z"],
+                                        "RUN": min(c["run"], c["sample"])},
                  c["bracket_warps"]),
                 (topk._split_kernel, {"HAS_STARTS": False, "BLOCK": c["block"], "TILES": c["tiles"],
                                       "LANES": c["lanes"]}, c["num_warps"]),
