@@ -218,6 +218,26 @@ def test_sorted_is_descending_with_minus_ones_last(sort_max, monkeypatch):
         assert (vals[:-1] >= vals[1:]).all(), f"row {r}: not descending"
 
 
+# sorted=True: the sort reads the keys the split and the finish wrote beside the positions, so every
+# path that writes output slots must write them: the split's above-bracket keys, the resident and
+# streamed refines, the row fallback and rows of length <= k. Ties (row 2) sort in any index order.
+@pytest.mark.parametrize("change", [{}, {"resident": 0}, {"z": -1e9}, {"z": 1e9}, {"cap": 8}],
+                         ids=["resident", "streamed-list", "fallback", "all-candidates", "list-overflow"])
+def test_sorted_on_every_path(change):
+    gen = torch.Generator().manual_seed(13)
+    width, k = 2500, 64
+    logits = random_logits(8, width, gen).clone()
+    logits[1, ::3] = NAN
+    logits[2, :100] = 1.5
+    lengths = torch.tensor([width, width, width, 40, 0, 64, 65, 1800], dtype=torch.int32)
+    config = {**launch_config(8, width, k), **change}
+    out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, sorted=True, **config).cpu()
+    check(logits, lengths, k, out)
+    for r in range(8):
+        vals = logits[r, out[r][out[r] >= 0].long()]
+        assert (vals[:-1] >= vals[1:]).all(), f"row {r}: not descending"
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -178,8 +178,8 @@ def _bracket_kernel(
 @triton.jit
 def _split_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
-    out_ptr, cand_ptr, stride_cand, width, k, cap,
-    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, LANES: tl.constexpr,
+    out_ptr, cand_ptr, stride_cand, keys_ptr, width, k, cap,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, LANES: tl.constexpr, KEYS: tl.constexpr,
 ):
     """One chunk of BLOCK * TILES keys of one row: keys above the bracket to the output, keys inside
     it to the candidate list, both at slots from the row's counter."""
@@ -223,6 +223,8 @@ def _split_kernel(
             out_slot = (base & 0xFFFFFFFF).to(tl.int32) + (packed & 0xFFFF) - 1
             cand_slot = (base >> 32).to(tl.int32) + (packed >> 16) - 1
             tl.store(out_row + out_slot, idx, mask=hi & (out_slot < k))
+            if KEYS:  # sorted=True: the sort reads the keys from here, not scattered from the logits
+                tl.store(keys_ptr + row64 * k + out_slot, _ordered_key(x), mask=hi & (out_slot < k))
             tl.store(cand_list + cand_slot, _candidate(_ordered_key(x), idx), mask=mid & (cand_slot < cap))
 
 
@@ -269,8 +271,8 @@ def _next_prefix(digits, need, prefix, r: tl.constexpr, shift: tl.constexpr, RAD
 
 
 @triton.jit
-def _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, k, pt_row, pages,
-                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, keys_row, k, pt_row, pages,
+                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr):
     """One [rows, lanes] tile of the last scan: entries above T at slots from gt_next, entries equal
     to T at slots from eq_next while below k. Returns the tile's (above, equal) counts."""
     gt = live & (key > prefix)
@@ -282,14 +284,16 @@ def _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, k, pt_row, pa
     slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
     take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
     tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
+    if KEYS:
+        tl.store(keys_row + slot, key, mask=take)
     total = tl.sum(line, axis=0)
     return total & 0xFFFF, total >> 16
 
 
 @triton.jit
-def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
+def _select(base, count, above, out_row, keys_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
             HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-            RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr):
+            RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr, KEYS: tl.constexpr):
     """The output holds `above` keys; the k - above largest live entries of the source fill the rest
     (the caller guarantees there are at least that many). Streams the source once per round (the
     row fallback and lists longer than the resident tile). NB = max(2^RADIX, 32) histogram bins
@@ -327,16 +331,16 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
     eq_next = k - need
     for t in range(0, count, BLOCK):
         key, pos, live = _entries(base, t + idx0, count, FROM_ROW)
-        gt_add, eq_add = _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, k, pt_row, pages,
-                                     HAS_PAGES, BLOCK_SIZE)
+        gt_add, eq_add = _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, keys_row, k, pt_row, pages,
+                                     HAS_PAGES, BLOCK_SIZE, KEYS)
         gt_next += gt_add
         eq_next += eq_add
 
 
 @triton.jit
-def _select_resident(base, count, above, out_row, k, pt_row, pages, HAS_PAGES: tl.constexpr,
+def _select_resident(base, count, above, out_row, keys_row, k, pt_row, pages, HAS_PAGES: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, RES: tl.constexpr, RADIX: tl.constexpr, NB: tl.constexpr,
-                     LANES: tl.constexpr):
+                     LANES: tl.constexpr, KEYS: tl.constexpr):
     """_select over a candidate list of count <= RES entries held in registers: one load from L2
     instead of one per round, and every round, the min / max and the last scan run on the same
     registers (a round is then a histogram and a few block reductions, no memory latency)."""
@@ -353,7 +357,8 @@ def _select_resident(base, count, above, out_row, k, pt_row, pages, HAS_PAGES: t
         else:
             prefix, need = _next_prefix(_digits(key, live, prefix, r, shift, RADIX, NB), need, prefix, r, shift,
                                         RADIX, NB)
-    _write_tile(key, pos, live, prefix, above, k - need, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE)
+    _write_tile(key, pos, live, prefix, above, k - need, out_row, keys_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE,
+                KEYS)
 
 
 @triton.jit
@@ -367,8 +372,8 @@ def _count_live(src, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_all(src, n, out_row, k, pt_row, pages,
-               HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _write_all(src, n, out_row, keys_row, k, pt_row, pages,
+               HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, KEYS: tl.constexpr):
     """Every non-NaN key is selected: its positions in order, then -1 up to k."""
     offs = tl.arange(0, BLOCK)
     written = 0
@@ -378,6 +383,8 @@ def _write_all(src, n, out_row, k, pt_row, pages,
         valid = x == x
         slot = written + tl.cumsum(valid.to(tl.int32), axis=0) - 1
         tl.store(out_row + slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=valid)
+        if KEYS:
+            tl.store(keys_row + slot, _ordered_key(x), mask=valid)
         written += tl.sum(valid.to(tl.int32), axis=0)
     for t in range(written, k, BLOCK):
         idx = t + offs
@@ -387,30 +394,32 @@ def _write_all(src, n, out_row, k, pt_row, pages,
 @triton.jit
 def _finish_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, counts_ptr,
-    out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
+    out_ptr, cand_ptr, stride_cand, keys_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
     width, num_pt_rows, pages, k, cap, resident_max,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr, LANES: tl.constexpr, RADIX: tl.constexpr, RADIX_BINS: tl.constexpr, RES: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     start, n = _row_window(row64, lengths_ptr, stride_len, starts_ptr, stride_start, width, HAS_STARTS)
     src = logits_ptr + row64 * stride_row + start
     out_row = out_ptr + row64 * k
+    keys_row = keys_ptr + row64 * k
     pt_row, pages = _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
                               HAS_PAGES)
     counts = tl.load(counts_ptr + row64)
     above = (counts & 0xFFFFFFFF).to(tl.int32)
     in_bracket = (counts >> 32).to(tl.int32)
     if n <= k:
-        _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
+        _write_all(src, n, out_row, keys_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, KEYS)
     elif (above <= k) & (above + in_bracket >= k) & (in_bracket <= cap):
         if in_bracket <= resident_max:  # resident_max <= RES (the host's check); 0: never
-            _select_resident(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages,
-                             HAS_PAGES, BLOCK_SIZE, RES, RADIX, RADIX_BINS, LANES)
+            _select_resident(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, keys_row, k, pt_row, pages,
+                             HAS_PAGES, BLOCK_SIZE, RES, RADIX, RADIX_BINS, LANES, KEYS)
         else:
-            _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages, False,
-                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
+            _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, keys_row, k, pt_row, pages, False,
+                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES, KEYS)
         if HAS_PAGES:
             # The split wrote positions into slots [0, above); the select wrote the rest as slots.
             offs = tl.arange(0, BLOCK)
@@ -422,35 +431,31 @@ def _finish_kernel(
     else:
         # The sample misjudged the row, NaN hid keys, or the list overflowed: exact from the row.
         if _count_live(src, n, BLOCK) <= k:
-            _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
+            _write_all(src, n, out_row, keys_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, KEYS)
         else:
-            _select(src, n, 0, out_row, k, pt_row, pages, True,
-                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
+            _select(src, n, 0, out_row, keys_row, k, pt_row, pages, True,
+                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES, KEYS)
 
 
 @triton.jit
 def _sort_kernel(
-    logits_ptr, stride_row, starts_ptr, stride_start, out_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
-    width, num_pt_rows, pages, k, sort_k,
-    HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KP: tl.constexpr,
+    keys_ptr, out_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages, k, sort_k,
+    HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KP: tl.constexpr,
 ):
     """Orders one row's first sort_k = min(k, W) positions (the rest are -1) by value, descending,
-    -1s last; then the page transform."""
+    -1s last; then the page transform. The keys come from the split and the finish, written beside
+    the positions (one contiguous row, not 2048 scattered reads of the logits from DRAM)."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
-    start = 0
-    if HAS_STARTS:
-        start = tl.minimum(tl.maximum(tl.load(starts_ptr + row64 * stride_start), 0), width)
     out_row = out_ptr + row64 * k
     pt_row, pages = _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
                               HAS_PAGES)
     offs = tl.arange(0, KP)
     pos = tl.load(out_row + offs, mask=offs < sort_k, other=-1)
     valid = pos >= 0
-    x = tl.load(logits_ptr + row64 * stride_row + start + pos, mask=valid, other=0.0)
     # An empty slot sorts below every selectable key (-inf's key is above INT32_MIN); the low half
     # keeps the position (-1 included) through the sort.
-    key = tl.where(valid, _ordered_key(x), -2147483648)
+    key = tl.load(keys_ptr + row64 * k + offs, mask=valid, other=-2147483648)
     packed = (key.to(tl.int64) << 32) | (pos.to(tl.int64) & 0xFFFFFFFF)
     pos = tl.sort(packed, descending=True).to(tl.int32)
     valid = pos >= 0
@@ -548,6 +553,8 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
     if rows == 0:
         return out
     counts, bracket, cand = _workspace(logits.device, rows, cap)
+    # sorted=True: the ordered keys of the chosen slots, written by the split and the finish.
+    keys = _keys_workspace(logits.device, rows, k) if sorted else out
     fuse_pages = page_table is not None and not sorted
     dummy = out  # stands in for absent optional tensors; never dereferenced (constexpr flags)
     row_args = (logits, logits.stride(0), lengths, lengths.stride(0),
@@ -556,16 +563,17 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
     _bracket_kernel[(rows,)](*row_args, bracket, counts, width, k, HAS_STARTS=has_starts, BINS=bins,
                              SAMPLE=sample, Z=z, RUN=min(run, sample), num_warps=bracket_warps)
     chunks = triton.cdiv(max(width, 1), block * tiles)
-    _split_kernel[(rows, chunks)](*row_args, bracket, counts, out, cand, cand.stride(0), width, k, cap,
-                                  HAS_STARTS=has_starts, BLOCK=block, TILES=tiles, LANES=lanes, num_warps=num_warps)
+    _split_kernel[(rows, chunks)](*row_args, bracket, counts, out, cand, cand.stride(0), keys, width, k, cap,
+                                  HAS_STARTS=has_starts, BLOCK=block, TILES=tiles, LANES=lanes, KEYS=sorted,
+                                  num_warps=num_warps)
     page_args = (page_table if fuse_pages else dummy, page_table.stride(0) if fuse_pages else 0,
                  page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0)
     table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if fuse_pages else (1, 0)
-    _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), *page_args, width, table_rows,
+    _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), keys, *page_args, width, table_rows,
                             table_pages, k, cap, min(resident, cap), HAS_STARTS=has_starts, HAS_PAGES=fuse_pages,
                             BLOCK_SIZE=block_size, BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES,
                             RADIX=radix, RADIX_BINS=max(1 << radix, 32), RES=max(resident, FINISH_LANES * 32),
-                            num_warps=finish_warps)
+                            KEYS=sorted, num_warps=finish_warps)
     if sorted:
         with_pages = page_table is not None
         # Slots past the width are -1 already (and stay last), so only min(k, W) are ordered. One
@@ -577,8 +585,7 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
         page_args = (page_table if with_pages else dummy, page_table.stride(0) if with_pages else 0,
                      page_rows if with_pages else dummy, page_rows.stride(0) if with_pages else 0)
         table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if with_pages else (1, 0)
-        _sort_kernel[(rows,)](logits, logits.stride(0), row_args[4], row_args[5], out, *page_args, width,
-                              table_rows, table_pages, k, min(k, width), HAS_STARTS=has_starts, HAS_PAGES=with_pages,
+        _sort_kernel[(rows,)](keys, out, *page_args, table_rows, table_pages, k, min(k, width), HAS_PAGES=with_pages,
                               BLOCK_SIZE=block_size, KP=sort_width, num_warps=sort_warps)
     return out
 
@@ -614,6 +621,18 @@ def _workspace(device: torch.device, rows: int, cap: int) -> tuple[torch.Tensor,
     zeroes the counters; only written list entries are read)."""
     counts, bracket, cand = _scratch(device, triton.next_power_of_2(rows), cap)
     return counts[:rows], bracket[:rows], cand[:rows]
+
+
+def _keys_workspace(device: torch.device, rows: int, k: int) -> torch.Tensor:
+    """int32 [rows, k] view of the cached keys scratch (sorted=True): slot j holds the ordered key of
+    the position in out[:, j]; only slots holding a position are written or read."""
+    return _keys_scratch(device, triton.next_power_of_2(rows), k)[:rows]
+
+
+@functools.lru_cache(maxsize=None)
+def _keys_scratch(device: torch.device, rows: int, k: int) -> torch.Tensor:
+    # Cached and never freed, like _scratch (graph-safe addresses).
+    return torch.empty((rows, k), dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
