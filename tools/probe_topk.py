@@ -280,7 +280,7 @@ def resources() -> None:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     pointers = {"logits_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*i32",
                 "cand_ptr": "*i64", "pt_ptr": "*i32", "page_rows_ptr": "*i32", "bracket_ptr": "*fp32",
-                "counts_ptr": "*i64"}
+                "counts_ptr": "*i64", "keys_ptr": "*i32"}
     seen = set()
     for rows, width in [(512, 49070), (128, 49070), (64, 11814)]:
         for change in SWEEP + [{"sort_warps": w} for w in SORT_SWEEP]:
@@ -290,16 +290,19 @@ def resources() -> None:
                                         "RUN": min(c["run"], c["sample"])},
                  c["bracket_warps"]),
                 (topk._split_kernel, {"HAS_STARTS": False, "BLOCK": c["block"], "TILES": c["tiles"],
-                                      "LANES": c["lanes"]}, c["num_warps"]),
+                                      "LANES": c["lanes"], "KEYS": False}, c["num_warps"]),
+                (topk._split_kernel, {"HAS_STARTS": False, "BLOCK": c["block"], "TILES": c["tiles"],
+                                      "LANES": c["lanes"], "KEYS": True}, c["num_warps"]),
             ]
-            for pages in (False, True):
+            for pages, keys in ((False, False), (True, False), (False, True)):  # plain, +pages, sorted
                 variants.append((topk._finish_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
                                                        "BLOCK": topk.FINISH_LANES * 32 * c["finish_warps"],
                                                        "LANES": topk.FINISH_LANES, "RADIX": c["radix"],
                                                        "RADIX_BINS": max(1 << c["radix"], 32),
-                                                       "RES": max(c["resident"], topk.FINISH_LANES * 32)},
+                                                       "RES": max(c["resident"], topk.FINISH_LANES * 32),
+                                                       "KEYS": keys},
                                   c["finish_warps"]))
-                variants.append((topk._sort_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
+                variants.append((topk._sort_kernel, {"HAS_PAGES": pages and not keys, "BLOCK_SIZE": 64,
                                                      "KP": K}, c["sort_warps"]))
             for kernel, constexprs, warps in variants:
                 key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps)
