@@ -1,7 +1,7 @@
 """Top-k of the indexer's logits in Triton: a lengths-aware sampled bracket select, split over many
 programs per row, with an exact radix fallback. Three launches, no host sync (four with sorted=True):
 
-1. bracket (one program per row): SAMPLE keys in runs of 8 spread over the row give a linear bin
+1. bracket (one program per row): SAMPLE keys in runs of RUN spread over the row give a linear bin
    window and, from the sample's histogram, a value bracket [t_lo, t_hi] that holds the k-th largest
    key with high probability (Z standard deviations of the sample count either side). It also zeroes
    the row's packed counter (above | candidates << 32).
@@ -15,12 +15,14 @@ programs per row, with an exact radix fallback. Three launches, no host sync (fo
 3. finish (one program per row): rows of length <= k write their non-NaN positions then -1. Else, if
    the counts show the bracket held (above <= k <= above + candidates, candidates <= CAP): radix
    rounds over the candidates find the exact k-th key T and how many keys equal to T are still
-   needed; a last scan writes the rest. If not (the sample misjudged the row, NaN hid keys, or the
+   needed; a last scan writes the rest. A list of at most `resident` entries is loaded once and
+   refined in registers; a longer one is streamed from L2 once a round. If not (the sample misjudged the row, NaN hid keys, or the
    list overflowed), the same radix rounds run over the row itself: exact whatever the data, a few
    more passes over that row only. With a page table, the output prefix written by the split is
    turned into KV slots here (and the finish's own stores go through the table).
 4. sort (sorted=True only, one program per row): the k chosen (key, position) pairs packed into int64
-   and sorted descending with tl.sort, -1s last, then the page transform.
+   and sorted descending with tl.sort, -1s last, then the page transform. The keys come from a
+   scratch row the split and the finish fill beside the positions (sorted=True only).
 NaN fails every bracket compare and is no radix entry, so it is never selected; -inf is an ordinary
 (lowest) key. Scratch (counters, brackets, candidate lists) is a per-device workspace cached by
 (rows rounded up to a power of two, CAP) and never freed, so a CUDA graph captured after one eager
