@@ -53,6 +53,9 @@ class CapturedIndexerStep:
     def update(self, batch: ForwardBatch) -> None:
         """Write a new batch's lengths and pages into the captured plan's tensors, in place."""
         plan = self.plan
+        # Shapes first: a batch past the captured bounds is a graph mismatch, whatever planning it
+        # afresh would say about it.
+        check_fits_capture(plan, batch)
         fresh = build_plan(self.step.dispatcher, batch, kv_fp8_dtype=plan.fp8_dtype, arch=plan.key.arch)
         check_replayable(plan, batch, fresh)
         # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
@@ -71,6 +74,12 @@ class CapturedIndexerStep:
 def check_replayable(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerPlan) -> None:
     """Raise GraphMismatchError unless `batch` (planned afresh as `fresh`) can replay a graph captured
     with `captured`: same shapes, within the captured bounds, and the same decision for every op."""
+    check_fits_capture(captured, batch)
+    _check_same_decisions(captured, fresh)
+
+
+def check_fits_capture(captured: IndexerPlan, batch: ForwardBatch) -> None:
+    """Raise GraphMismatchError unless `batch` has the captured shapes and stays within its bounds."""
     if batch.seq_lens.shape[0] != captured.batch_size or batch.next_n != captured.next_n:
         raise GraphMismatchError(
             f"graph captured for B={captured.batch_size}, next_n={captured.next_n}; "
@@ -85,6 +94,9 @@ def check_replayable(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerP
             f"page table has {batch.page_table.shape[1]} columns; the graph was captured with "
             f"{captured.block_table.shape[1]}"
         )
+
+
+def _check_same_decisions(captured: IndexerPlan, fresh: IndexerPlan) -> None:
     for op, then in captured.decisions.items():
         now = fresh.decision(op)
         if (now.backend, now.layout) != (then.backend, then.layout):

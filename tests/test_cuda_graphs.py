@@ -66,7 +66,9 @@ def test_replay_with_new_batches_matches_eager(step):
         replayed = captured.replay().clone()
         eager_plan = step.plan(batch)
         eager = step.select(eager_plan, inputs.q, inputs.weights, inputs.positions, inputs.cos_sin_cache, inputs.kv_cache)
-        assert torch.equal(replayed, eager)
+        # The top-k contract leaves the order within a row open (the Triton select claims slots with
+        # atomics), so rows are compared as sets.
+        assert torch.equal(replayed.sort(dim=1).values, eager.sort(dim=1).values)
 
 
 def test_a_batch_that_decides_differently_is_refused(step):

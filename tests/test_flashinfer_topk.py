@@ -105,3 +105,12 @@ def test_real_flashinfer_matches_torch_topk_on_indexer_rows():
         picked = out[row][out[row] >= 0].long()
         assert picked.numel() == take and bool((picked < n).all())
         assert torch.equal(logits[row, picked].sort().values, torch.topk(logits[row, :n], take).values.sort().values)
+
+
+def test_a_strided_logits_slice_reaches_the_kernel_dense():
+    calls = []
+    wide = torch.randn(4, 96)
+    logits = wide[:, :80]
+    out = backend(calls).run(logits, torch.tensor([80, 80, 10, 1], dtype=torch.int32), 5)
+    assert calls[0][0].is_contiguous() and torch.equal(calls[0][0], logits)
+    assert sorted(logits[0, out[0].long()].tolist()) == torch.topk(logits[0], 5).values.sort().values.tolist()

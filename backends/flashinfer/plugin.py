@@ -9,7 +9,9 @@ Its whole contract, beside dispatch.contract.TopkRun:
 - NaN: FlashInfer ranks NaN as a number, so a selected NaN position is turned into -1 afterwards. A
   poisoned row (all NaN) therefore gives all -1, as on every backend; a row mixing NaN with numbers
   may keep fewer than k keys here where the contract keeps k (the one documented difference);
-- the page-table transform and sorted=True run as torch ops over the [rows, k] result.
+- the page-table transform and sorted=True run as torch ops over the [rows, k] result;
+- FlashInfer reads dense rows only: logits with a row stride wider than W are copied first (one extra
+  read and write of the logits, which bench's figures include).
 FlashInfer JIT-compiles its kernels on first use (about 36 s on the H200), so warm it up before
 capturing a CUDA graph. Importing this module never imports flashinfer.
 """
@@ -66,7 +68,9 @@ def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:
                               "another top-k backend")
         lengths = lengths.to(torch.int32)
         offsets = torch.zeros_like(lengths)
-        positions = load().top_k_ragged_transform(logits, offsets, lengths, k)
+        # FlashInfer reads dense rows only; a logits slice of a wider, aligned buffer is copied first.
+        dense = logits if logits.is_contiguous() else logits.contiguous()
+        positions = load().top_k_ragged_transform(dense, offsets, lengths, k)
         return finish(logits, lengths, positions, page_table=page_table, page_rows=page_rows,
                       block_size=block_size, sorted=sorted)
 

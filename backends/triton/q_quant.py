@@ -102,9 +102,12 @@ def _round_to_bf16(y, IN_SOFTWARE: tl.constexpr):
 
 
 @triton.jit
-def _nonfinite(x):
-    # 1 where x is NaN or +-inf: |x| <= FLT_MAX is false for exactly those.
-    return (~(tl.abs(x) <= 3.4028234663852886e38)).to(tl.int32)
+def _magnitude(x):
+    # |x|, with NaN and +-inf as +inf (|x| <= FLT_MAX is false for exactly those): one max over a head
+    # vector then gives both its amax and whether it holds a non-finite value, where tl.max alone
+    # would drop a NaN on GPUs. One reduction instead of a max and a count.
+    magnitude = tl.abs(x)
+    return tl.where(magnitude <= 3.4028234663852886e38, magnitude, float("inf"))
 
 
 @triton.jit
@@ -183,17 +186,15 @@ def _indexer_q_quant_kernel(
     # division; doing the same keeps every fp8 byte and scale equal to theirs.
     out1 = _round_to_bf16(x1 * cos - x2 * sin, ROUND_IN_SOFTWARE)
     out2 = _round_to_bf16(x2 * cos + x1 * sin, ROUND_IN_SOFTWARE)
-    amax = tl.maximum(tl.max(tl.abs(out1), axis=2), tl.max(tl.abs(out2), axis=2))
-    # A vector with NaN or inf cannot be quantised (tl.max drops NaN on GPUs, so it is counted apart).
-    nonfinite = tl.sum(_nonfinite(out1), axis=2) + tl.sum(_nonfinite(out2), axis=2)
+    amax = tl.maximum(tl.max(_magnitude(out1), axis=2), tl.max(_magnitude(out2), axis=2))
     if REST_BLOCK > 0:
         rest_dims = tl.arange(0, REST_BLOCK)
         rest_ok = vector_ok & (rest_dims < HEAD_DIM - 2 * HALF)[None, None, :]
         rest = tl.load(rows + (REST_START + rest_dims)[None, None, :] * stride_q_dim, mask=rest_ok, other=0.0)
         rest = rest.to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=2))
-        nonfinite += tl.sum(_nonfinite(rest), axis=2)
-    poisoned = (nonfinite > 0) | ~position_ok[:, None]  # [BLOCK_T, BLOCK_H]
+        amax = tl.maximum(amax, tl.max(_magnitude(rest), axis=2))
+    # A vector with NaN or inf (amax +inf) cannot be quantised; nor can one whose position is bad.
+    poisoned = (amax > 3.4028234663852886e38) | ~position_ok[:, None]  # [BLOCK_T, BLOCK_H]
 
     scale, inv_scale = _power_of_two_scale(amax, FP8_MAX_EXP, FP8_MAX_MANT)
     scale = tl.where(poisoned, float("nan"), scale)
