@@ -69,19 +69,13 @@ def test_random_ragged_batches(rows, width, k, seed):
 # z = 4: the sampled bracket, as served. z = 1e9: every key a candidate, so the capped list
 # overflows and the exact radix select over the row runs. z = -1e9: the bracket is one bin, usually
 # wrong, same fallback. cap = 8 overflows the list on every long row. block 256 x tiles 2: each row
-# split over up to 5 programs sharing its counters; block 128 x tiles 1: 20. resident 0: the finish
-# streams the candidate list once a round; 4096: every list is refined in registers (256, the
-# interpreter's default, takes short lists in registers and streams longer ones).
+# split over up to 5 programs sharing its counters; block 128 x tiles 1: 20.
 @pytest.mark.parametrize(("change"), [
     {"z": 4.0, "radix": 8}, {"z": 1e9, "radix": 8}, {"z": -1e9, "radix": 8}, {"z": 4.0, "radix": 4},
     {"z": 1e9, "radix": 4}, {"cap": 8}, {"block": 256, "tiles": 2}, {"block": 128, "tiles": 1, "lanes": 4},
-    {"block": 512, "tiles": 3, "cap": 300}, {"resident": 0}, {"resident": 4096}, {"resident": 4096, "radix": 4},
-    {"resident": 256, "z": 1e9, "cap": 2048}, {"bracket_warps": 2, "sort_warps": 2, "finish_warps": 4},
-    {"run": 8}, {"run": 1024, "sample": 1024},
+    {"block": 512, "tiles": 3, "cap": 300},
 ], ids=["sampled", "all-candidates", "fallback", "sampled-radix4", "all-candidates-radix4", "list-overflow",
-        "chunks-of-two-tiles", "twenty-chunks", "three-tiles-small-cap", "streamed-list", "resident-list",
-        "resident-list-radix4", "long-list-streamed", "other-warps", "sample-runs-of-8",
-        "sample-one-run"])
+        "chunks-of-two-tiles", "twenty-chunks", "three-tiles-small-cap"])
 def test_every_path_of_the_select(change):
     gen = torch.Generator().manual_seed(11)
     width, k = 2500, 64
@@ -218,26 +212,6 @@ def test_sorted_is_descending_with_minus_ones_last(sort_max, monkeypatch):
         assert (vals[:-1] >= vals[1:]).all(), f"row {r}: not descending"
 
 
-# sorted=True: the sort reads the keys the split and the finish wrote beside the positions, so every
-# path that writes output slots must write them: the split's above-bracket keys, the resident and
-# streamed refines, the row fallback and rows of length <= k. Ties (row 2) sort in any index order.
-@pytest.mark.parametrize("change", [{}, {"resident": 0}, {"z": -1e9}, {"z": 1e9}, {"cap": 8}],
-                         ids=["resident", "streamed-list", "fallback", "all-candidates", "list-overflow"])
-def test_sorted_on_every_path(change):
-    gen = torch.Generator().manual_seed(13)
-    width, k = 2500, 64
-    logits = random_logits(8, width, gen).clone()
-    logits[1, ::3] = NAN
-    logits[2, :100] = 1.5
-    lengths = torch.tensor([width, width, width, 40, 0, 64, 65, 1800], dtype=torch.int32)
-    config = {**launch_config(8, width, k), **change}
-    out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, sorted=True, **config).cpu()
-    check(logits, lengths, k, out)
-    for r in range(8):
-        vals = logits[r, out[r][out[r] >= 0].long()]
-        assert (vals[:-1] >= vals[1:]).all(), f"row {r}: not descending"
-
-
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -269,8 +243,6 @@ def test_bad_launch_config_is_rejected():
         launch(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 4, **{**launch_config(2, 8), "block": 3000})
     with pytest.raises(ValueError, match="cap >= 1"):
         launch(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 4, **{**launch_config(2, 8), "cap": 0})
-    with pytest.raises(ValueError, match="resident 0 or"):
-        launch(torch.randn(2, 8), torch.ones(2, dtype=torch.int32), 4, **{**launch_config(2, 8), "resident": 100})
 
 
 def test_default_chunks_give_every_sm_programs():

@@ -34,38 +34,30 @@ from backends.triton.topk import launch, launch_config  # noqa: E402
 K = 2048
 BYTES_PER_S = 4.2e12
 SHAPES = [("B128 N4 L32K", 128, 4, 32768), ("B128 N1 L32K", 128, 1, 32768), ("B32 N2 L8K", 32, 2, 8192)]
-# Changes to launch_config's default for the shape, swept in this order: the finish first (the
-# register-resident candidate list and its radix, its warps), the sort's and the bracket's warps, the
-# bracket's sample, then the split's chunk (block x tiles) and warps.
+# Changes to launch_config's default for the shape, swept in this order: the split's chunk (block x
+# tiles) and warps first, then the bracket's sample, the refine's radix and the finish's warps.
 SWEEP = [
     {},
-    {"resident": 0},
-    {"radix": 4},
-    {"finish_warps": 4, "resident": 2048},
-    {"finish_warps": 8, "resident": 4096},
-    {"finish_warps": 8, "resident": 2048},
-    {"bracket_warps": 4},
-    {"bracket_warps": 8},
-    {"run": 8},
-    {"run": 64},
-    {"bins": 64},
-    {"sample": 2048},
-    {"sample": 1024},
-    {"finish_warps": 16, "resident": 4096},
     {"block": 1024, "tiles": 1, "num_warps": 4},
     {"block": 2048, "tiles": 1, "num_warps": 8},
+    {"block": 512, "tiles": 1, "num_warps": 2},
+    {"block": 4096, "tiles": 1, "num_warps": 16},
+    {"block": 1024, "tiles": 2, "num_warps": 4},
     {"block": 2048, "tiles": 2, "num_warps": 8},
+    {"block": 2048, "tiles": 4, "num_warps": 8},
+    {"sample": 2048},
+    {"sample": 1024},
+    {"radix": 8},
+    {"finish_warps": 4},
+    {"finish_warps": 16},
 ]
-# The sort kernel's warps, timed sorted=True at each (the rest of the config the default).
-SORT_SWEEP = [1, 2, 4, 8, 16]
 FALLBACK = {"z": -1e9}  # the bracket is one bin: the exact radix select over each row, what a misjudged sample costs
-TIME_BUDGET_S = 90  # the whole probe must stay within ~100 s: sweep configs past a shape's share are skipped
-KEYS = ("block", "tiles", "lanes", "num_warps", "bins", "sample", "z", "radix", "cap", "finish_warps", "resident",
-        "bracket_warps", "sort_warps", "run")
+TIME_BUDGET_S = 170  # the lead's call is limited: sweep configs past a shape's share are reported as skipped
+KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "finish_warps")
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # the script's own check, under the interpreter: tiny shapes, two configs, wall-clock timing
-    K, SHAPES, SWEEP, SORT_SWEEP = 64, [("smoke N2", 3, 2, 1024)], [{}, {"block": 256, "tiles": 2}, {"resident": 0}], [2]
+    K, SHAPES, SWEEP = 64, [("smoke N2", 3, 2, 1024)], [{}, {"block": 256, "tiles": 2}]
 DEVICE = "cpu" if SMOKE else "cuda"
 
 
@@ -143,7 +135,7 @@ def flashinfer_ragged():
 
 
 def label(config):
-    return ",".join(str(config.get(key, "-")) for key in KEYS)
+    return ",".join(str(config[key]) for key in KEYS)
 
 
 def probe() -> None:
@@ -187,29 +179,15 @@ def probe() -> None:
             offsets = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
             record("flashinfer ragged", {}, lambda: fi(logits, offsets, lengths, K), graph=False)
         # The sweep, within this shape's share of the time budget.
-        # The first shape pays every config's compile (later shapes hit Triton's cache), so it gets the
-        # larger share: elapsed-time limits of 60%, 80%, 100% of the budget.
-        index = SHAPES.index((name, batch, next_n, context))
-        share = TIME_BUDGET_S * (1.0 if index + 1 == len(SHAPES) else 0.6 + 0.2 * index)
+        share = TIME_BUDGET_S * (SHAPES.index((name, batch, next_n, context)) + 1) / len(SHAPES)
         for change in SWEEP[1:]:
             cfg = {**default, **change}
-            if cfg == default:  # a change the shape's default already has
-                continue
             record("triton", cfg, lambda cfg=cfg: launch(logits, lengths, K, **cfg), budget=share)
-        for warps in SORT_SWEEP:
-            cfg = {**default, "sort_warps": warps}
-            if warps != default["sort_warps"]:
-                record("triton sorted", cfg, lambda cfg=cfg: launch(logits, lengths, K, sorted=True, **cfg),
-                       descending=True, budget=share)
         if fi is not None:  # last: a capture it refuses must not disturb the Triton rows
             record("flashinfer graph", {}, lambda: fi(logits, offsets, lengths, K))
         best = min((r for r in results if r["impl"] == "triton" and "us" in r and r["exact"]),
                    key=lambda r: r["us"], default=None)
         cfg = default if best is None else best["config"]
-        best_sort = min((r for r in results if r["impl"] == "triton sorted" and "us" in r and r["exact"]),
-                        key=lambda r: r["us"], default=None)
-        if best_sort is not None:
-            cfg = {**cfg, "sort_warps": best_sort["config"]["sort_warps"]}
         fi_us = next((r["us"] for r in results if r["impl"] == "flashinfer ragged" and "us" in r), None)
         split = kernel_times(lambda: launch(logits, lengths, K, sorted=True, page_table=page_table,
                                             page_rows=page_rows, **cfg))
@@ -221,16 +199,15 @@ def probe() -> None:
         rows_out.extend(results)
         rows_out.append({"shape": name, "kernel_us": split, "config": cfg})
         print(f"{name}: rows {rows} x W {width}, floor {floor_us:.1f} us, default {label(default)}, "
-              f"best {None if best is None else label(best['config'])}, best sort_warps {cfg['sort_warps']}; "
-              f"per kernel at best (sorted, pages): {split}",
+              f"best {None if best is None else label(best['config'])}; per kernel at best (sorted, pages): {split}",
               flush=True)
         for r in results:
             cfg_text = label(r["config"]) if r["config"] else "-"
             if "error" in r:
-                table.append(f"{name:13s} {r['impl']:17s} {cfg_text:46s} ERROR {r['error'][:90]}")
+                table.append(f"{name:13s} {r['impl']:17s} {cfg_text:34s} ERROR {r['error'][:90]}")
                 continue
             fi_ratio = f"{r['flashinfer_over']:5.2f}x" if r["flashinfer_over"] else "   - "
-            table.append(f"{name:13s} {r['impl']:17s} {cfg_text:46s} {r['us']:7.1f} us {'graph' if r['graph'] else 'eager'}"
+            table.append(f"{name:13s} {r['impl']:17s} {cfg_text:34s} {r['us']:7.1f} us {'graph' if r['graph'] else 'eager'}"
                          f"  x{r['x_floor']:5.2f} floor  FI/this {fi_ratio}  {'exact' if r['exact'] else 'WRONG'}")
         del logits, lengths, want
         if not SMOKE:
@@ -280,30 +257,24 @@ def resources() -> None:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     pointers = {"logits_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*i32",
                 "cand_ptr": "*i64", "pt_ptr": "*i32", "page_rows_ptr": "*i32", "bracket_ptr": "*fp32",
-                "counts_ptr": "*i64", "keys_ptr": "*i32"}
+                "counts_ptr": "*i64"}
     seen = set()
     for rows, width in [(512, 49070), (128, 49070), (64, 11814)]:
-        for change in SWEEP + [{"sort_warps": w} for w in SORT_SWEEP]:
+        for change in SWEEP:
             c = {**launch_config(rows, width, K, interpreted=False), **change}
             variants = [
-                (topk._bracket_kernel, {"HAS_STARTS": False, "BINS": c["bins"], "SAMPLE": c["sample"], "Z": c["z"],
-                                        "RUN": min(c["run"], c["sample"])},
-                 c["bracket_warps"]),
+                (topk._bracket_kernel, {"HAS_STARTS": False, "BINS": c["bins"], "SAMPLE": c["sample"], "Z": c["z"]},
+                 c["finish_warps"]),
                 (topk._split_kernel, {"HAS_STARTS": False, "BLOCK": c["block"], "TILES": c["tiles"],
-                                      "LANES": c["lanes"], "KEYS": False}, c["num_warps"]),
-                (topk._split_kernel, {"HAS_STARTS": False, "BLOCK": c["block"], "TILES": c["tiles"],
-                                      "LANES": c["lanes"], "KEYS": True}, c["num_warps"]),
+                                      "LANES": c["lanes"]}, c["num_warps"]),
             ]
-            for pages, keys in ((False, False), (True, False), (False, True)):  # plain, +pages, sorted
+            for pages in (False, True):
                 variants.append((topk._finish_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
                                                        "BLOCK": topk.FINISH_LANES * 32 * c["finish_warps"],
                                                        "LANES": topk.FINISH_LANES, "RADIX": c["radix"],
-                                                       "RADIX_BINS": max(1 << c["radix"], 32),
-                                                       "RES": max(c["resident"], topk.FINISH_LANES * 32),
-                                                       "KEYS": keys},
-                                  c["finish_warps"]))
-                variants.append((topk._sort_kernel, {"HAS_PAGES": pages and not keys, "BLOCK_SIZE": 64,
-                                                     "KP": K}, c["sort_warps"]))
+                                                       "RADIX_BINS": max(1 << c["radix"], 32)}, c["finish_warps"]))
+                variants.append((topk._sort_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
+                                                     "KP": K}, c["finish_warps"]))
             for kernel, constexprs, warps in variants:
                 key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps)
                 if key in seen:
@@ -320,13 +291,9 @@ def resources() -> None:
                 usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], check=True, capture_output=True,
                                        text=True).stdout
                 regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "SHARED:", "LOCAL:")))
-                sass = subprocess.run([cuobjdump, "-sass", path], check=True, capture_output=True, text=True).stdout
-                ops = [line.split("*/")[1].strip().split()[0] for line in sass.splitlines()
-                       if line.strip().startswith("/*") and "*/" in line and line.split("*/")[1].strip()]
-                sass = f"{len(ops)} instrs, {sum(o.startswith('BAR') for o in ops)} BAR, " \
-                       f"{sum(o.startswith(('LDS', 'STS')) for o in ops)} LDS/STS, {sum(o.startswith('SHFL') for o in ops)} SHFL"
+                sass = compiled.asm.get("sass") or ""
                 print(f"{kernel.fn.__name__:15s} warps {warps:2d} {constexprs}: {regs} "
-                      f"({time.time() - t:.1f} s) sass {sass}",
+                      f"({time.time() - t:.1f} s){' sass ' + str(sass.count(chr(10))) + ' lines' if sass else ''}",
                       flush=True)
 
 

@@ -1,7 +1,7 @@
 """Top-k of the indexer's logits in Triton: a lengths-aware sampled bracket select, split over many
 programs per row, with an exact radix fallback. Three launches, no host sync (four with sorted=True):
 
-1. bracket (one program per row): SAMPLE keys in runs of RUN spread over the row give a linear bin
+1. bracket (one program per row): SAMPLE keys in runs of 8 spread over the row give a linear bin
    window and, from the sample's histogram, a value bracket [t_lo, t_hi] that holds the k-th largest
    key with high probability (Z standard deviations of the sample count either side). It also zeroes
    the row's packed counter (above | candidates << 32).
@@ -15,14 +15,12 @@ programs per row, with an exact radix fallback. Three launches, no host sync (fo
 3. finish (one program per row): rows of length <= k write their non-NaN positions then -1. Else, if
    the counts show the bracket held (above <= k <= above + candidates, candidates <= CAP): radix
    rounds over the candidates find the exact k-th key T and how many keys equal to T are still
-   needed; a last scan writes the rest. A list of at most `resident` entries is loaded once and
-   refined in registers; a longer one is streamed from L2 once a round. If not (the sample misjudged the row, NaN hid keys, or the
+   needed; a last scan writes the rest. If not (the sample misjudged the row, NaN hid keys, or the
    list overflowed), the same radix rounds run over the row itself: exact whatever the data, a few
    more passes over that row only. With a page table, the output prefix written by the split is
    turned into KV slots here (and the finish's own stores go through the table).
 4. sort (sorted=True only, one program per row): the k chosen (key, position) pairs packed into int64
-   and sorted descending with tl.sort, -1s last, then the page transform. The keys come from a
-   scratch row the split and the finish fill beside the positions (sorted=True only).
+   and sorted descending with tl.sort, -1s last, then the page transform.
 NaN fails every bracket compare and is no radix entry, so it is never selected; -inf is an ordinary
 (lowest) key. Scratch (counters, brackets, candidate lists) is a per-device workspace cached by
 (rows rounded up to a power of two, CAP) and never freed, so a CUDA graph captured after one eager
@@ -92,17 +90,13 @@ def _threshold_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr, RUN: tl.constexpr):
-    """From SAMPLE keys in runs of RUN spread over the row: a linear bin window (lo,
+def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr):
+    """From SAMPLE keys in runs of 8 spread over the row (few sectors): a linear bin window (lo,
     inv_width) from the sample's mean and top, and values t_lo <= t_hi such that [t_lo, t_hi] holds
     the k-th largest key with high probability (Z standard deviations of the sample count either
     side, resolved to the window's bin edges)."""
-    # Runs of RUN adjacent keys (32: one 128-byte line, or two where the run straddles) cost DRAM
-    # whole bursts; runs of 8 cost a 32-byte sector each but fetch 64 bytes, scattered (~16 MB of
-    # scattered traffic at 512 rows). Runs never overlap (stride >= RUN), so short rows sample fewer
-    # distinct keys rather than the same key twice; the keys past n are out of the count below.
     s = tl.arange(0, SAMPLE)
-    at = (s // RUN) * tl.maximum(n // (SAMPLE // RUN), RUN) + s % RUN
+    at = (s // 8) * (n // (SAMPLE // 8)) + s % 8
     in_row = at < n
     sample = tl.load(src + at, mask=in_row, other=float("nan"))
     valid = sample == sample
@@ -164,7 +158,7 @@ def _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_
 def _bracket_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
     width, k,
-    HAS_STARTS: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr, RUN: tl.constexpr,
+    HAS_STARTS: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -172,7 +166,7 @@ def _bracket_kernel(
     tl.store(counts_ptr + row64, tl.zeros((), tl.int64))
     if n > k:
         src = logits_ptr + row64 * stride_row + start
-        _, _, t_lo, t_hi = _sample_window(src, n, k, BINS, SAMPLE, Z, RUN)
+        _, _, t_lo, t_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
         tl.store(bracket_ptr + 2 * row64, t_lo)
         tl.store(bracket_ptr + 2 * row64 + 1, t_hi)
 
@@ -180,8 +174,8 @@ def _bracket_kernel(
 @triton.jit
 def _split_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
-    out_ptr, cand_ptr, stride_cand, keys_ptr, width, k, cap,
-    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, LANES: tl.constexpr, KEYS: tl.constexpr,
+    out_ptr, cand_ptr, stride_cand, width, k, cap,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, LANES: tl.constexpr,
 ):
     """One chunk of BLOCK * TILES keys of one row: keys above the bracket to the output, keys inside
     it to the candidate list, both at slots from the row's counter."""
@@ -225,8 +219,6 @@ def _split_kernel(
             out_slot = (base & 0xFFFFFFFF).to(tl.int32) + (packed & 0xFFFF) - 1
             cand_slot = (base >> 32).to(tl.int32) + (packed >> 16) - 1
             tl.store(out_row + out_slot, idx, mask=hi & (out_slot < k))
-            if KEYS:  # sorted=True: the sort reads the keys from here, not scattered from the logits
-                tl.store(keys_ptr + row64 * k + out_slot, _ordered_key(x), mask=hi & (out_slot < k))
             tl.store(cand_list + cand_slot, _candidate(_ordered_key(x), idx), mask=mid & (cand_slot < cap))
 
 
@@ -248,57 +240,11 @@ def _entries(base, idx, count, FROM_ROW: tl.constexpr):
 
 
 @triton.jit
-def _digits(key, live, prefix, r: tl.constexpr, shift: tl.constexpr, RADIX: tl.constexpr, NB: tl.constexpr):
-    """Histogram of round r's digit over the live entries that share the digits found so far (the
-    top digit of a signed key is biased by 2^(RADIX-1) so that digit order is key order). Any shape."""
-    if r == 0:
-        d = (key >> shift) + (1 << (RADIX - 1))
-    else:
-        live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
-        d = (key >> shift) & ((1 << RADIX) - 1)
-    flat = tl.reshape(tl.where(live, d, 0), (key.numel,))
-    dead = key.numel - tl.sum(tl.reshape(live.to(tl.int32), (key.numel,)), axis=0)
-    return tl.histogram(flat, NB) - tl.where(tl.arange(0, NB) == 0, dead, 0)
-
-
-@triton.jit
-def _next_prefix(digits, need, prefix, r: tl.constexpr, shift: tl.constexpr, RADIX: tl.constexpr,
-                 NB: tl.constexpr):
-    db, d_above, _ = _threshold_bin(digits, need, NB)
-    if r == 0:
-        prefix = (db - (1 << (RADIX - 1))) << shift
-    else:
-        prefix = prefix | (db << shift)
-    return prefix, need - d_above
-
-
-@triton.jit
-def _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, keys_row, k, pt_row, pages,
-                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr):
-    """One [rows, lanes] tile of the last scan: entries above T at slots from gt_next, entries equal
-    to T at slots from eq_next while below k. Returns the tile's (above, equal) counts."""
-    gt = live & (key > prefix)
-    eq = live & (key == prefix)
-    flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-    line = tl.sum(flags, axis=1)
-    packed = (tl.cumsum(line, axis=0) - line)[:, None] + tl.cumsum(flags, axis=1)
-    eq_rank = eq_next + (packed >> 16) - 1
-    slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
-    take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
-    tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
-    if KEYS:
-        tl.store(keys_row + slot, key, mask=take)
-    total = tl.sum(line, axis=0)
-    return total & 0xFFFF, total >> 16
-
-
-@triton.jit
-def _select(base, count, above, out_row, keys_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
+def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
             HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-            RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr, KEYS: tl.constexpr):
+            RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr):
     """The output holds `above` keys; the k - above largest live entries of the source fill the rest
-    (the caller guarantees there are at least that many). Streams the source once per round (the
-    row fallback and lists longer than the resident tile). NB = max(2^RADIX, 32) histogram bins
+    (the caller guarantees there are at least that many). NB = max(2^RADIX, 32) histogram bins
     (Triton's ballot lowering wants at least a warp's worth)."""
     offs = tl.arange(0, BLOCK)
     # The entries' smallest and largest keys: the digits they all share need no histogram (a narrow
@@ -309,7 +255,8 @@ def _select(base, count, above, out_row, keys_row, k, pt_row, pages, FROM_ROW: t
         key, _, live = _entries(base, t + offs, count, FROM_ROW)
         kmin = tl.minimum(kmin, tl.min(tl.where(live, key, 2147483647), axis=0))
         kmax = tl.maximum(kmax, tl.max(tl.where(live, key, -2147483648), axis=0))
-    # Radix rounds RADIX bits at a time from the top: T, the k-th largest key, and how many keys
+    # Radix rounds RADIX bits at a time from the top (the top digit of a signed key is biased by
+    # 2^(RADIX-1) so that digit order is key order): T, the k-th largest key, and how many keys
     # equal to T are still needed. Wider digits mean fewer rounds but a costlier histogram per key
     # when tl.histogram lowers to warp ballots (Triton before 3.7).
     need = k - above
@@ -322,8 +269,19 @@ def _select(base, count, above, out_row, keys_row, k, pt_row, pages, FROM_ROW: t
             digits = tl.zeros((NB,), dtype=tl.int32)
             for t in range(0, count, BLOCK):
                 key, _, live = _entries(base, t + offs, count, FROM_ROW)
-                digits += _digits(key, live, prefix, r, shift, RADIX, NB)
-            prefix, need = _next_prefix(digits, need, prefix, r, shift, RADIX, NB)
+                if r == 0:
+                    d = (key >> shift) + (1 << (RADIX - 1))
+                else:
+                    live = live & ((key >> (shift + RADIX)) == (prefix >> (shift + RADIX)))
+                    d = (key >> shift) & ((1 << RADIX) - 1)
+                digits += tl.histogram(tl.where(live, d, 0), NB)
+                digits -= tl.where(tl.arange(0, NB) == 0, BLOCK - tl.sum(live.to(tl.int32), axis=0), 0)
+            db, d_above, _ = _threshold_bin(digits, need, NB)
+            need -= d_above
+            if r == 0:
+                prefix = (db - (1 << (RADIX - 1))) << shift
+            else:
+                prefix = prefix | (db << shift)
 
     # Last scan: entries above T, then the first `need` equal to T (ties: any index will do).
     # Tiles laid out as in the split (axis 0 contiguous, a thread's LANES entries along axis 1);
@@ -333,34 +291,18 @@ def _select(base, count, above, out_row, keys_row, k, pt_row, pages, FROM_ROW: t
     eq_next = k - need
     for t in range(0, count, BLOCK):
         key, pos, live = _entries(base, t + idx0, count, FROM_ROW)
-        gt_add, eq_add = _write_tile(key, pos, live, prefix, gt_next, eq_next, out_row, keys_row, k, pt_row, pages,
-                                     HAS_PAGES, BLOCK_SIZE, KEYS)
-        gt_next += gt_add
-        eq_next += eq_add
-
-
-@triton.jit
-def _select_resident(base, count, above, out_row, keys_row, k, pt_row, pages, HAS_PAGES: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, RES: tl.constexpr, RADIX: tl.constexpr, NB: tl.constexpr,
-                     LANES: tl.constexpr, KEYS: tl.constexpr):
-    """_select over a candidate list of count <= RES entries held in registers: one load from L2
-    instead of one per round, and every round, the min / max and the last scan run on the same
-    registers (a round is then a histogram and a few block reductions, no memory latency)."""
-    idx = tl.arange(0, RES // LANES)[:, None] + tl.arange(0, LANES)[None, :] * (RES // LANES)
-    key, pos, live = _entries(base, idx, count, False)
-    kmin = tl.min(tl.min(tl.where(live, key, 2147483647), axis=1), axis=0)
-    kmax = tl.max(tl.max(tl.where(live, key, -2147483648), axis=1), axis=0)
-    need = k - above
-    prefix = 0
-    for r in tl.static_range(32 // RADIX):
-        shift = 32 - RADIX * (r + 1)
-        if (kmin >> shift) == (kmax >> shift):
-            prefix = (kmin >> shift) << shift
-        else:
-            prefix, need = _next_prefix(_digits(key, live, prefix, r, shift, RADIX, NB), need, prefix, r, shift,
-                                        RADIX, NB)
-    _write_tile(key, pos, live, prefix, above, k - need, out_row, keys_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE,
-                KEYS)
+        gt = live & (key > prefix)
+        eq = live & (key == prefix)
+        flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+        line = tl.sum(flags, axis=1)
+        packed = (tl.cumsum(line, axis=0) - line)[:, None] + tl.cumsum(flags, axis=1)
+        eq_rank = eq_next + (packed >> 16) - 1
+        slot = tl.where(gt, gt_next + (packed & 0xFFFF) - 1, eq_rank)
+        take = (gt | (eq & (eq_rank < k))) & (slot < k)  # slot < k always holds; the mask keeps stores in bounds regardless
+        tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
+        total = tl.sum(line, axis=0)
+        gt_next += total & 0xFFFF
+        eq_next += total >> 16
 
 
 @triton.jit
@@ -374,8 +316,8 @@ def _count_live(src, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_all(src, n, out_row, keys_row, k, pt_row, pages,
-               HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, KEYS: tl.constexpr):
+def _write_all(src, n, out_row, k, pt_row, pages,
+               HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     """Every non-NaN key is selected: its positions in order, then -1 up to k."""
     offs = tl.arange(0, BLOCK)
     written = 0
@@ -385,8 +327,6 @@ def _write_all(src, n, out_row, keys_row, k, pt_row, pages,
         valid = x == x
         slot = written + tl.cumsum(valid.to(tl.int32), axis=0) - 1
         tl.store(out_row + slot, _slot_value(idx, pt_row, pages, HAS_PAGES, BLOCK_SIZE, valid), mask=valid)
-        if KEYS:
-            tl.store(keys_row + slot, _ordered_key(x), mask=valid)
         written += tl.sum(valid.to(tl.int32), axis=0)
     for t in range(written, k, BLOCK):
         idx = t + offs
@@ -396,32 +336,26 @@ def _write_all(src, n, out_row, keys_row, k, pt_row, pages,
 @triton.jit
 def _finish_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, counts_ptr,
-    out_ptr, cand_ptr, stride_cand, keys_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
-    width, num_pt_rows, pages, k, cap, resident_max,
+    out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
+    width, num_pt_rows, pages, k, cap,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr, LANES: tl.constexpr, RADIX: tl.constexpr, RADIX_BINS: tl.constexpr, RES: tl.constexpr,
-    KEYS: tl.constexpr,
+    BLOCK: tl.constexpr, LANES: tl.constexpr, RADIX: tl.constexpr, RADIX_BINS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     start, n = _row_window(row64, lengths_ptr, stride_len, starts_ptr, stride_start, width, HAS_STARTS)
     src = logits_ptr + row64 * stride_row + start
     out_row = out_ptr + row64 * k
-    keys_row = keys_ptr + row64 * k
     pt_row, pages = _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
                               HAS_PAGES)
     counts = tl.load(counts_ptr + row64)
     above = (counts & 0xFFFFFFFF).to(tl.int32)
     in_bracket = (counts >> 32).to(tl.int32)
     if n <= k:
-        _write_all(src, n, out_row, keys_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, KEYS)
+        _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
     elif (above <= k) & (above + in_bracket >= k) & (in_bracket <= cap):
-        if in_bracket <= resident_max:  # resident_max <= RES (the host's check); 0: never
-            _select_resident(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, keys_row, k, pt_row, pages,
-                             HAS_PAGES, BLOCK_SIZE, RES, RADIX, RADIX_BINS, LANES, KEYS)
-        else:
-            _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, keys_row, k, pt_row, pages, False,
-                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES, KEYS)
+        _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages, False,
+                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
         if HAS_PAGES:
             # The split wrote positions into slots [0, above); the select wrote the rest as slots.
             offs = tl.arange(0, BLOCK)
@@ -433,31 +367,35 @@ def _finish_kernel(
     else:
         # The sample misjudged the row, NaN hid keys, or the list overflowed: exact from the row.
         if _count_live(src, n, BLOCK) <= k:
-            _write_all(src, n, out_row, keys_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, KEYS)
+            _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
         else:
-            _select(src, n, 0, out_row, keys_row, k, pt_row, pages, True,
-                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES, KEYS)
+            _select(src, n, 0, out_row, k, pt_row, pages, True,
+                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
 
 
 @triton.jit
 def _sort_kernel(
-    keys_ptr, out_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages, k, sort_k,
-    HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KP: tl.constexpr,
+    logits_ptr, stride_row, starts_ptr, stride_start, out_ptr, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
+    width, num_pt_rows, pages, k, sort_k,
+    HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, KP: tl.constexpr,
 ):
     """Orders one row's first sort_k = min(k, W) positions (the rest are -1) by value, descending,
-    -1s last; then the page transform. The keys come from the split and the finish, written beside
-    the positions (one contiguous row, not 2048 scattered reads of the logits from DRAM)."""
+    -1s last; then the page transform."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
+    start = 0
+    if HAS_STARTS:
+        start = tl.minimum(tl.maximum(tl.load(starts_ptr + row64 * stride_start), 0), width)
     out_row = out_ptr + row64 * k
     pt_row, pages = _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_rows, pages,
                               HAS_PAGES)
     offs = tl.arange(0, KP)
     pos = tl.load(out_row + offs, mask=offs < sort_k, other=-1)
     valid = pos >= 0
+    x = tl.load(logits_ptr + row64 * stride_row + start + pos, mask=valid, other=0.0)
     # An empty slot sorts below every selectable key (-inf's key is above INT32_MIN); the low half
     # keeps the position (-1 included) through the sort.
-    key = tl.load(keys_ptr + row64 * k + offs, mask=valid, other=-2147483648)
+    key = tl.where(valid, _ordered_key(x), -2147483648)
     packed = (key.to(tl.int64) << 32) | (pos.to(tl.int64) & 0xFFFFFFFF)
     pos = tl.sort(packed, descending=True).to(tl.int32)
     valid = pos >= 0
@@ -498,26 +436,10 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
     if triton_interpreter_on() if interpreted is None else interpreted:
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
         return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 1024, "z": 4.0, "radix": 8,
-                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8, "resident": 256, "bracket_warps": 8,
-                "sort_warps": 8, "run": 32}
+                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8}
     block = 2048 if max(rows, 1) * max(width, 1) >= 2048 * PROGRAMS_PER_SM * SMS else 1024
-    # The per-row kernels run one program a row. Past 2 rows an SM, 8-warp programs of the bracket
-    # (80 registers at sm_90) and the resident finish (114-122) fit 3 and 2 an SM: two waves at 512
-    # rows. 4 warps (106 and 121 registers) fit 4 an SM, one wave; the finish then holds 2048 entries
-    # (16 a thread, as 4096 at 8 warps). Fewer rows: 8 warps, 4096 resident, one wave either way.
-    many_rows = rows > 2 * SMS
-    # 256 sample bins (was 64): the bracket's edges are bin edges, so finer bins cut the slack around
-    # the statistical margin (torch replica of the bracket, 300 rows of N(0,1) at L~32K: mean 1428
-    # candidates, max 2247, 2.3% over 2048 at 64 bins; 1121, max 1574, none over 2048 at 256).
-    return {"block": block, "tiles": 1, "lanes": 8, "bins": 256, "sample": 4096, "z": 4.0,
-            "radix": 8, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 4 if many_rows else 8,
-            "resident": RESIDENT // 2 if many_rows else RESIDENT, "bracket_warps": 4 if many_rows else 8,
-            "sort_warps": 8, "run": 32}
-
-
-# Candidate lists up to this long are held in the finish's registers (16 keys a thread at 8 warps;
-# the expected list is ~1.4K at L~32K, up to ~4.9K at L~8K: NOTES.md).
-RESIDENT = 4096
+    return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
+            "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8}
 
 
 # The finish's tiles: a column of 8 keys a thread, so its tile follows its warps (2048 keys at 8).
@@ -525,8 +447,7 @@ FINISH_LANES = 8
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
-           block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps, resident=0, bracket_warps=None,
-           sort_warps=None, run=8):
+           block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps):
     """Check the inputs, then run the kernels with an explicit config (the probe calls this directly).
 
     block: keys per split tile (a power of two, at most 2^15: the packed scan
@@ -536,46 +457,34 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
     half-width in standard deviations (huge: every key a candidate, so the list overflows and the
     exact path runs; very negative: the bracket is one bin, usually wrong, same); radix: bits per
     refine round (4 or 8); cap: candidate list entries per row (>= 1); num_warps: the split's;
-    finish_warps: the finish's (tiles of FINISH_LANES keys a thread); resident: candidate lists up to
-    this long are refined in registers (0: never; else a power of two >= FINISH_LANES * 32, at most
-    16 keys a thread of the finish is the sane range); bracket_warps, sort_warps: those kernels'
-    warps (None: finish_warps); run: adjacent keys per sampled run (a power of two; capped at sample)."""
-    bracket_warps = finish_warps if bracket_warps is None else bracket_warps
-    sort_warps = finish_warps if sort_warps is None else sort_warps
+    finish_warps: the bracket's, the finish's (tiles of FINISH_LANES keys a thread) and the sort's."""
     if not (_pow2(block) and block <= 1 << 15 and tiles >= 1 and _pow2(bins) and bins >= 32 and _pow2(sample)
-            and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1
-            and (resident == 0 or (_pow2(resident) and resident >= FINISH_LANES * 32)) and _pow2(run)
-            and all(_pow2(w) for w in (num_warps, finish_warps, bracket_warps, sort_warps))):
+            and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1):
         raise ValueError(f"block={block}, tiles={tiles}, bins={bins}, sample={sample}, lanes={lanes}, radix={radix}, "
-                         f"cap={cap}, resident={resident}, warps {num_warps}/{finish_warps}/{bracket_warps}/"
-                         f"{sort_warps}: powers of two, block <= 32768, tiles >= 1, bins >= 32, sample >= 8, "
-                         f"lanes < block, radix 4 or 8, cap >= 1, resident 0 or >= {FINISH_LANES * 32}")
+                         f"cap={cap}: powers of two, block <= 32768, tiles >= 1, bins >= 32, sample >= 8, "
+                         "lanes < block, radix 4 or 8, cap >= 1")
     rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
     counts, bracket, cand = _workspace(logits.device, rows, cap)
-    # sorted=True: the ordered keys of the chosen slots, written by the split and the finish.
-    keys = _keys_workspace(logits.device, rows, k) if sorted else out
     fuse_pages = page_table is not None and not sorted
     dummy = out  # stands in for absent optional tensors; never dereferenced (constexpr flags)
     row_args = (logits, logits.stride(0), lengths, lengths.stride(0),
                 starts if starts is not None else dummy, starts.stride(0) if starts is not None else 0)
     has_starts = starts is not None
     _bracket_kernel[(rows,)](*row_args, bracket, counts, width, k, HAS_STARTS=has_starts, BINS=bins,
-                             SAMPLE=sample, Z=z, RUN=min(run, sample), num_warps=bracket_warps)
+                             SAMPLE=sample, Z=z, num_warps=finish_warps)
     chunks = triton.cdiv(max(width, 1), block * tiles)
-    _split_kernel[(rows, chunks)](*row_args, bracket, counts, out, cand, cand.stride(0), keys, width, k, cap,
-                                  HAS_STARTS=has_starts, BLOCK=block, TILES=tiles, LANES=lanes, KEYS=sorted,
-                                  num_warps=num_warps)
+    _split_kernel[(rows, chunks)](*row_args, bracket, counts, out, cand, cand.stride(0), width, k, cap,
+                                  HAS_STARTS=has_starts, BLOCK=block, TILES=tiles, LANES=lanes, num_warps=num_warps)
     page_args = (page_table if fuse_pages else dummy, page_table.stride(0) if fuse_pages else 0,
                  page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0)
     table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if fuse_pages else (1, 0)
-    _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), keys, *page_args, width, table_rows,
-                            table_pages, k, cap, min(resident, cap), HAS_STARTS=has_starts, HAS_PAGES=fuse_pages,
-                            BLOCK_SIZE=block_size, BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES,
-                            RADIX=radix, RADIX_BINS=max(1 << radix, 32), RES=max(resident, FINISH_LANES * 32),
-                            KEYS=sorted, num_warps=finish_warps)
+    _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), *page_args, width, table_rows,
+                            table_pages, k, cap, HAS_STARTS=has_starts, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
+                            BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
+                            num_warps=finish_warps)
     if sorted:
         with_pages = page_table is not None
         # Slots past the width are -1 already (and stay last), so only min(k, W) are ordered. One
@@ -587,8 +496,9 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
         page_args = (page_table if with_pages else dummy, page_table.stride(0) if with_pages else 0,
                      page_rows if with_pages else dummy, page_rows.stride(0) if with_pages else 0)
         table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if with_pages else (1, 0)
-        _sort_kernel[(rows,)](keys, out, *page_args, table_rows, table_pages, k, min(k, width), HAS_PAGES=with_pages,
-                              BLOCK_SIZE=block_size, KP=sort_width, num_warps=sort_warps)
+        _sort_kernel[(rows,)](logits, logits.stride(0), row_args[4], row_args[5], out, *page_args, width,
+                              table_rows, table_pages, k, min(k, width), HAS_STARTS=has_starts, HAS_PAGES=with_pages,
+                              BLOCK_SIZE=block_size, KP=sort_width, num_warps=finish_warps)
     return out
 
 
@@ -623,18 +533,6 @@ def _workspace(device: torch.device, rows: int, cap: int) -> tuple[torch.Tensor,
     zeroes the counters; only written list entries are read)."""
     counts, bracket, cand = _scratch(device, triton.next_power_of_2(rows), cap)
     return counts[:rows], bracket[:rows], cand[:rows]
-
-
-def _keys_workspace(device: torch.device, rows: int, k: int) -> torch.Tensor:
-    """int32 [rows, k] view of the cached keys scratch (sorted=True): slot j holds the ordered key of
-    the position in out[:, j]; only slots holding a position are written or read."""
-    return _keys_scratch(device, triton.next_power_of_2(rows), k)[:rows]
-
-
-@functools.lru_cache(maxsize=None)
-def _keys_scratch(device: torch.device, rows: int, k: int) -> torch.Tensor:
-    # Cached and never freed, like _scratch (graph-safe addresses).
-    return torch.empty((rows, k), dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
