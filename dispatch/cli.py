@@ -282,7 +282,7 @@ def _validate(args: argparse.Namespace) -> int:
     from dispatch.plugins import collect_backends
     from dispatch.registry.checks import findings, unknown_backend_names
     from dispatch.registry.document import load_registry
-    from dispatch.registry.measured import stale_evidence
+    from dispatch.registry.measured import stale_evidence, this_machine
     from dispatch.runtime import load_plugins, registry_path
 
     document = load_registry(registry_path(args.path))
@@ -292,7 +292,8 @@ def _validate(args: argparse.Namespace) -> int:
         [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)],
         key=lambda pair: pair[1].line or 0,
     )
-    for warning in stale_evidence(document, catalog):  # warned, not failed: the choice still stands
+    # Warned, not failed (the choice still stands), and only for overlays measured on this kind of machine.
+    for warning in stale_evidence(document, catalog, machine=this_machine()):
         print(f"warning: {warning}", file=sys.stderr)
     for label, finding in found:
         print(f"{label}: {finding}", file=sys.stderr)

@@ -14,6 +14,7 @@ from dispatch.plan import ForwardBatch, build_plan
 from dispatch.reloading import LiveDispatcher, ReloadResult
 from dispatch.rope import RopeSpec
 from tests.fakes import catalog_of, dispatcher, fake_backend
+from tests.shipped import shipped_registry_text
 
 LOGITS, QUANT = Op.PAGED_MQA_LOGITS, Op.INDEXER_Q_QUANT
 KEY = DispatchKey(Arch.SM90, ForwardMode.TARGET_VERIFY, 2, Fp8Dtype.E4M3FN)
@@ -244,7 +245,7 @@ def test_a_live_dispatcher_from_a_path_alone(tmp_path, monkeypatch):
 
     monkeypatch.delenv("DISPATCH_REGISTRY", raising=False)
     path = tmp_path / "registry.yaml"
-    path.write_bytes(DEFAULT_REGISTRY.read_bytes())
+    path.write_text(shipped_registry_text())
     live = LiveDispatcher(path)
     assert live.path == path and live.current.catalog.get(Op.PAGED_MQA_LOGITS, "triton") is not None
     assert live.reload().ok

@@ -19,9 +19,10 @@ from dispatch.plugins import collect_backends
 from dispatch.registry.checks import check_backend_names
 from dispatch.registry.document import load_registry, parse_registry
 from dispatch.runtime import DEFAULT_REGISTRY, load_plugins
+from tests.shipped import shipped_registry_text
 
 PATH = "fuzzed/registry.yaml"
-PROJECT_LINES = DEFAULT_REGISTRY.read_text().splitlines(keepends=True)
+PROJECT_LINES = shipped_registry_text().splitlines(keepends=True)
 CATALOG: Catalog = collect_backends(load_plugins(frozenset()))
 KEYS = [
     DispatchKey(Arch.SM90, ForwardMode.TARGET_VERIFY, 3, Fp8Dtype.E4M3FN),

@@ -20,6 +20,7 @@ from dispatch.limits import MAX_MESSAGE_CHARS, MAX_REGISTRY_BYTES, MAX_REGISTRY_
 from dispatch.registry.checks import coverage, lint
 from dispatch.registry.document import load_registry, parse_registry
 from tests.fakes import catalog_of, fake_backend
+from tests.shipped import shipped_registry_text
 
 OPS = "  indexer_q_quant: {fallback: [torch.reference]}\n  topk: {fallback: [torch.reference]}\n  ragged_mqa_logits: {fallback: [torch.reference]}\n"
 
@@ -95,7 +96,7 @@ def test_a_file_at_the_cap_still_loads(tmp_path):
 def _shipped() -> str:
     from dispatch.runtime import DEFAULT_REGISTRY
 
-    return DEFAULT_REGISTRY.read_text()
+    return shipped_registry_text()
 
 
 # --- aliases and node counts -----------------------------------------------------------------------

@@ -17,8 +17,9 @@ from dispatch.registry.checks import all_keys
 from dispatch.reloading import LiveDispatcher
 from dispatch.runtime import DEFAULT_REGISTRY
 from tests.fakes import catalog_of, fake_backend
+from tests.shipped import shipped_registry_text
 
-SHIPPED = DEFAULT_REGISTRY.read_text()
+SHIPPED = shipped_registry_text()
 LOGITS, QUANT = Op.PAGED_MQA_LOGITS, Op.INDEXER_Q_QUANT
 
 TWO_RULES = """\

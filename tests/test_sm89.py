@@ -17,6 +17,7 @@ from dispatch.detect import cuda_arch
 from dispatch.errors import InvalidKeyError
 from dispatch.key import Arch, DispatchKey, Op
 from dispatch.runtime import DEFAULT_REGISTRY, load_dispatcher
+from tests.shipped import shipped_registry_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +82,7 @@ def test_a_reference_the_registry_chose_on_purpose_is_quiet(warnings_reset, tmp_
     key = DispatchKey("sm90", "target_verify", 2, "e4m3fn")
     assert on_an_h200.decide(Op.PAGED_MQA_LOGITS, key).source == "cluster-prefer"  # bisecting on purpose
     # A rule that names the reference first (the shipped top-k rule names Triton first).
-    shipped = Path(DEFAULT_REGISTRY).read_text()
+    shipped = shipped_registry_text()
     assert "use: [triton, flashinfer, torch.reference]" in shipped
     registry = tmp_path / "registry.yaml"
     registry.write_text(shipped.replace("use: [triton, flashinfer, torch.reference]", "use: [torch.reference, triton]"))

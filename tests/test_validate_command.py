@@ -18,8 +18,9 @@ import yaml
 from dispatch.cli import main
 from dispatch.registry.document import parse_registry
 from dispatch.runtime import DEFAULT_REGISTRY
+from tests.shipped import shipped_registry_text
 
-SHIPPED = DEFAULT_REGISTRY.read_text()
+SHIPPED = shipped_registry_text()
 
 
 @pytest.fixture(autouse=True)

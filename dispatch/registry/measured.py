@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import platform
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -208,11 +211,30 @@ def attach_measured(document: RegistryDocument) -> RegistryDocument:
     return dataclasses.replace(document, measured=measured) if measured else document
 
 
-def stale_evidence(document: RegistryDocument, catalog) -> list[str]:
+def this_machine() -> str:
+    """This machine as `tune` names it, without importing torch: the first NVIDIA GPU's name from
+    nvidia-smi (NVML's, the same string torch.cuda.get_device_name gives), else "CPU (<processor>)"."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            answer = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                    text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            answer = None
+        if answer is not None and answer.returncode == 0 and answer.stdout.strip():
+            return answer.stdout.strip().splitlines()[0].strip()
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def stale_evidence(document: RegistryDocument, catalog, machine: str | None = None) -> list[str]:
     """Warnings (not errors) for measurements that may no longer hold: a backend's version differs
-    from the one it was measured with, or a measured backend is no longer registered."""
+    from the one it was measured with, or a measured backend is no longer registered. With `machine`,
+    only overlays measured on that kind of machine are compared: an H200 overlay read on a laptop is
+    not stale, it is simply not this machine's (and the laptop's library versions say nothing of it)."""
     warnings = []
     for cluster, measured in document.measured.items():
+        if machine is not None and measured.overlay.machine != machine:
+            continue
         for op, table in measured.overlay.ops.items():
             for name, version in table.versions.items():
                 location = ("ops", op.value, "versions", name)
