@@ -51,13 +51,24 @@ def draw(report: dict, output: str) -> None:
         raise SystemExit("the report has no timed rows with a B=/N=/L~ shape to draw")
     keys = sorted(panels)
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4), squeeze=False)
+    # One colour per backend, one line style per batch size, so both read at a glance.
+    backends = sorted({backend for lines in panels.values() for backend, _ in lines})
+    batches = sorted({batch for lines in panels.values() for _, batch in lines})
+    colours = {backend: f"C{i}" for i, backend in enumerate(backends)}
+    styles = {batch: ("-", "--", ":", "-.")[i % 4] for i, batch in enumerate(batches)}
     for axis, key in zip(axes[0], keys):
+        lengths_seen = set()
         for (backend, batch), points in sorted(panels[key].items()):
             lengths, times = zip(*points)
-            axis.plot(lengths, times, marker="o", label=f"{backend} B={batch}")
+            lengths_seen.update(lengths)
+            axis.plot(lengths, times, marker="o", color=colours[backend], linestyle=styles[batch],
+                      label=f"{backend} B={batch}")
         op, next_n = key
         axis.set(title=f"{op}, next_n={next_n}", xlabel="mean context length", ylabel="median us", xscale="log", yscale="log")
-        axis.grid(True, which="both", alpha=0.3)
+        ticks = sorted(lengths_seen)
+        axis.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
+        axis.minorticks_off()
+        axis.grid(True, which="major", alpha=0.3)
         axis.legend(fontsize=6)
     fig.suptitle(f"{report['machine']}, {report['date']}, torch {report['torch']}, triton {report['triton']}")
     fig.tight_layout()
