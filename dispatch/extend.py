@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dispatch.bounds import new_error_flags, raise_for_flags
+from dispatch.bounds import new_error_flags
 from dispatch.decision import Decision
 from dispatch.errors import LayoutError
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.plan import EXTEND_STEP_OPS, decider, key_fp8_dtype, prepare_states
+from dispatch.plan import EXTEND_STEP_OPS, DecidedPlan, decider, key_fp8_dtype, prepare_states
 from dispatch.prefill import DEFAULT_LOGITS_BYTES, Chunk, ExtendBatch, RaggedMetadata, build_ragged_metadata
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class ChunkTensors:
 
 
 @dataclass(frozen=True, eq=False)
-class ExtendPlan:
+class ExtendPlan(DecidedPlan):
     """Decisions plus the ragged metadata. Backends read only this; nothing re-derives the path."""
 
     key: DispatchKey
@@ -67,41 +67,11 @@ class ExtendPlan:
         if self.error_flags is None:
             object.__setattr__(self, "error_flags", new_error_flags(self.page_table.device))
 
-    def check_errors(self) -> None:
-        """Sync, read and clear the error flags; raise IndexBoundsError naming what a backend saw (as
-        IndexerPlan.check_errors): call it where the engine syncs anyway."""
-        bits = int(self.error_flags.item())
-        if bits:
-            self.error_flags.zero_()
-            raise_for_flags(bits, f"extend plan for {self.key}")
-
-    def reset_errors(self) -> None:
-        """Zero the flags in place, with no sync."""
-        self.error_flags.zero_()
-
-    def decision(self, op: Op) -> Decision:
-        if op not in self.decisions:
-            raise LayoutError(f"the plan decided {', '.join(o.value for o in self.decisions)}; not {Op(op).value}")
-        return self.decisions[op]
-
-    def state_of(self, op: Op) -> Any:
-        return self.states.get(op)
-
-    @property
-    def indexer_q_quant(self) -> Decision:
-        return self.decision(Op.INDEXER_Q_QUANT)
+    kind = "extend plan"
 
     @property
     def ragged_logits(self) -> Decision:
         return self.decision(Op.RAGGED_MQA_LOGITS)
-
-    @property
-    def topk(self) -> Decision:
-        return self.decision(Op.TOPK)
-
-    @property
-    def fp8_dtype(self) -> Fp8Dtype:
-        return self.key.fp8_dtype
 
     @property
     def total_tokens(self) -> int:

@@ -134,8 +134,57 @@ def prepare_states(decisions: Mapping[Op, Decision], plan: Any) -> dict[Op, Any]
     }
 
 
+class DecidedPlan:
+    """What every plan kind shares (IndexerPlan for paged batches, dispatch.extend.ExtendPlan for
+    extend batches): its decisions and per-op states, read by op, and its error flags. A subclass is a
+    frozen dataclass with `key`, `decisions`, `states` and `error_flags` fields."""
+
+    key: DispatchKey
+    decisions: Mapping[Op, Decision]
+    states: Mapping[Op, Any]
+    error_flags: torch.Tensor | None
+
+    # --- Error flags (dispatch/bounds.py): the device-side record of out-of-range input. ---
+
+    def check_errors(self) -> None:
+        """Sync, read and clear the error flags; raise IndexBoundsError naming what a backend saw.
+
+        Call it where the engine syncs anyway (the step's end), or after each select in debug runs:
+        a set flag means some rows of this plan's logits are NaN and their top-k is meaningless."""
+        bits = int(self.error_flags.item())
+        if bits:
+            self.error_flags.zero_()
+            raise_for_flags(bits, f"{self.kind} for {self.key}")
+
+    def reset_errors(self) -> None:
+        """Zero the flags in place, with no sync (a captured graph's plan is reused across batches)."""
+        self.error_flags.zero_()
+
+    kind = "plan"  # how check_errors names the plan
+
+    def decision(self, op: Op) -> Decision:
+        if op not in self.decisions:
+            raise LayoutError(f"the plan decided {', '.join(o.value for o in self.decisions)}; not {Op(op).value}")
+        return self.decisions[op]
+
+    def state_of(self, op: Op) -> Any:
+        return self.states.get(op)
+
+    @property
+    def indexer_q_quant(self) -> Decision:
+        return self.decision(Op.INDEXER_Q_QUANT)
+
+    @property
+    def topk(self) -> Decision:
+        return self.decision(Op.TOPK)
+
+    @property
+    def fp8_dtype(self) -> Fp8Dtype:
+        return self.key.fp8_dtype
+
+
 @dataclass(frozen=True, eq=False)
-class IndexerPlan:
+class IndexerPlan(DecidedPlan):
     """Decisions plus layout tensors. Backends read only this; nothing re-derives the path."""
 
     key: DispatchKey
@@ -155,41 +204,9 @@ class IndexerPlan:
         if self.error_flags is None:
             object.__setattr__(self, "error_flags", new_error_flags(self.context_lens.device))
 
-    # --- Error flags (dispatch/bounds.py): the device-side record of out-of-range input. ---
-
-    def check_errors(self) -> None:
-        """Sync, read and clear the error flags; raise IndexBoundsError naming what a backend saw.
-
-        Call it where the engine syncs anyway (the step's end), or after each select in debug runs:
-        a set flag means some rows of this plan's logits are NaN and their top-k is meaningless."""
-        bits = int(self.error_flags.item())
-        if bits:
-            self.error_flags.zero_()
-            raise_for_flags(bits, f"plan for {self.key}")
-
-    def reset_errors(self) -> None:
-        """Zero the flags in place, with no sync (a captured graph's plan is reused across batches)."""
-        self.error_flags.zero_()
-
-    def decision(self, op: Op) -> Decision:
-        if op not in self.decisions:
-            raise LayoutError(f"the plan decided {', '.join(o.value for o in self.decisions)}; not {Op(op).value}")
-        return self.decisions[op]
-
-    def state_of(self, op: Op) -> Any:
-        return self.states.get(op)
-
     @property
     def logits(self) -> Decision:
         return self.decision(Op.PAGED_MQA_LOGITS)
-
-    @property
-    def indexer_q_quant(self) -> Decision:
-        return self.decision(Op.INDEXER_Q_QUANT)
-
-    @property
-    def topk(self) -> Decision:
-        return self.decision(Op.TOPK)
 
     @property
     def state(self) -> Any:
@@ -199,10 +216,6 @@ class IndexerPlan:
     @property
     def layout(self) -> Layout:
         return self.logits.layout
-
-    @property
-    def fp8_dtype(self) -> Fp8Dtype:
-        return self.key.fp8_dtype
 
     @property
     def token_lengths(self) -> torch.Tensor:
