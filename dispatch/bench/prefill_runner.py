@@ -8,7 +8,7 @@ import torch
 
 from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_logits, compare_ragged_topk
-from dispatch.bench.runner import REFERENCE, Row, _candidates, _floor
+from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_host, time_rotating
 from dispatch.bench.workload import RaggedInputs, RaggedShape, ragged_floor_counts, ragged_inputs
 from dispatch.calling import call_backend
@@ -62,9 +62,9 @@ def bench_ragged(
     args = (q_fp8, k, scales, folded, ks, ke)
     reference = ragged_mqa_logits(reference_plan, *args)
     bytes_, flops = ragged_floor_counts(shape)
-    floor = _floor(bytes_, flops, ceilings)
+    floor = floor_seconds_of(bytes_, flops, ceilings)
     rows = []
-    for name in _candidates(dispatcher, Op.RAGGED_MQA_LOGITS, key, wanted):
+    for name in eligible_candidates(dispatcher, Op.RAGGED_MQA_LOGITS, key, wanted):
         row = Row(Op.RAGGED_MQA_LOGITS.value, name, "ragged", shape.label(), bytes=bytes_, flops=flops, floor_seconds=floor)
         rows.append(row)
         try:
@@ -109,7 +109,7 @@ def bench_extend_step(
     step = IndexerStep(dispatcher, kv_fp8_dtype=fp8_dtype, topk=k, logits_byte_budget=logits_byte_budget,
                        **_settings(shape))
     _, flops = ragged_floor_counts(shape)
-    row = Row("extend_step", "", "ragged", f"{shape.label()} k={k}", flops=flops, floor_seconds=_floor(0.0, flops, ceilings))
+    row = Row("extend_step", "", "ragged", f"{shape.label()} k={k}", flops=flops, floor_seconds=floor_seconds_of(0.0, flops, ceilings))
     try:
         plan = step.plan(inputs.batch)
         row.backend = plan.ragged_logits.backend

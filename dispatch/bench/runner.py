@@ -62,13 +62,13 @@ class Row:
         }
 
 
-def _floor(bytes_: float, flops: float, ceilings: Ceilings | None) -> float | None:
+def floor_seconds_of(bytes_: float, flops: float, ceilings: Ceilings | None) -> float | None:
     if ceilings is None:
         return None
     return max(bytes_ / ceilings.copy_bytes_per_s, flops / ceilings.fp8_flops_per_s)
 
 
-def _candidates(dispatcher: Dispatcher, op: Op, key: DispatchKey, wanted: set[str] | None) -> list[str]:
+def eligible_candidates(dispatcher: Dispatcher, op: Op, key: DispatchKey, wanted: set[str] | None) -> list[str]:
     """The backends the dispatcher finds eligible for `key` (disabled ones included: a benchmark
     compares every path that can run), less the reference unless asked for by name."""
     names = []
@@ -98,10 +98,10 @@ def bench_logits(
     data_bytes = first.kv_cache.numel()
     sets = [first] + [logits_inputs(shape, fp8_dtype, device, seed=s) for s in range(1, 3 if data_bytes < 3 * L2_BYTES else 1)]
     bytes_, flops = logits_floor_counts(shape, first.seq_lens_host)
-    floor = _floor(bytes_, flops, ceilings)
+    floor = floor_seconds_of(bytes_, flops, ceilings)
     reference = _run_logits(dispatcher, REFERENCE, mode, first, fp8_dtype)
     rows = []
-    for name in _candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted):
+    for name in eligible_candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted):
         layout = dispatcher.catalog.get(Op.PAGED_MQA_LOGITS, name).layout.value
         row = Row(Op.PAGED_MQA_LOGITS.value, name, layout, shape.label(), bytes=bytes_, flops=flops, floor_seconds=floor)
         rows.append(row)
@@ -154,11 +154,11 @@ def bench_quant(
     key = DispatchKey(dispatcher.target_arch, ForwardMode.DECODE, 1, fp8_dtype)
     inputs = quant_inputs(shape, device, seed=0)
     bytes_ = quant_floor_bytes(shape)
-    floor = _floor(bytes_, 0.0, ceilings)
+    floor = floor_seconds_of(bytes_, 0.0, ceilings)
     settings = dict(fp8_dtype=fp8_dtype, rope=RopeSpec.neox_head(), softmax_scale=shape.head_dim**-0.5, head_scale=shape.heads**-0.5)
     reference = call_backend(dispatcher.pin(Op.INDEXER_Q_QUANT, key, REFERENCE, allow_disabled=True), **inputs, **settings)
     rows = []
-    for name in _candidates(dispatcher, Op.INDEXER_Q_QUANT, key, wanted):
+    for name in eligible_candidates(dispatcher, Op.INDEXER_Q_QUANT, key, wanted):
         decision = dispatcher.pin(Op.INDEXER_Q_QUANT, key, name, allow_disabled=True)
         row = Row(Op.INDEXER_Q_QUANT.value, name, decision.layout.value, shape.label(), bytes=bytes_, floor_seconds=floor)
         rows.append(row)
@@ -190,13 +190,13 @@ def bench_topk(
     over the plan's per-token lengths; checked against torch.topk."""
     mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
-    candidates = _candidates(dispatcher, Op.TOPK, key, wanted)
+    candidates = eligible_candidates(dispatcher, Op.TOPK, key, wanted)
     if not candidates:  # a grid's worth of inputs and logits for nothing to time
         return []
     inputs = logits_inputs(shape, fp8_dtype, device, seed=0)
     decided = _plan(dispatcher, dispatcher.decide(Op.PAGED_MQA_LOGITS, key).backend, mode, inputs, fp8_dtype)
     logits = paged_mqa_logits(decided, inputs.q_tokens, inputs.kv_cache, inputs.weights)
-    floor = _floor(topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k), 0.0, ceilings)
+    floor = floor_seconds_of(topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k), 0.0, ceilings)
     label = f"{shape.label()} k={k}"
     rows = []
     for name in candidates:

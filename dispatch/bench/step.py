@@ -11,7 +11,7 @@ import torch
 
 from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_topk
-from dispatch.bench.runner import REFERENCE, Row, _candidates, _floor
+from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_rotating
 from dispatch.bench.workload import (
     LogitsShape,
@@ -63,7 +63,7 @@ def bench_step(
     logits_bytes, logits_flops = logits_floor_counts(shape, paged.seq_lens_host)
     bytes_ = quant_floor_bytes(QuantShape(tokens, shape.heads, shape.head_dim)) + logits_bytes
     bytes_ += topk_floor_bytes(paged.seq_lens_host, shape.next_n, k)
-    floor = _floor(bytes_, logits_flops, ceilings)
+    floor = floor_seconds_of(bytes_, logits_flops, ceilings)
     combinations = itertools.product(
         _step_candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted), _step_candidates(dispatcher, Op.TOPK, key, wanted)
     )
@@ -76,22 +76,21 @@ def bench_step(
             plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, allow_disabled=True,
                               pinned={Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: topk_backend})
             step = IndexerStep(dispatcher, fp8_dtype, topk=k, **step_settings)
-            stages = _stages(plan, paged, activations, step_settings, k)
-            selected = step.select(plan, activations["q"], activations["weights"], activations["positions"],
+            stages, scored = _stages(plan, paged, activations, step_settings, k)
+
+            def run_step(plan=plan, step=step):
+                return step.select(plan, activations["q"], activations["weights"], activations["positions"],
                                    activations["cos_sin_cache"], paged.kv_cache)
+
             # The step's own logits are the yardstick: the selection must be exact on what it scored.
-            q_fp8, folded = stages["quant"]()
-            scored = paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded)
-            row.error, row.check = compare_topk(selected, scored, plan.token_lengths, k)
+            row.error, row.check = compare_topk(run_step(), scored, plan.token_lengths, k)
         except Exception as error:  # a benchmark reports a combination that fails; it does not stop the others
             row.check = f"failed: {type(error).__name__}: {error}"
             continue
         if row.check != "ok":
             continue
         on_gpu = device != "cpu"
-        call = [lambda: step.select(plan, activations["q"], activations["weights"], activations["positions"],
-                                    activations["cos_sin_cache"], paged.kv_cache)]
-        row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=on_gpu, repeats=repeats)
+        row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=on_gpu, repeats=repeats)
         for name, stage in stages.items():
             row.extra[f"{name}_us"] = time_rotating([stage], on_gpu=on_gpu, repeats=repeats)[0] * 1e6
         row.extra["x_logits"] = row.seconds * 1e6 / row.extra["logits_us"]
@@ -101,12 +100,13 @@ def bench_step(
 def _step_candidates(dispatcher: Dispatcher, op: Op, key: DispatchKey, wanted: set[str] | None) -> list[str]:
     """The op's eligible backends; where none but the reference is eligible, the reference (a step
     needs every op)."""
-    names = _candidates(dispatcher, op, key, wanted)
+    names = eligible_candidates(dispatcher, op, key, wanted)
     return names or [REFERENCE]
 
 
 def _stages(plan, paged, activations, settings, k):
-    """Each stage alone on the plan's decisions, inputs made once outside the timed calls."""
+    """(each stage alone on the plan's decisions, the logits the step scores): every stage's inputs are
+    made once, outside the timed calls."""
 
     def quant():
         return indexer_q_quant(plan, activations["q"], activations["weights"], activations["positions"],
@@ -114,8 +114,9 @@ def _stages(plan, paged, activations, settings, k):
 
     q_fp8, folded = quant()
     logits = paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded)
-    return {
+    stages = {
         "quant": quant,
         "logits": lambda: paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded),
         "topk": lambda: topk(plan, logits, k),
     }
+    return stages, logits

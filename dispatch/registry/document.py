@@ -112,6 +112,15 @@ def _too_big(path: object, size: int) -> str:
     return f"{path}: the registry is {size} bytes; the limit is {MAX_REGISTRY_BYTES} (a registry is a few KB)"
 
 
+def validation_problems(error: ValidationError, lines) -> list:
+    """pydantic's errors as (line, location, message), the form errors_in_file_order takes."""
+    problems = []
+    for detail in error.errors():
+        location = tuple(part for part in detail["loc"] if not _is_validator_tag(part))
+        problems.append((_deepest_line(lines, location), location, _message(detail)))
+    return problems
+
+
 def parse_registry(text: str, path: str = "<registry>") -> RegistryDocument:
     if len(text) > MAX_REGISTRY_BYTES:
         raise RegistryError(_too_big(path, len(text)))
@@ -119,11 +128,7 @@ def parse_registry(text: str, path: str = "<registry>") -> RegistryDocument:
     try:
         registry = Registry.model_validate(data)
     except ValidationError as error:
-        problems = []
-        for detail in error.errors():
-            location = tuple(part for part in detail["loc"] if not _is_validator_tag(part))
-            problems.append((_deepest_line(lines, location), location, _message(detail)))
-        raise errors_in_file_order(path, problems) from None
+        raise errors_in_file_order(path, validation_problems(error, lines)) from None
     duplicates = list(_duplicate_rule_ids(registry, lines))
     if duplicates:
         raise errors_in_file_order(path, duplicates)

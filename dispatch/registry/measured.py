@@ -28,12 +28,11 @@ from dispatch.registry.document import (
     Location,
     RegistryDocument,
     _deepest_line,
-    _is_validator_tag,
-    _message,
     _read_bounded,
     _safe_load_with_lines,
     dotted,
     errors_in_file_order,
+    validation_problems,
 )
 from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
 
@@ -152,11 +151,7 @@ def parse_measured(text: str, path: str = "<measured>") -> MeasuredDocument:
     try:
         overlay = MeasuredOverlay.model_validate(data)
     except ValidationError as error:
-        problems = []
-        for detail in error.errors():
-            location = tuple(part for part in detail["loc"] if not _is_validator_tag(part))
-            problems.append((_deepest_line(lines, location), location, _message(detail)))
-        raise errors_in_file_order(path, problems) from None
+        raise errors_in_file_order(path, validation_problems(error, lines)) from None
     problems = [(_deepest_line(lines, at), at, message) for at, message in _across_preferences(overlay)]
     if problems:
         raise errors_in_file_order(path, problems)
