@@ -417,7 +417,7 @@ def test_a_workload_is_bounded_to_what_one_machine_measures_in_minutes(tmp_path)
         ("{extend_requests: []}", "clusters.ci-cpu.workload.extend_requests", "name at least one"),
         ("{extend_requests: [16], extend_lens: [4096], prefix_lens: [0, 12288]}", "clusters.ci-cpu.workload",
          "the largest extend batch (`extend_requests` 16, `extend_lens` 4096, `prefix_lens` 12288) has fp32 logits "
-         "[M=65536, S=262144] of 64.0 GiB, more than the 16 GiB tune holds per batch"),
+         "[M=65536, S=262144] of 64.0 GiB, more than the 8 GiB tune holds per batch"),
     ],
 )
 def test_the_extend_workload_is_validated_naming_the_key(tmp_path, workload, key, message):

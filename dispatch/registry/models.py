@@ -164,7 +164,7 @@ class Workload(Strict):
 
     @model_validator(mode="after")
     def _extend_logits_fit(self) -> "Workload":
-        # tune scores each extend batch in one chunk, holding the reference's fp32 [M, S] and a backend's.
+        # tune scores each extend batch in one chunk (dispatch.limits says why this bound).
         requests, new, cached = max(self.extend_requests), max(self.extend_lens), max(self.prefix_lens)
         size = requests * new * requests * (cached + new) * 4
         if size > MAX_TUNE_LOGITS_BYTES:
