@@ -23,7 +23,6 @@ from pathlib import Path
 import yaml
 
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.plan import PAGED_STEP_OPS
 from dispatch.registry.measured import geometric_mean
 from dispatch.registry.models import Workload
 from dispatch.version import dispatch_version
@@ -66,7 +65,9 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
     loader `validate` uses before it is returned."""
     import torch
 
+    from dispatch.bench.tune_extend import measure_extend
     from dispatch.detect import platform_fp8_dtype
+    from dispatch.plan import PAGED_STEP_OPS
     from dispatch.registry.measured import parse_measured
 
     name = dispatcher.cluster
@@ -79,8 +80,6 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
         repeats = min(repeats, 3)
     workload = workload.model_copy(update={"fp8_dtype": fp8})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from dispatch.bench.tune_extend import measure_extend
-
     tuner = Tuner(dispatcher, workload, fp8, device, repeats, time.perf_counter())
     for op in PAGED_STEP_OPS:
         tuner.measure_paged(op)
