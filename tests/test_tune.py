@@ -429,7 +429,7 @@ def test_the_extend_workload_is_validated_naming_the_key(tmp_path, workload, key
 
 
 def test_the_default_workload_covers_serving_prefill():
-    from dispatch.bench.tune_extend import extend_shapes
+    from dispatch.bench.extend_tune import extend_shapes
     from dispatch.registry.models import Workload
 
     labels = [shape.label() for shape in extend_shapes(Workload())]

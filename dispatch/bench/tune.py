@@ -6,7 +6,7 @@ Keys: each forward mode's own ops (dispatch.plan.ops_for). Paged keys by next_n:
 > 1 is `target_verify` and `draft_extend`, which hand the kernels the same tensors, so one measurement
 serves both (a mode whose eligible backends differ is left to the rules). Q quant's time depends on
 its token count alone, so its measurement at the workload's token counts serves every paged key. The
-`extend` key is measured over the workload's extend batches (dispatch/bench/tune_extend.py). Where only
+`extend` key is measured over the workload's extend batches (dispatch/bench/extend_tune.py). Where only
 one backend is eligible there is nothing to choose and nothing is timed.
 """
 
@@ -65,7 +65,7 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
     loader `validate` uses before it is returned."""
     import torch
 
-    from dispatch.bench.tune_extend import measure_extend
+    from dispatch.bench.extend_tune import measure_extend
     from dispatch.detect import platform_fp8_dtype
     from dispatch.plan import PAGED_STEP_OPS
     from dispatch.registry.measured import parse_measured
