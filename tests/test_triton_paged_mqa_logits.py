@@ -103,8 +103,7 @@ def test_matches_reference(seq_lens, next_n, layout):
         LaunchConfig(tokens=8, pages=1, programs_per_sm=8, num_warps=8),
         LaunchConfig(tokens=1, pages=4, programs_per_sm=5, num_warps=8),
         LaunchConfig(tokens=2, pages=1, programs_per_sm=40),  # more programs than pages: most own nothing
-        LaunchConfig(tokens=4, pages=1, programs_per_sm=3, halves=2),  # two dots of 2 tokens
-        LaunchConfig(tokens=8, pages=2, programs_per_sm=2, halves=2),  # next_n 6: the second half part padding
+        LaunchConfig(tokens=8, pages=2, programs_per_sm=2),  # next_n 6: two of the 8 token slots padding
     ],
 )
 def test_launch_configs_agree(config):

@@ -49,15 +49,17 @@ C = LaunchConfig
 # (shape name, next_n, layout) -> configs; `tokens` beyond next_n is clipped by the wrapper.
 SWEEP = {
     ("n4_native", 4, Layout.NATIVE): [
-        C(4, 1, 2, 4, 5), C(4, 1, 3, 4, 5, 2), C(4, 1, 3, 4, 6, 2), C(4, 1, 2, 4, 5, 2), C(4, 1, 3, 4, 4, 2),
+        C(4, 1, 2, 4, 5), C(4, 1, 1, 4, 5), C(4, 1, 3, 4, 5), C(4, 1, 2, 4, 7), C(4, 1, 2, 4, 4), C(2, 1, 2, 4, 5),
     ],
     ("n1", 1, Layout.NATIVE): [
         C(1, 1, 6, 4, 6), C(1, 1, 4, 4, 6), C(1, 1, 5, 4, 6), C(1, 1, 7, 4, 6), C(1, 1, 6, 4, 5), C(1, 1, 6, 4, 7),
         C(1, 1, 8, 4, 5), C(1, 1, 12, 2, 4), C(1, 1, 8, 2, 6),
     ],
     ("n4_flatten", 4, Layout.FLATTEN): [C(1, 1, 4, 4, 6), C(1, 2, 4, 4, 5)],
-    ("n2_native", 2, Layout.NATIVE): [C(2, 1, 3, 4, 6), C(2, 1, 3, 4, 7), C(2, 1, 4, 4, 6, 2), C(2, 1, 3, 4, 6, 2)],
-    ("n8_native", 8, Layout.NATIVE): [C(4, 1, 2, 4, 5), C(4, 1, 3, 4, 5, 2), C(8, 1, 2, 4, 5, 2)],
+    ("n2_native", 2, Layout.NATIVE): [
+        C(2, 1, 3, 4, 6), C(2, 1, 3, 4, 5), C(2, 1, 3, 4, 7), C(2, 1, 3, 4, 4), C(2, 1, 2, 4, 5), C(2, 1, 4, 4, 4),
+    ],
+    ("n8_native", 8, Layout.NATIVE): [C(4, 1, 2, 4, 5), C(4, 1, 2, 4, 7)],
 }
 
 
@@ -186,7 +188,7 @@ def _rotating(batch: Batch, sets: list[tuple], config: LaunchConfig):
 
 def _row(r: dict) -> str:
     c = r["config"]
-    cfg = f"tok{c['tokens']} pg{c['pages']} progs/SM {c['programs_per_sm']} w{c['num_warps']} s{c['num_stages']} h{c['halves']}"
+    cfg = f"tok{c['tokens']} pg{c['pages']} progs/SM {c['programs_per_sm']} w{c['num_warps']} s{c['num_stages']}"
     if "error" in r:
         return f"{r['shape']:11s} {cfg:30s} ERROR {r['error'][:120]}"
     return (f"{r['shape']:11s} {cfg:30s} {r['us']:8.1f} us  floor {r['floor_us']:6.1f} us  x{r['of_floor']:.2f}  "
@@ -208,13 +210,12 @@ def resources() -> None:
     for (name, next_n, _), configs in SWEEP.items():
         for config in configs:
             tokens = min(triton.next_power_of_2(next_n), config.tokens)
-            key = (next_n, tokens, config.pages, config.num_warps, config.num_stages, config.halves)
+            key = (next_n, tokens, config.pages, config.num_warps, config.num_stages)
             if key in seen:
                 continue
             seen.add(key)
             constexprs = {"N": next_n, "TG": tokens, "H": HEADS, "D": HEAD_DIM, "BLOCK_KV": BLOCK_KV,
-                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0, "NAN_BYTES": 0,
-                          "HALVES": config.halves if tokens > 1 else 1}
+                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0, "NAN_BYTES": 0}
             signature = {n: (pointer_types[i] if i < len(pointer_types) else "constexpr" if n in constexprs else "i32")
                          for i, n in enumerate(names)}
             aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -228,7 +229,7 @@ def resources() -> None:
                 f.write(compiled.asm["cubin"])
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], check=True, capture_output=True, text=True).stdout
             regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:")))
-            print(f"N={next_n} tok{tokens} pg{config.pages} w{config.num_warps} s{config.num_stages} h{config.halves}: {regs} "
+            print(f"N={next_n} tok{tokens} pg{config.pages} w{config.num_warps} s{config.num_stages}: {regs} "
                   f"SMEM:{compiled.metadata.shared}")
 
 

@@ -136,7 +136,6 @@ def _paged_mqa_logits_kernel(
     PAGES: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
     NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
-    HALVES: tl.constexpr,  # 1, or 2: the TG tokens scored as two dots of TG / 2 (fewer registers)
 ):
     GROUPS: tl.constexpr = (N + TG - 1) // TG
     num_pages = tl.cdiv(max_context_len, BLOCK_KV)
@@ -151,7 +150,7 @@ def _paged_mqa_logits_kernel(
         _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, stride_q_row, stride_q_tok,
                           stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
                           max_context_len, num_pages, work_row // GROUPS, work_row % GROUPS, first_page,
-                          segment_end, N, TG, H, D, BLOCK_KV, PAGES, PRODUCT_SCALE, NAN_BYTES, HALVES)
+                          segment_end, N, TG, H, D, BLOCK_KV, PAGES, PRODUCT_SCALE, NAN_BYTES)
         work_row += 1
         first_page = 0
 
@@ -161,8 +160,7 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
                       stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
                       max_context_len, num_pages, row, group, page_begin, page_end,
                       N: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr,
-                      PAGES: tl.constexpr, PRODUCT_SCALE: tl.constexpr, NAN_BYTES: tl.constexpr,
-                      HALVES: tl.constexpr):
+                      PAGES: tl.constexpr, PRODUCT_SCALE: tl.constexpr, NAN_BYTES: tl.constexpr):
     # Up to TG tokens of one row, pages [page_begin, page_end): every logit column of that range is
     # written, -inf included, so no reduction across programs is needed.
     T: tl.constexpr = PAGES * BLOCK_KV
@@ -190,24 +188,8 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
         dim = tl.arange(0, D)
         page_of_t = t // BLOCK_KV
         slot_of_t = t % BLOCK_KV
-        if HALVES == 1:
-            q_t, w = _q_tile(q_ptr, w_ptr, row, group * TG, stride_q_row, stride_q_tok, stride_q_head, stride_w_row,
-                             N, TG, H, D, PRODUCT_SCALE, NAN_BYTES)
-        else:
-            # Two dots of TG / 2 tokens a step instead of one of TG: each accumulator is half as wide, so
-            # the scores, weights and head sums of one half are dead before the other's dot.
-            HT: tl.constexpr = TG // 2
-            q_t_a, w_a = _q_tile(q_ptr, w_ptr, row, group * TG, stride_q_row, stride_q_tok, stride_q_head, stride_w_row,
-                                 N, HT, H, D, PRODUCT_SCALE, NAN_BYTES)
-            q_t_b, w_b = _q_tile(q_ptr, w_ptr, row, group * TG + HT, stride_q_row, stride_q_tok, stride_q_head,
-                                 stride_w_row, N, HT, H, D, PRODUCT_SCALE, NAN_BYTES)
-            tok_a = group * TG + tl.arange(0, HT)
-            ctx_a = tl.load(ctx_ptr + row * stride_ctx_row + tok_a, mask=tok_a < N, other=0)
-            ctx_b = tl.load(ctx_ptr + row * stride_ctx_row + tok_a + HT, mask=tok_a + HT < N, other=0)
-            live_a = (tok_a < N) & (ctx_a >= 0)
-            live_b = (tok_a + HT < N) & (ctx_b >= 0)
-            out_rows_a = out_ptr + (row * N + tok_a).to(tl.int64) * stride_out_row
-            out_rows_b = out_ptr + (row * N + tok_a + HT).to(tl.int64) * stride_out_row
+        q_t, w = _q_tile(q_ptr, w_ptr, row, group * TG, stride_q_row, stride_q_tok, stride_q_head, stride_w_row,
+                         N, TG, H, D, PRODUCT_SCALE, NAN_BYTES)
         for page in range(page_begin, compute_end, PAGES):
             pages_here = page + page_of_t
             block = tl.load(table_ptr + row * stride_table_row + pages_here, mask=pages_here < valid_pages, other=0)
@@ -216,11 +198,7 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
             scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t)
             scale = tl.fma(scale, 0.0, scale)  # a finite scale unchanged; inf * 0 makes inf (and NaN) NaN
             col = page * BLOCK_KV + t
-            if HALVES == 1:
-                _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows, T, TG, H, NAN_BYTES)
-            else:
-                _score_and_store(keys, scale, q_t_a, w_a, col, col_end, ctx_a, live_a, out_rows_a, T, HT, H, NAN_BYTES)
-                _score_and_store(keys, scale, q_t_b, w_b, col, col_end, ctx_b, live_b, out_rows_b, T, HT, H, NAN_BYTES)
+            _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows, T, TG, H, NAN_BYTES)
     # The columns no compute step wrote (the last step may run past compute_end; its select wrote
     # -inf there) get -inf without reading anything.
     fill_begin = tl.maximum(page_begin, page_begin + tl.cdiv(compute_end - page_begin, PAGES) * PAGES)
@@ -240,15 +218,13 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
 class LaunchConfig:
     """Tuning knobs. `tokens`: most tokens of one row per work row (more take several); `pages`: 64-key
     pages per dot; `programs_per_sm`: the persistent grid (on the interpreter, the program count);
-    then warps and pipeline depth; `halves` 2 scores a work row's tokens as two dots of half as many
-    (fewer registers a program; 1 where a work row has one token)."""
+    then warps and pipeline depth."""
 
     tokens: int = 4
     pages: int = 1
     programs_per_sm: int = 2
     num_warps: int = 4
     num_stages: int = 2
-    halves: int = 1
 
 
 def default_config(next_n: int, device: torch.device) -> LaunchConfig:
@@ -357,7 +333,6 @@ def triton_paged_mqa_logits(
         PAGES=cfg.pages,
         PRODUCT_SCALE=mode.product_scale,
         NAN_BYTES=nan_bytes_mode(mode),
-        HALVES=cfg.halves if tokens > 1 else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -366,8 +341,8 @@ def triton_paged_mqa_logits(
 
 def work_row_tokens(config: LaunchConfig, next_n: int) -> int:
     """Tokens of one row per work row: the config's, at most next_n rounded up to a power of two."""
-    if not _pow2(config.tokens) or not _pow2(config.pages) or config.programs_per_sm < 1 or config.halves not in (1, 2):
-        raise ValueError(f"{config}: tokens and pages must be powers of two, programs_per_sm >= 1, halves 1 or 2")
+    if not _pow2(config.tokens) or not _pow2(config.pages) or config.programs_per_sm < 1:
+        raise ValueError(f"{config}: tokens and pages must be powers of two, programs_per_sm >= 1")
     return min(triton.next_power_of_2(next_n), config.tokens)
 
 
