@@ -291,10 +291,25 @@ def resources() -> None:
                 usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], check=True, capture_output=True,
                                        text=True).stdout
                 regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "SHARED:", "LOCAL:")))
-                sass = compiled.asm.get("sass") or ""
                 print(f"{kernel.fn.__name__:15s} warps {warps:2d} {constexprs}: {regs} "
-                      f"({time.time() - t:.1f} s){' sass ' + str(sass.count(chr(10))) + ' lines' if sass else ''}",
-                      flush=True)
+                      f"({time.time() - t:.1f} s) sass {sass_counts(cuobjdump, path)}", flush=True)
+
+
+def sass_counts(cuobjdump: str, path: str) -> str:
+    """Static SASS counts of a cubin: all instructions, barriers, shared-memory and shuffle ones, global
+    atomics (RED/ATOM)."""
+    import subprocess
+
+    sass = subprocess.run([cuobjdump, "-sass", path], check=True, capture_output=True, text=True).stdout
+    ops = []
+    for line in sass.splitlines():
+        text = line.split("*/", 1)[1].strip() if line.strip().startswith("/*") and "*/" in line else ""
+        if text:
+            op = text.split()[0]
+            ops.append(text.split()[1] if op.startswith("@") and len(text.split()) > 1 else op)
+    count = lambda *prefixes: sum(o.startswith(prefixes) for o in ops)  # noqa: E731
+    return (f"{len(ops)} instrs, {count('BAR')} BAR, {count('LDS', 'STS', 'ATOMS')} LDS/STS, {count('SHFL')} SHFL, "
+            f"{count('RED', 'ATOM.', 'ATOMG')} RED/ATOM")
 
 
 if __name__ == "__main__":
