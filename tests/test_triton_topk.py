@@ -362,16 +362,22 @@ def test_two_level_finish(change, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("batch", "next_n", "context", "k"), [(128, 4, 32768, 2048), (32, 2, 8192, 2048), (64, 1, 32768, 512)])
-def test_serving_shapes_on_gpu(batch, next_n, context, k):
-    """Indexer-like logits: -inf past each row's length, lengths = L - N + j + 1, L in [L/2, 3L/2]."""
+@pytest.mark.parametrize("change", [{}, {"ties": 1}, {"fine": 0}], ids=["two-level", "bin-radix", "radix-finish"])
+def test_serving_shapes_on_gpu(batch, next_n, context, k, change):
+    """Indexer-like logits: -inf past each row's length, lengths = L - N + j + 1, L in [L/2, 3L/2]. The
+    default config's rows must take the two-level finish (most resolved pairwise)."""
     gen = torch.Generator().manual_seed(batch + next_n)
     ctx = torch.randint(context // 2, context * 3 // 2 + 1, (batch,), generator=gen)
     lengths = (ctx[:, None] - next_n + torch.arange(next_n)[None, :] + 1).reshape(-1).to(torch.int32)
     width = int(lengths.max())
     logits = torch.randn(lengths.numel(), width, generator=gen)
     logits[torch.arange(width)[None, :] >= lengths[:, None].long()] = -INF
-    out = topk_indices(logits.cuda(), lengths.cuda(), k)
+    config = {**launch_config(*logits.shape, k), **change}
+    out = launch(logits.cuda(), lengths.cuda(), k, **config)
     check(logits, lengths, k, out)
+    paths = finish_paths(lengths, k, config, width)
+    if not change:
+        assert paths.count("ties") >= 0.9 * len(paths), {p: paths.count(p) for p in set(paths)}
 
 
 @pytest.mark.parametrize("sorted_", [False, True], ids=["fused", "sorted"])

@@ -66,26 +66,18 @@ def _linear_bin(x, lo, inv_width, BINS: tl.constexpr):
 
 
 @triton.jit
-def _fine_window(e_lo, e_hi, FINE: tl.constexpr):
-    """Integer bins over the ordered keys of [e_lo, e_hi] (finite, e_lo <= e_hi): the lowest key, the
-    highest and the shift with (highest - lowest) >> shift < FINE. Integer arithmetic on the keys, so
-    every kernel that bins a key gets the same bin."""
-    key_lo = _ordered_key(e_lo).to(tl.int64)
-    key_hi = _ordered_key(e_hi).to(tl.int64)
-    # The span stays below 2^31 so that key - key_lo never overflows int32; keys below the window pile
-    # into bin 0, which only costs speed.
-    key_lo = tl.maximum(key_lo, key_hi - 2147483647)
-    span = key_hi - key_lo
-    shift = 0
-    for s in tl.static_range(32):
-        shift += ((span >> s) >= FINE).to(tl.int32)
-    return key_lo.to(tl.int32), key_hi.to(tl.int32), shift
+def _key_value(key):
+    # The inverse of _ordered_key (the same bit flip: it keeps the sign bit, so it undoes itself).
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _fine_bin(key, key_lo, key_hi, shift):
-    # Monotone non-decreasing in the key; keys outside [key_lo, key_hi] go to the end bins.
-    return (tl.minimum(tl.maximum(key, key_lo), key_hi) - key_lo) >> shift
+def _fine_window(e_lo, e_hi, FINE: tl.constexpr):
+    """FINE linear bins over the bracket's finite edges e_lo <= e_hi: (lo, inv_width) for _linear_bin,
+    inv_width finite and > 0 whatever the edges. Linear in the value, not in the key: the ordered key
+    is logarithmic in the magnitude, and a bracket around 0 would pile its keys into a few key bins."""
+    inv_width = FINE / (e_hi - e_lo)
+    return e_lo, tl.where((e_hi > e_lo) & (inv_width < 1e30), inv_width, 1e30)
 
 
 @triton.jit
@@ -198,10 +190,9 @@ def _bracket_kernel(
         tl.store(bracket_ptr + 2 * row64 + 1, t_hi)
         if FINE > 0:
             # The finish's fine bins: their window over the bracket, and the row's histogram zeroed.
-            key_lo, key_hi, shift = _fine_window(e_lo, e_hi, FINE)
-            tl.store(window_ptr + 3 * row64, key_lo)
-            tl.store(window_ptr + 3 * row64 + 1, key_hi)
-            tl.store(window_ptr + 3 * row64 + 2, shift)
+            fine_lo, fine_inv = _fine_window(e_lo, e_hi, FINE)
+            tl.store(window_ptr + 2 * row64, fine_lo)
+            tl.store(window_ptr + 2 * row64 + 1, fine_inv)
             tl.store(hist_ptr + row64 * FINE + tl.arange(0, FINE), tl.zeros((FINE,), tl.int32))
 
 
@@ -390,14 +381,19 @@ def _rank_ties(ties_row, count, first, out_row, k, pt_row, pages,
     """The k - first largest of the count (<= TIES) packed entries at ties_row fill slots [first, k).
     Packed entries of one row are distinct (the position breaks ties between equal keys), so each
     entry's rank among them, counted pairwise, is a distinct slot offset: no scan, no rounds."""
-    i = tl.arange(0, TIES)[:, None]
-    j = tl.arange(0, TIES)[None, :]
+    # The TIES x TIES pairs as one flat vector (a few a thread; a 2-D tile of row and column loads
+    # gets a layout that holds a whole row a thread), summed per row after a reshape.
+    pair = tl.arange(0, TIES * TIES)
+    i = pair // TIES
+    j = pair % TIES
     e_i = tl.load(ties_row + i, mask=i < count, other=0)
     e_j = tl.load(ties_row + j, mask=j < count, other=0)
-    rank = tl.sum(((e_j > e_i) & (j < count)).to(tl.int32), axis=1, keep_dims=True)
+    rank = tl.sum(tl.reshape(((e_j > e_i) & (j < count)).to(tl.int32), (TIES, TIES)), axis=1)
+    mine = tl.arange(0, TIES)
+    entry = tl.load(ties_row + mine, mask=mine < count, other=0)
     slot = first + rank
-    take = (i < count) & (slot < k)
-    tl.store(out_row + slot, _slot_value(e_i.to(tl.int32), pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
+    take = (mine < count) & (slot < k)
+    tl.store(out_row + slot, _slot_value(entry.to(tl.int32), pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
 
 
 @triton.jit
@@ -405,30 +401,30 @@ def _two_level(cand_list, count, above, out_row, k, window_row, hist_row, ties_r
                HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
                FINE: tl.constexpr, TIES: tl.constexpr):
     """Slots [above, k) from the candidate list in one histogram and one compaction instead of radix
-    rounds: the list's entries are counted into FINE integer bins over the bracket (one atomic add
+    rounds: the list's entries are counted into FINE linear bins over the bracket (one atomic add
     each, into the row's histogram the bracket kernel zeroed), one scan finds the bin b holding the
     (k - above)-th largest, every entry of a bin above b is written, and b's own entries (at most
     TIES) are ranked pairwise. Returns whether that finished the row; if b holds more than TIES
-    entries (ties, or keys closer than the bins resolve), the caller's radix select takes b's key
-    range [key_min, key_max] with the output holding `first` keys."""
-    key_lo = tl.load(window_row)
-    key_hi = tl.load(window_row + 1)
-    shift = tl.load(window_row + 2)
+    entries (ties, or keys closer than the bins resolve), the caller's radix select takes b's entries
+    (those with keys in [key_min, key_max]) with the output holding `first` keys."""
+    lo = tl.load(window_row)
+    inv_width = tl.load(window_row + 1)
     offs = tl.arange(0, BLOCK)
     for t in range(0, count, BLOCK):
         key, _, live = _entries(cand_list, t + offs, count, -2147483648, 2147483647, False)
-        tl.atomic_add(hist_row + _fine_bin(key, key_lo, key_hi, shift), 1, mask=live, sem="relaxed")
+        fine = _linear_bin(_key_value(key), lo, inv_width, FINE)
+        tl.atomic_add(hist_row + fine, 1, mask=live, sem="relaxed")
     tl.debug_barrier()  # every add is done before any thread reads the histogram
     b, in_above, in_bin = _crossing_bin(tl.load(hist_row + tl.arange(0, FINE)), count, k - above, FINE)
     first = above + in_above
     # The compaction, laid out as the radix select's last scan: bins above b to the output, b's entries
-    # to the row's ties scratch.
+    # to the row's ties scratch. The bins are computed as above, by the same code in this kernel.
     idx0 = tl.arange(0, BLOCK // LANES)[:, None] + tl.arange(0, LANES)[None, :] * (BLOCK // LANES)
     gt_next = above
     eq_next = 0
     for t in range(0, count, BLOCK):
         key, pos, live = _entries(cand_list, t + idx0, count, -2147483648, 2147483647, False)
-        fine = _fine_bin(key, key_lo, key_hi, shift)
+        fine = _linear_bin(_key_value(key), lo, inv_width, FINE)
         gt = live & (fine > b)
         eq = live & (fine == b)
         flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
@@ -442,14 +438,21 @@ def _two_level(cand_list, count, above, out_row, k, window_row, hist_row, ties_r
         gt_next += total & 0xFFFF
         eq_next += total >> 16
     done = in_bin <= TIES
+    key_min = -2147483648
+    key_max = 2147483647
     if done:
         tl.debug_barrier()  # the ties' stores are visible to every thread
         _rank_ties(ties_row, in_bin, first, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, TIES)
-    # b's key range: bin(key) == b exactly for keys in it (bin 0 takes every key below the window,
-    # the top bin every key above).
-    key_min = tl.where(b > 0, key_lo + (b << shift), -2147483648)
-    upper = key_lo.to(tl.int64) + ((b.to(tl.int64) + 1) << shift) - 1
-    key_max = tl.where(upper < key_hi, upper, 2147483647).to(tl.int32)
+    else:
+        # The bins are monotone in the key, so b's entries are exactly the list's entries with keys
+        # between the smallest and the largest of b's.
+        key_min = 2147483647
+        key_max = -2147483648
+        for t in range(0, count, BLOCK):
+            key, _, live = _entries(cand_list, t + offs, count, -2147483648, 2147483647, False)
+            eq = live & (_linear_bin(_key_value(key), lo, inv_width, FINE) == b)
+            key_min = tl.minimum(key_min, tl.min(tl.where(eq, key, 2147483647), axis=0))
+            key_max = tl.maximum(key_max, tl.max(tl.where(eq, key, -2147483648), axis=0))
     return done.to(tl.int32), first, key_min, key_max
 
 
@@ -484,7 +487,7 @@ def _finish_kernel(
         key_max = 2147483647
         if FINE > 0:
             done, first, key_min, key_max = _two_level(
-                cand_list, in_bracket, above, out_row, k, window_ptr + 3 * row64, hist_ptr + row64 * FINE,
+                cand_list, in_bracket, above, out_row, k, window_ptr + 2 * row64, hist_ptr + row64 * FINE,
                 ties_ptr + row64 * TIES, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, LANES, FINE, TIES)
         if done == 0:
             _select(cand_list, in_bracket, first, key_min, key_max, out_row, k, pt_row, pages, False,
@@ -565,7 +568,7 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
     2048 keys with 8 warps, or 1024 with 4 where 2048 would leave an SM fewer than PROGRAMS_PER_SM
     programs; a thread holds one column of lanes = 8 keys. The interpreter pays per operation, not
     per element, so there tiles are as large as the row allows (`interpreted` None: whether
-    TRITON_INTERPRET is on here). The finish is two-level (fine = 1024 bins, ties = 64: NOTES.md,
+    TRITON_INTERPRET is on here). The finish is two-level (fine = 1024 bins, ties = 32: NOTES.md,
     "Round 4"); fine = 0 selects round 2's radix finish."""
     if triton_interpreter_on() if interpreted is None else interpreted:
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
@@ -574,7 +577,7 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
     block = 2048 if max(rows, 1) * max(width, 1) >= 2048 * PROGRAMS_PER_SM * SMS else 1024
     return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
             "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8, "fine": 1024,
-            "ties": 64}
+            "ties": 32}
 
 
 # The finish's tiles: a column of 8 keys a thread, so its tile follows its warps (2048 keys at 8).
@@ -668,8 +671,8 @@ def _page_transform(out, page_table, page_rows, block_size):
 
 def _workspace(device: torch.device, rows: int, cap: int, fine: int = 0, ties: int = 1) -> tuple[torch.Tensor, ...]:
     """Views of the cached scratch for `rows` rows: packed counters int64 [rows], brackets fp32
-    [rows, 2], candidate lists int64 [rows, cap], the fine bins' windows int32 [rows, 3] (lowest key,
-    highest key, shift), their histograms int32 [rows, max(fine, 1)], the threshold bins' entries
+    [rows, 2], candidate lists int64 [rows, cap], the fine bins' windows fp32 [rows, 2] (lo,
+    inv_width), their histograms int32 [rows, max(fine, 1)], the threshold bins' entries
     int64 [rows, ties]. Nothing needs initialising (the bracket kernel zeroes the counters and
     histograms; only written entries are read)."""
     return tuple(t[:rows] for t in _scratch(device, triton.next_power_of_2(rows), cap, fine, ties))
@@ -682,7 +685,7 @@ def _scratch(device: torch.device, rows: int, cap: int, fine: int, ties: int) ->
     return (torch.empty(rows, dtype=torch.int64, device=device),
             torch.empty((rows, 2), dtype=torch.float32, device=device),
             torch.empty((rows, cap), dtype=torch.int64, device=device),
-            torch.empty((rows, 3), dtype=torch.int32, device=device),
+            torch.empty((rows, 2), dtype=torch.float32, device=device),
             torch.empty((rows, max(fine, 1)), dtype=torch.int32, device=device),
             torch.empty((rows, ties), dtype=torch.int64, device=device))
 
