@@ -4,7 +4,8 @@ programs per row, with an exact radix fallback. Three launches, no host sync (fo
 1. bracket (one program per row): SAMPLE keys in runs of 8 spread over the row give a linear bin
    window and, from the sample's histogram, a value bracket [t_lo, t_hi] that holds the k-th largest
    key with high probability (Z standard deviations of the sample count either side). It also zeroes
-   the row's packed counter (above | candidates << 32).
+   the row's packed counter (above | candidates << 32) and its fine histogram, and stores the fine
+   bins' window (FINE linear bins over the bracket's finite edges).
 2. split (rows x chunks programs, the one pass over the logits): each program classifies its chunk of
    BLOCK * TILES keys, tile by tile: keys above t_hi go straight to the output, keys inside the
    bracket to the row's capped candidate list (one int64: order-preserving key << 32 | position).
@@ -13,17 +14,22 @@ programs per row, with an exact radix fallback. Three launches, no host sync (fo
    counted but not written. Many independent programs per SM keep many loads in flight, which one
    program walking a whole row could not.
 3. finish (one program per row): rows of length <= k write their non-NaN positions then -1. Else, if
-   the counts show the bracket held (above <= k <= above + candidates, candidates <= CAP): radix
-   rounds over the candidates find the exact k-th key T and how many keys equal to T are still
-   needed; a last scan writes the rest. If not (the sample misjudged the row, NaN hid keys, or the
-   list overflowed), the same radix rounds run over the row itself: exact whatever the data, a few
-   more passes over that row only. With a page table, the output prefix written by the split is
-   turned into KV slots here (and the finish's own stores go through the table).
+   the counts show the bracket held (above <= k <= above + candidates, candidates <= CAP), two
+   levels: each candidate is counted into its fine bin (one atomic add into the row's histogram),
+   one scan finds the bin b holding the (k - above)-th largest, a compaction writes every candidate
+   of the bins above b, and b's own few entries are ranked pairwise (at most TIES; past that, radix
+   rounds over b's entries only). If the bracket did not hold (the sample misjudged the row, NaN hid
+   keys, or the list overflowed), radix rounds run over the row itself: exact whatever the data, a
+   few more passes over that row only. Correctness never depends on the sample or the bins, only
+   speed. With a page table, the output prefix written by the split is turned into KV slots here (and
+   the finish's own stores go through the table). FINE = 0 keeps round 2's finish (radix rounds over
+   the whole list) for A/B measurements.
 4. sort (sorted=True only, one program per row): the k chosen (key, position) pairs packed into int64
    and sorted descending with tl.sort, -1s last, then the page transform.
 NaN fails every bracket compare and is no radix entry, so it is never selected; -inf is an ordinary
-(lowest) key. Scratch (counters, brackets, candidate lists) is a per-device workspace cached by
-(rows rounded up to a power of two, CAP) and never freed, so a CUDA graph captured after one eager
+(lowest) key. Scratch (counters, brackets, candidate lists, fine windows and histograms, threshold
+bins' entries) is a per-device workspace cached by (rows rounded up to a power of two, CAP, FINE,
+TIES) and never freed, so a CUDA graph captured after one eager
 call at its shape allocates nothing. Design notes and the numbers behind them: NOTES.md.
 """
 
