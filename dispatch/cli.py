@@ -11,6 +11,7 @@ import sys
 from dispatch.errors import BackendError, DispatchError, InvalidKeyError, NoBackendError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
+from dispatch.version import dispatch_version
 
 EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID, EXIT_BACKEND = 0, 1, 2, 3
 EXIT_CODES = (
@@ -80,15 +81,6 @@ def _print_json_error(kind: str, code: int, message: str) -> None:
     print(json.dumps({"error": {"type": kind, "exit_code": code, "message": message}}, indent=2))
 
 
-def _version() -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("dispatch-dsa")
-    except importlib.metadata.PackageNotFoundError:
-        return "source checkout (not installed)"
-
-
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     from dispatch.environment import environment_text
 
@@ -99,7 +91,7 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
         epilog=f"{environment_text()}\n\n{codes}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s (dispatch-dsa {_version()})")
+    parser.add_argument("--version", action="version", version=f"%(prog)s (dispatch-dsa {dispatch_version()})")
     _verbosity(parser, default=0)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 

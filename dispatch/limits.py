@@ -21,6 +21,10 @@ MAX_CLI_NEXT_N = 64
 MAX_CLI_SEQ_LEN = 2**20  # 8x DeepSeek V3.2's 128K context
 MAX_CLI_BATCH = 1024
 MAX_CLI_PLAN_TOKENS = 2**24  # requests x the longest: the block table printed is this / 64 entries
+# An extend batch `tune` measures: its fp32 logits [M, S] in one chunk (the default workload's largest is
+# 4 GiB). The torch reference top-k sorts them with int64 indices, about 8x their bytes at its peak, so
+# 8 GiB of logits is about what an H200's 141 GB holds.
+MAX_TUNE_LOGITS_BYTES = 8 << 30
 
 
 def quoted(value: object) -> str:

@@ -25,11 +25,12 @@ from dispatch.errors import PluginError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.layout import Layout
 from dispatch.limits import cut, quoted
+from dispatch.version import DISTRIBUTION as OWN_DISTRIBUTION
+from dispatch.version import dispatch_version
 
 logger = logging.getLogger("dispatch")
 
 ENTRY_POINT_GROUP = "dispatch.backends"
-OWN_DISTRIBUTION = "dispatch-dsa"
 BUILTIN_PLUGINS = (
     "backends.reference.plugin",
     "backends.triton.plugin",
@@ -100,7 +101,7 @@ def not_allowed_hint(backend_name: str) -> str:
 
 def builtin_plugins() -> list[LoadedPlugin]:
     _check_builtin_package()
-    version = _own_version()
+    version = dispatch_version()
     return [LoadedPlugin(path, OWN_DISTRIBUTION, importlib.import_module(path), version) for path in BUILTIN_PLUGINS]
 
 
@@ -248,13 +249,6 @@ def _support_problem(supports: object) -> str | None:
     if supports.extra is not None and not callable(supports.extra):
         return f"supports.extra={quoted(supports.extra)}; expected None or a callable"
     return None
-
-
-def _own_version() -> str:
-    try:
-        return importlib.metadata.version(OWN_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "source"
 
 
 def _trace_hooks(manager: pluggy.PluginManager) -> None:

@@ -77,3 +77,21 @@ def test_quick_bench_times_the_whole_step_per_backend_combination(capsys):
         assert row["op"] == "indexer_step" and row["check"] == "ok"
         assert row["quant_us"] > 0 and row["logits_us"] > 0 and row["topk_us"] > 0
         assert abs(row["x_logits"] - row["median_us"] / row["logits_us"]) < 1e-6 * row["x_logits"]
+
+
+def test_compare_window_topk_checks_every_row_against_its_own_range():
+    from backends.reference.topk import topk_indices
+    from dispatch.bench.compare import compare_window_topk
+
+    generator = torch.Generator().manual_seed(5)
+    for rows, width, k, block in ((7, 40, 4, 3), (33, 90, 16, 1024), (5, 12, 20, 2)):  # k past a range, blocks
+        starts = torch.randint(0, width // 2, (rows,), generator=generator, dtype=torch.int32)
+        lengths = torch.randint(0, width // 2 + 1, (rows,), generator=generator, dtype=torch.int32)
+        logits = torch.randn(rows, width, generator=generator)
+        good = topk_indices(logits, lengths, k, starts=starts)
+        assert compare_window_topk(good, logits, starts, lengths, k, block=block) == (0.0, "ok")
+        absolute = torch.where(good >= 0, good + starts[:, None], -1)  # positions not relative to ks
+        wrong_rows = int(((absolute != good).any(dim=1)).sum())
+        assert compare_window_topk(absolute, logits, starts, lengths, k, block=block) == (
+            wrong_rows / rows, f"{wrong_rows} of {rows} rows differ from torch.topk over [ks, ke)")
+    assert compare_window_topk(good[:, :-1], logits, starts, lengths, k)[1].startswith("got torch.int32")

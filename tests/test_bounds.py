@@ -373,8 +373,11 @@ def test_a_refreshed_plan_guards_the_new_batch_in_place(name):
     plan = plan_for(backend, first.seq_lens, first.page_table, next_n, arch=arch, num_kv_blocks=pool)
     q = plan.q_in_layout(first.q_tokens)
     backend.run(plan, q, first.kv_cache, first.weights)
-    guard = plan.state if name.startswith("triton") else plan.state.guard
+    guard = plan.state.guard
     addresses = (guard.safe_table.data_ptr(), guard.lens.data_ptr(), guard.fill.data_ptr())
+    schedule = getattr(plan.state, "schedule", None)  # Triton's length-balanced cuts (a tensor for DeepGEMM)
+    schedule_tensor = schedule.bounds if name.startswith("triton") else schedule
+    schedule_address, first_cuts = schedule_tensor.data_ptr(), schedule_tensor.clone()
 
     second_lens = torch.tensor([70, 100], dtype=torch.int32)
     second_table = first.page_table.clone()
@@ -386,6 +389,8 @@ def test_a_refreshed_plan_guards_the_new_batch_in_place(name):
     plan.reset_errors()
     backend.refresh_state(plan.state, fresh.state)
     assert (guard.safe_table.data_ptr(), guard.lens.data_ptr(), guard.fill.data_ptr()) == addresses
+    # The schedule is cut again from the new lengths, in place.
+    assert schedule_tensor.data_ptr() == schedule_address and not torch.equal(schedule_tensor, first_cuts)
     out = backend.run(plan, q, first.kv_cache, first.weights)
     poisoned = poisoned_tokens(second_table, [70, 100], next_n, pool, plan.max_context_len)
     assert poisoned == [False, False, True, True]

@@ -97,15 +97,17 @@ def test_matches_reference(seq_lens, next_n, layout):
 @pytest.mark.parametrize(
     "config",
     [
-        LaunchConfig(tokens=1, pages=1, pages_per_split=1),
-        LaunchConfig(tokens=2, pages=2, pages_per_split=2),
-        LaunchConfig(tokens=4, pages=1, pages_per_split=3),
-        LaunchConfig(tokens=8, pages=1, pages_per_split=8, num_warps=8),
-        LaunchConfig(tokens=1, pages=4, pages_per_split=4, num_warps=8),
+        LaunchConfig(tokens=1, pages=1, programs_per_sm=1),
+        LaunchConfig(tokens=2, pages=2, programs_per_sm=2),
+        LaunchConfig(tokens=4, pages=1, programs_per_sm=3),
+        LaunchConfig(tokens=8, pages=1, programs_per_sm=8, num_warps=8),
+        LaunchConfig(tokens=1, pages=4, programs_per_sm=5, num_warps=8),
+        LaunchConfig(tokens=2, pages=1, programs_per_sm=40),  # more programs than pages: most own nothing
+        LaunchConfig(tokens=8, pages=2, programs_per_sm=2),  # next_n 6: two of the 8 token slots padding
     ],
 )
 def test_launch_configs_agree(config):
-    """Token groups, pages per step and splits change the schedule, never the result."""
+    """Token groups, pages per step and the program count change the schedule, never the result."""
     plan, q, cache, weights = make_case([70, 5, 400], 6, BACKENDS["triton"], extra_pages=2, seed=11)
     out = triton_paged_mqa_logits(
         q, cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype, config=config

@@ -11,17 +11,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backends.reference.plugin import run_paged_mqa_logits
+import torch
+
+from backends.reference.plugin import run_paged_mqa_logits, run_ragged_mqa_logits
 from dispatch.backend import Backend, Support
 from dispatch.bench.tune import measure_overlay
 from dispatch.cli import main
 from dispatch.contract import PAGED_MODES, Layout, Op
 from dispatch.errors import RegistryError
+from dispatch.extend import build_extend_plan
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode
+from dispatch.plan import EXTEND_STEP_OPS
 from dispatch.plugins import collect_backends
+from dispatch.prefill import ExtendBatch
 from dispatch.registry.document import load_registry
 from dispatch.registry.measured import load_measured, parse_measured
 from dispatch.runtime import build_dispatcher, load_plugins
+from dispatch.version import dispatch_version
 from tests.fakes import fake_plugin
 
 REGISTRY = """\
@@ -47,6 +53,8 @@ INCLUDED = REGISTRY + "    measured: measured/ci-cpu.yaml\n"
 DECODE = DispatchKey(Arch.CPU, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)
 VERIFY = DispatchKey(Arch.CPU, ForwardMode.TARGET_VERIFY, 2, Fp8Dtype.E4M3FN)
 DRAFT = DispatchKey(Arch.CPU, ForwardMode.DRAFT_EXTEND, 2, Fp8Dtype.E4M3FN)
+EXTEND = DispatchKey(Arch.CPU, ForwardMode.EXTEND, 1, Fp8Dtype.E4M3FN)
+QUICK_EXTEND = "M=48 S=128 R=2 H=64 D=128"  # --quick's extend batch: 2 requests of 24 new tokens after 40 cached
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +92,58 @@ def test_tune_measures_every_eligible_backend_per_key(tuned):
     assert set(quant.order) == {"torch.reference", "triton"}
     _, topk = measured.find(Op.TOPK, VERIFY)
     assert set(topk.order) == {"torch.reference", "triton"}  # the Triton top-k is eligible on the CPU too
+    assert overlay.dispatch == dispatch_version()
+
+
+def test_tune_measures_the_extend_key_over_the_workloads_extend_batches(tuned):
+    _, overlay_path, _ = tuned
+    measured = load_measured(overlay_path)
+    assert (measured.overlay.workload.extend_requests, measured.overlay.workload.extend_lens,
+            measured.overlay.workload.prefix_lens) == ((2,), (24,), (40,))
+    shapes = {Op.INDEXER_Q_QUANT: "T=48 H=64 D=128 rot=64", Op.RAGGED_MQA_LOGITS: QUICK_EXTEND, Op.TOPK: f"{QUICK_EXTEND} k=64"}
+    for op in EXTEND_STEP_OPS:  # every op the extend step runs has a CPU choice: the reference or Triton
+        found = measured.find(op, EXTEND)
+        assert found is not None, f"no measured preference for {op.value} at {EXTEND}"
+        _, preference = found
+        assert set(preference.order) == {"torch.reference", "triton"} and not preference.failed
+        assert [s.shape for s in preference.shapes] == [shapes[op]]
+        assert preference.key.forward_mode == (ForwardMode.EXTEND,)
+    ragged = measured.overlay.ops[Op.RAGGED_MQA_LOGITS]
+    # The ragged op runs only in extend batches: no paged key is measured for it.
+    assert [p.key.forward_mode for p in ragged.preferences] == [(ForwardMode.EXTEND,)]
+    catalog = collect_backends(load_plugins())
+    assert ragged.versions == {name: str(catalog.get(Op.RAGGED_MQA_LOGITS, name).version) for name in ("torch.reference", "triton")}
+
+
+def test_the_dispatcher_and_explain_follow_the_measured_extend_choice(tuned, capsys):
+    registry, overlay_path, _ = tuned
+    measured = load_measured(overlay_path)
+    dispatcher = build_dispatcher(load_registry(registry), collect_backends(load_plugins()), cluster="ci-cpu")
+    batch = ExtendBatch.from_lengths([3, 0], [5, 2], torch.arange(4, dtype=torch.int32).view(2, 2))
+    plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype=Fp8Dtype.E4M3FN, prepare=False)
+    for op in EXTEND_STEP_OPS:
+        preference = measured.find(op, EXTEND)[1]
+        decision = plan.decisions[op]
+        assert (decision.source, decision.backend) == ("measured", preference.order[0]), op
+        assert decision.rule_at.startswith(f"{overlay_path}:") and decision.evidence is not None
+    preference = measured.find(Op.RAGGED_MQA_LOGITS, EXTEND)[1]
+    summary = plan.decisions[Op.RAGGED_MQA_LOGITS].evidence.summary()
+    args = ["explain", "--registry", str(registry), "--cluster", "ci-cpu", "--forward-mode", "extend"]
+    for extra in ([], ["--seq-lens", "5,2", "--prefix-lens", "3,0"]):  # one key, and a whole extend plan
+        assert main(args + extra) == 0
+        text = capsys.readouterr().out
+        block = text[text.index("ragged_mqa_logits for arch=cpu forward_mode=extend"):]
+        assert "by:       cluster `ci-cpu` measured[0]" in block
+        assert f"evidence: {summary}" in block and QUICK_EXTEND in summary
+        assert f"chosen:   {preference.order[0]}" in block
 
 
 def test_validate_accepts_it_and_a_cluster_decides_by_it(tuned, capsys):
     registry, overlay_path, _ = tuned
     assert main(["validate", str(registry)]) == 0
-    assert "1 measured overlays" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "1 measured overlays" in out
+    assert "stale evidence" not in err  # just measured by this tree (its version carries the commit)
     preference = load_measured(overlay_path).find(Op.PAGED_MQA_LOGITS, VERIFY)[1]
     args = ["explain", "--registry", str(registry), "--cluster", "ci-cpu", "--forward-mode", "target_verify", "--next-n", "2"]
     assert main(args + ["--json"]) == 0
@@ -151,29 +205,37 @@ def _skewed_logits(plan, q, kv_cache, weights):
     return run_paged_mqa_logits(plan, q, kv_cache, weights) * 1.001  # 1e-3 off: fails the CPU check (1e-5)
 
 
+def _skewed_ragged(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
+    return run_ragged_mqa_logits(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype) * 1.001
+
+
 def test_a_backend_that_fails_its_check_is_never_preferred(tmp_path):
     skewed = Backend(
         name="skewed", op=Op.PAGED_MQA_LOGITS, layout=Layout.NATIVE,
         supports=Support(forward_modes=PAGED_MODES), run=_skewed_logits, version="9",
     )
-    catalog = collect_backends(load_plugins() + [fake_plugin("skewed-plugin", skewed)])
+    skewed_ragged = Backend(
+        name="skewed", op=Op.RAGGED_MQA_LOGITS, layout=Layout.RAGGED,
+        supports=Support(forward_modes=frozenset({ForwardMode.EXTEND})), run=_skewed_ragged, version="9",
+    )
+    catalog = collect_backends(load_plugins() + [fake_plugin("skewed-plugin", skewed, skewed_ragged)])
     text = REGISTRY.replace("next_n: [1, 2]", "next_n: [1]").replace("  ci-cpu:\n", "  ci-cpu:\n    prefer: []\n")
     (tmp_path / "registry.yaml").write_text(text)
     dispatcher = build_dispatcher(load_registry(tmp_path / "registry.yaml"), catalog, cluster="ci-cpu")
     overlay_text, failures = measure_overlay(dispatcher, quick=True, output=str(tmp_path / "measured" / "ci-cpu.yaml"))
-    assert failures == 1
-    preference = parse_measured(overlay_text).find(Op.PAGED_MQA_LOGITS, DECODE)[1]
-    assert "skewed" not in preference.order and preference.failed["skewed"].startswith("error ")
+    assert failures == 2  # one paged key, one extend key
     (tmp_path / "measured").mkdir()
     (tmp_path / "measured" / "ci-cpu.yaml").write_text(overlay_text)
     (tmp_path / "registry.yaml").write_text(text + "    measured: measured/ci-cpu.yaml\n")
-    decision = build_dispatcher(load_registry(tmp_path / "registry.yaml"), catalog, cluster="ci-cpu").decide(
-        Op.PAGED_MQA_LOGITS, DECODE
-    )
-    assert decision.backend == preference.order[0]
-    reasons = {r.backend: r.reason for r in decision.rejected}
-    assert reasons["skewed"].startswith("failed the check against the reference when measured: error ")
-    assert decision.evidence.failed == (("skewed", preference.failed["skewed"]),)
+    dispatcher = build_dispatcher(load_registry(tmp_path / "registry.yaml"), catalog, cluster="ci-cpu")
+    for op, key in ((Op.PAGED_MQA_LOGITS, DECODE), (Op.RAGGED_MQA_LOGITS, EXTEND)):
+        preference = parse_measured(overlay_text).find(op, key)[1]
+        assert "skewed" not in preference.order and preference.failed["skewed"].startswith("error "), op
+        decision = dispatcher.decide(op, key)
+        assert decision.backend == preference.order[0] and decision.source == "measured"
+        reasons = {r.backend: r.reason for r in decision.rejected}
+        assert reasons["skewed"].startswith("failed the check against the reference when measured: error ")
+        assert decision.evidence.failed == (("skewed", preference.failed["skewed"]),)
 
 
 def test_a_cluster_prefer_still_comes_before_the_measured_order(tuned, tmp_path):
@@ -345,3 +407,31 @@ def test_a_workload_is_bounded_to_what_one_machine_measures_in_minutes(tmp_path)
     message = str(error.value)
     assert "clusters.ci-cpu.workload.batch_sizes: name at least one" in message, message
     assert "clusters.ci-cpu.workload.next_n[1]: Input should be less than or equal to 64" in message, message
+
+
+@pytest.mark.parametrize(
+    "workload, key, message",
+    [
+        ("{prefix_lens: [0, -1]}", "clusters.ci-cpu.workload.prefix_lens[1]", "greater than or equal to 0"),
+        ("{extend_lens: [0]}", "clusters.ci-cpu.workload.extend_lens[0]", "greater than or equal to 1"),
+        ("{extend_requests: []}", "clusters.ci-cpu.workload.extend_requests", "name at least one"),
+        ("{extend_requests: [16], extend_lens: [4096], prefix_lens: [0, 12288]}", "clusters.ci-cpu.workload",
+         "the largest extend batch (`extend_requests` 16, `extend_lens` 4096, `prefix_lens` 12288) has fp32 logits "
+         "[M=65536, S=262144] of 64.0 GiB, more than the 8 GiB tune holds per batch"),
+    ],
+)
+def test_the_extend_workload_is_validated_naming_the_key(tmp_path, workload, key, message):
+    (tmp_path / "registry.yaml").write_text(REGISTRY.replace("workload: {next_n: [1, 2]}", f"workload: {workload}"))
+    with pytest.raises(RegistryError) as error:
+        load_registry(tmp_path / "registry.yaml")
+    assert str(error.value).startswith(f"{tmp_path / 'registry.yaml'}:17: {key}: "), error.value
+    assert message in str(error.value), error.value
+
+
+def test_the_default_workload_covers_serving_prefill():
+    from dispatch.bench.extend_tune import extend_shapes
+    from dispatch.registry.models import Workload
+
+    labels = [shape.label() for shape in extend_shapes(Workload())]
+    assert labels == ["M=4K S=4K R=4 H=64 D=128", "M=4K S=52K R=4 H=64 D=128", "M=16K S=16K R=4 H=64 D=128",
+                      "M=16K S=64K R=4 H=64 D=128"]

@@ -207,7 +207,3 @@ def prepare_page_guard(plan: "IndexerPlan") -> PageGuard:
         guard.launch(plan.num_kv_blocks)
     return guard
 
-
-def refresh_page_guard(captured: PageGuard, fresh: PageGuard) -> None:
-    """Backend.refresh_state for a guard: `fresh` is the new batch's plan's guard (for its pool size)."""
-    captured.refresh(fresh.num_blocks)

@@ -3,12 +3,14 @@
     logits[r*N + j, k] = sum_h w[r*N + j, h] * relu(q[r, j, h] . K[k]) * s[k]   for k < ctx[r, j]
                        = -inf                                                    otherwise
 
-Grid: (token groups, rows, splits). A program owns up to TG tokens of one row and a contiguous range
-of its pages, and writes every logit column of that range, -inf included, so no reduction across
-programs is needed. Per step it loads PAGES pages of keys [T, D] and computes keys @ q^T -> [T, TG*H]
+Grid: persistent, a few programs per SM. The batch's length-balanced schedule
+(backends/triton/paged_schedule.py, built once per batch) gives each program one contiguous range of
+(work row, page) positions of equal cost, where a work row is up to TG tokens of one row; for each
+work row its range touches, the program writes every logit column of those pages, -inf included, so
+no reduction across programs is needed. Per step it loads PAGES pages of keys [T, D] and computes keys @ q^T -> [T, TG*H]
 in one fp8 dot: tokens x heads is the dot's N, so the relu-weighted sum over heads stays inside a
 thread and its quad rather than crossing warps (DeepGEMM's SM90 kernel has the same orientation).
-q^T and the weights are loaded once per program. Pages past every token's length are never read.
+q^T and the weights are loaded once per work row a program touches. Pages past every token's length are never read.
 
 Bounds (dispatch/bounds.py): the kernel reads the per-batch page guard's output
 (backends/triton/page_guard.py), not the engine's table and lengths: a table whose every entry lies in
@@ -34,6 +36,7 @@ import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from backends.triton.page_guard import PageGuard, guard_pages
+from backends.triton.paged_schedule import PagedSchedule, program_count, schedule_pages
 from dispatch.bounds import check_pages, debug_bounds_on, scratch_error_flags
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
@@ -70,63 +73,15 @@ def nan_bytes_mode(mode: Fp8Mode) -> int:
 
 
 @triton.jit
-def _paged_mqa_logits_kernel(
-    q_ptr,  # fp8 [R, N, H, D], D contiguous
-    k_ptr,  # the cache's bytes as fp8, [num_blocks, BLOCK_KV * (D + 4)]
-    s_ptr,  # the cache's scale words as fp32, starting at block 0's first scale
-    w_ptr,  # fp32 [R * N, H]
-    ctx_ptr,  # int32 [R, N]: the guard's lens (-1 for a poisoned token)
-    table_ptr,  # int32 [R, M]: the guard's safe table (every entry inside the cache)
-    out_ptr,  # fp32 [R * N, max_context_len]
-    stride_q_row,
-    stride_q_tok,
-    stride_q_head,
-    stride_w_row,
-    stride_ctx_row,
-    stride_table_row,
-    stride_out_row,
-    max_context_len,
-    pages_per_split,
-    N: tl.constexpr,
-    TG: tl.constexpr,  # tokens per program: a power of two; N > TG takes ceil(N / TG) programs
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_KV: tl.constexpr,
-    PAGES: tl.constexpr,
-    PRODUCT_SCALE: tl.constexpr,
-    NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
-):
-    # The token group varies fastest, so the groups of one row's split run together and the second
-    # group's page reads hit L2.
-    group = tl.program_id(0)
-    row = tl.program_id(1)
-    split = tl.program_id(2)
-    T: tl.constexpr = PAGES * BLOCK_KV
-    GH: tl.constexpr = TG * H
-    BLOCK_BYTES: tl.constexpr = BLOCK_KV * (D + 4)
-    BLOCK_WORDS: tl.constexpr = BLOCK_BYTES // 4
-
-    tok = group * TG + tl.arange(0, TG)
-    tok_ok = tok < N
-    ctx = tl.load(ctx_ptr + row * stride_ctx_row + tok, mask=tok_ok, other=0)
-    num_pages = tl.cdiv(max_context_len, BLOCK_KV)
-    # Pages past the group's longest length are skipped (a poisoned token's -1 reads none); the clip to
-    # the output's width keeps every table read inside the guard's [R, ceil(width / BLOCK_KV)] table.
-    valid_pages = tl.minimum(tl.cdiv(tl.max(ctx, axis=0), BLOCK_KV), num_pages)
-    page_begin = split * pages_per_split
-    page_end = tl.minimum(page_begin + pages_per_split, num_pages)
-    col_end = tl.minimum(page_end * BLOCK_KV, max_context_len)
-    compute_end = tl.minimum(page_end, valid_pages)
-
-    # A token the guard poisoned has length -1: the page loop and the -inf fill leave it alone (their
-    # stores are masked by `live`), and the NaN loop at the end, empty unless a token is poisoned, writes
-    # its row. So the page loop is the same code as without bounds checks.
-    live = tok_ok & (ctx >= 0)  # [TG]
-    poisoned = tok_ok & (ctx < 0)
-
-    # q rows are token-major (i * H + h); padded tokens load zeros and carry zero weight.
-    qk_row = tl.arange(0, GH)
-    q_tok = group * TG + qk_row // H
+def _q_tile(q_ptr, w_ptr, row, first_tok, stride_q_row, stride_q_tok, stride_q_head, stride_w_row,
+            N: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PRODUCT_SCALE: tl.constexpr,
+            NAN_BYTES: tl.constexpr):
+    # q^T [D, TG * H] and the weights [TG * H] of tokens [first_tok, first_tok + TG) of a row. q rows are
+    # token-major (i * H + h); padded tokens load zeros and carry zero weight. Transposed here, outside
+    # the page loop: Triton then stores q^T to shared memory once per segment; a tl.trans inside the
+    # loop re-stores the whole tile every step.
+    qk_row = tl.arange(0, TG * H)
+    q_tok = first_tok + qk_row // H
     q_head = qk_row % H
     dim = tl.arange(0, D)
     q = tl.load(
@@ -137,32 +92,113 @@ def _paged_mqa_logits_kernel(
     w = tl.load(w_ptr + (row * N + q_tok) * stride_w_row + q_head, mask=q_tok < N, other=0.0) * PRODUCT_SCALE
     if NAN_BYTES != NAN_BY_HARDWARE:
         w = tl.where(tl.max(_is_nan_byte(q, NAN_BYTES), axis=1) > 0, float("nan"), w)
-    # Transposed outside the loop: Triton then stores q^T to shared memory once per program; a
-    # tl.trans inside the loop re-stores the whole tile every step.
-    q_t = tl.trans(q)
+    return tl.trans(q), w
 
+
+@triton.jit
+def _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows,
+                     T: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, NAN_BYTES: tl.constexpr):
+    # Keys are the dot's M and tokens x heads its N: the head sum stays inside a thread and its quad
+    # instead of crossing warps.
+    scores = tl.dot(keys, q_t)  # [T, TG * H], fp32 accumulation
+    scores = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    logits = tl.sum(tl.reshape(scores, (T, TG, H)), axis=2) * scale[:, None]
+    if NAN_BYTES != NAN_BY_HARDWARE:
+        logits = tl.where(tl.max(_is_nan_byte(keys, NAN_BYTES), axis=1)[:, None] > 0, float("nan"), logits)
+    # A select, not a multiply: bytes past a length are garbage and may decode to NaN.
+    logits = tl.where(col[:, None] < ctx[None, :], logits, float("-inf"))
+    tl.store(out_rows[None, :] + col[:, None], logits, mask=live[None, :] & (col < col_end)[:, None])
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr,  # fp8 [R, N, H, D], D contiguous
+    k_ptr,  # the cache's bytes as fp8, [num_blocks, BLOCK_KV * (D + 4)]
+    s_ptr,  # the cache's scale words as fp32, starting at block 0's first scale
+    w_ptr,  # fp32 [R * N, H]
+    ctx_ptr,  # int32 [R, N]: the guard's lens (-1 for a poisoned token)
+    table_ptr,  # int32 [R, M]: the guard's safe table (every entry inside the cache)
+    bounds_ptr,  # int32 [P + 1, 2]: the schedule's (work row, page) cuts, one range per program
+    out_ptr,  # fp32 [R * N, max_context_len]
+    stride_q_row,
+    stride_q_tok,
+    stride_q_head,
+    stride_w_row,
+    stride_ctx_row,
+    stride_table_row,
+    stride_out_row,
+    max_context_len,
+    N: tl.constexpr,
+    TG: tl.constexpr,  # tokens per work row: a power of two; N > TG makes ceil(N / TG) work rows a row
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    PAGES: tl.constexpr,
+    PRODUCT_SCALE: tl.constexpr,
+    NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
+):
+    GROUPS: tl.constexpr = (N + TG - 1) // TG
+    num_pages = tl.cdiv(max_context_len, BLOCK_KV)
+    program = tl.program_id(0)
+    work_row = tl.load(bounds_ptr + program * 2)
+    first_page = tl.load(bounds_ptr + program * 2 + 1)
+    last_work_row = tl.load(bounds_ptr + program * 2 + 2)
+    end_page = tl.load(bounds_ptr + program * 2 + 3)
+    # One segment per work row the program's range touches: pages [first_page, segment_end) of it.
+    while (work_row < last_work_row) | ((work_row == last_work_row) & (first_page < end_page)):
+        segment_end = tl.where(work_row == last_work_row, end_page, num_pages)
+        _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, stride_q_row, stride_q_tok,
+                          stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
+                          max_context_len, num_pages, work_row // GROUPS, work_row % GROUPS, first_page,
+                          segment_end, N, TG, H, D, BLOCK_KV, PAGES, PRODUCT_SCALE, NAN_BYTES)
+        work_row += 1
+        first_page = 0
+
+
+@triton.jit
+def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, stride_q_row, stride_q_tok,
+                      stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
+                      max_context_len, num_pages, row, group, page_begin, page_end,
+                      N: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr,
+                      PAGES: tl.constexpr, PRODUCT_SCALE: tl.constexpr, NAN_BYTES: tl.constexpr):
+    # Up to TG tokens of one row, pages [page_begin, page_end): every logit column of that range is
+    # written, -inf included, so no reduction across programs is needed.
+    T: tl.constexpr = PAGES * BLOCK_KV
+    BLOCK_BYTES: tl.constexpr = BLOCK_KV * (D + 4)
+    BLOCK_WORDS: tl.constexpr = BLOCK_BYTES // 4
+
+    tok = group * TG + tl.arange(0, TG)
+    tok_ok = tok < N
+    ctx = tl.load(ctx_ptr + row * stride_ctx_row + tok, mask=tok_ok, other=0)
+    # Pages past the group's longest length are skipped (a poisoned token's -1 reads none); the clip to
+    # the output's width keeps every table read inside the guard's [R, ceil(width / BLOCK_KV)] table.
+    valid_pages = tl.minimum(tl.cdiv(tl.max(ctx, axis=0), BLOCK_KV), num_pages)
+    col_end = tl.minimum(page_end * BLOCK_KV, max_context_len)
+    compute_end = tl.minimum(page_end, valid_pages)
+
+    # A token the guard poisoned has length -1: the page loop and the -inf fill leave it alone (their
+    # stores are masked by `live`), and the NaN loop at the end, empty unless a token is poisoned, writes
+    # its row. So the page loop is the same code as without bounds checks.
+    live = tok_ok & (ctx >= 0)  # [TG]
+    poisoned = tok_ok & (ctx < 0)
     out_rows = out_ptr + (row * N + tok).to(tl.int64) * stride_out_row
     t = tl.arange(0, T)
-    page_of_t = t // BLOCK_KV
-    slot_of_t = t % BLOCK_KV
-    for page in range(page_begin, compute_end, PAGES):
-        pages_here = page + page_of_t
-        block = tl.load(table_ptr + row * stride_table_row + pages_here, mask=pages_here < valid_pages, other=0)
-        block = block.to(tl.int64)
-        keys = tl.load(k_ptr + (block * BLOCK_BYTES + slot_of_t * D)[:, None] + dim[None, :])
-        scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t)
-        scale = tl.fma(scale, 0.0, scale)  # a finite scale unchanged; inf * 0 makes inf (and NaN) NaN
-        # Keys are the dot's M and tokens x heads its N: the head sum below stays inside a thread
-        # and its quad instead of crossing warps.
-        scores = tl.dot(keys, q_t)  # [T, TG * H], fp32 accumulation
-        scores = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
-        logits = tl.sum(tl.reshape(scores, (T, TG, H)), axis=2) * scale[:, None]
-        if NAN_BYTES != NAN_BY_HARDWARE:
-            logits = tl.where(tl.max(_is_nan_byte(keys, NAN_BYTES), axis=1)[:, None] > 0, float("nan"), logits)
-        col = page * BLOCK_KV + t
-        # A select, not a multiply: bytes past a length are garbage and may decode to NaN.
-        logits = tl.where(col[:, None] < ctx[None, :], logits, float("-inf"))
-        tl.store(out_rows[None, :] + col[:, None], logits, mask=live[None, :] & (col < col_end)[:, None])
+
+    if page_begin < compute_end:
+        dim = tl.arange(0, D)
+        page_of_t = t // BLOCK_KV
+        slot_of_t = t % BLOCK_KV
+        q_t, w = _q_tile(q_ptr, w_ptr, row, group * TG, stride_q_row, stride_q_tok, stride_q_head, stride_w_row,
+                         N, TG, H, D, PRODUCT_SCALE, NAN_BYTES)
+        for page in range(page_begin, compute_end, PAGES):
+            pages_here = page + page_of_t
+            block = tl.load(table_ptr + row * stride_table_row + pages_here, mask=pages_here < valid_pages, other=0)
+            block = block.to(tl.int64)
+            keys = tl.load(k_ptr + (block * BLOCK_BYTES + slot_of_t * D)[:, None] + dim[None, :])
+            scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t)
+            scale = tl.fma(scale, 0.0, scale)  # a finite scale unchanged; inf * 0 makes inf (and NaN) NaN
+            col = page * BLOCK_KV + t
+            _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows, T, TG, H, NAN_BYTES)
     # The columns no compute step wrote (the last step may run past compute_end; its select wrote
     # -inf there) get -inf without reading anything.
     fill_begin = tl.maximum(page_begin, page_begin + tl.cdiv(compute_end - page_begin, PAGES) * PAGES)
@@ -170,7 +206,7 @@ def _paged_mqa_logits_kernel(
     for page in range(fill_begin, page_end, PAGES):
         col = page * BLOCK_KV + t
         tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=live[:, None] & (col < col_end)[None, :])
-    # Poisoned tokens: NaN in every column of the split. No iteration when none is poisoned.
+    # Poisoned tokens: NaN in every column of the segment. No iteration when none is poisoned.
     nan_end = tl.where(tl.max(poisoned.to(tl.int32), axis=0) > 0, page_end, page_begin)
     nan = tl.full((TG, T), float("nan"), tl.float32)
     for page in range(page_begin, nan_end, PAGES):
@@ -180,12 +216,13 @@ def _paged_mqa_logits_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Tuning knobs. `tokens`: most tokens of one row per program (more take several programs);
-    `pages`: 64-key pages per dot; `pages_per_split`: pages per program; then warps and pipeline depth."""
+    """Tuning knobs. `tokens`: most tokens of one row per work row (more take several); `pages`: 64-key
+    pages per dot; `programs_per_sm`: the persistent grid (on the interpreter, the program count);
+    then warps and pipeline depth."""
 
     tokens: int = 4
     pages: int = 1
-    pages_per_split: int = 32
+    programs_per_sm: int = 2
     num_warps: int = 4
     num_stages: int = 2
 
@@ -194,13 +231,17 @@ def default_config(next_n: int, device: torch.device) -> LaunchConfig:
     """Per next_n; NOTES.md has the measurements behind each choice."""
     if device.type != "cuda":
         # The interpreter pays per program and per step: few, large ones.
-        return LaunchConfig(tokens=8, pages=2, pages_per_split=64, num_warps=4, num_stages=1)
+        return LaunchConfig(tokens=8, pages=2, programs_per_sm=4, num_warps=4, num_stages=1)
     if next_n == 1:
-        # Memory-bound: 64-key steps, 4 warps (71 registers), a deep pipeline for bytes in flight.
-        return LaunchConfig(tokens=1, pages=1, pages_per_split=32, num_warps=4, num_stages=6)
-    # One warpgroup per 64-key page, up to 4 tokens x 64 heads as the dot's N (~230 registers, two
+        # Memory-bound: 64-key steps, 4 warps (79 registers), a deep pipeline and 6 programs an SM for
+        # bytes in flight.
+        return LaunchConfig(tokens=1, pages=1, programs_per_sm=6, num_warps=4, num_stages=6)
+    if next_n == 2:
+        # 2 tokens x 64 heads as the dot's N: 154 registers, so three programs an SM, each 6 stages deep.
+        return LaunchConfig(tokens=2, pages=1, programs_per_sm=3, num_warps=4, num_stages=6)
+    # One warpgroup per 64-key page, up to 4 tokens x 64 heads as the dot's N (255 registers, two
     # programs per SM). The table lookup takes pipeline stages: 5 stages leave 3 page buffers.
-    return LaunchConfig(tokens=4, pages=1, pages_per_split=32, num_warps=4, num_stages=5)
+    return LaunchConfig(tokens=4, pages=1, programs_per_sm=2, num_warps=4, num_stages=5)
 
 
 def triton_paged_mqa_logits(
@@ -217,6 +258,7 @@ def triton_paged_mqa_logits(
     out: torch.Tensor | None = None,
     error_flags: torch.Tensor | None = None,
     guard: PageGuard | None = None,
+    schedule: PagedSchedule | None = None,
 ) -> torch.Tensor:
     """fp32 logits [rows * N, max_context_len], -inf past each token's length. No host-device sync.
 
@@ -224,7 +266,9 @@ def triton_paged_mqa_logits(
     [0, num_blocks), gets an all-NaN row, and BAD_PAGE / LENGTH_PAST_BOUND is ORed into `error_flags`
     (int32 [1], the plan's; a per-device scratch word when None). `guard` is this batch's page guard
     (backends/triton/page_guard.py), launched once per batch by the plan; without one this call
-    launches a guard first (one small extra launch). `fnuz_mode` overrides fnuz_mode_for_here() for
+    launches a guard first (one small extra launch). `schedule` is this batch's length-balanced
+    schedule (backends/triton/paged_schedule.py), built by the plan for `config`; without one this call
+    builds it first (one more small launch). `fnuz_mode` overrides fnuz_mode_for_here() for
     an e4m3fnuz cache; `config` overrides default_config; `out` is a preallocated result (every element
     is written, so it needs no initialisation).
     """
@@ -251,20 +295,27 @@ def triton_paged_mqa_logits(
     if out.numel() == 0:
         return out
     cfg = config or default_config(next_n, q.device)
-    if cfg.pages_per_split % cfg.pages or not _pow2(cfg.tokens) or not _pow2(cfg.pages):
-        raise ValueError(f"{cfg}: tokens and pages must be powers of two dividing pages_per_split")
-    tokens = min(triton.next_power_of_2(next_n), cfg.tokens)
+    tokens = work_row_tokens(cfg, next_n)
+    if schedule is None:
+        schedule = schedule_pages(context_lens, tokens, program_count(q.device, cfg.programs_per_sm), max_context_len,
+                                  block_kv)
+    elif not schedule.matches(context_lens, tokens, max_context_len, block_kv):
+        raise LayoutError(
+            f"the paged schedule was built for lens {list(schedule.context_lens.shape)}, {schedule.tokens} tokens a "
+            f"work row, width {schedule.width}; this call has lens {list(context_lens.shape)}, {tokens} tokens, "
+            f"width {max_context_len}"
+        )
     flat = kv_cache.view(num_blocks, -1)
     keys = flat.view(mode.torch_view_dtype)
     scales = flat[:, block_kv * head_dim :].view(torch.float32)
-    grid = (triton.cdiv(next_n, tokens), rows, triton.cdiv(triton.cdiv(max_context_len, block_kv), cfg.pages_per_split))
-    _paged_mqa_logits_kernel[grid](
+    _paged_mqa_logits_kernel[(schedule.programs,)](
         q.view(mode.torch_view_dtype),
         keys,
         scales,
         weights,
         guard.lens,
         guard.safe_table,
+        schedule.bounds,
         out,
         q.stride(0),
         q.stride(1),
@@ -274,7 +325,6 @@ def triton_paged_mqa_logits(
         guard.safe_table.stride(0),
         out.stride(0),
         max_context_len,
-        cfg.pages_per_split,
         N=next_n,
         TG=tokens,
         H=heads,
@@ -287,6 +337,13 @@ def triton_paged_mqa_logits(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def work_row_tokens(config: LaunchConfig, next_n: int) -> int:
+    """Tokens of one row per work row: the config's, at most next_n rounded up to a power of two."""
+    if not _pow2(config.tokens) or not _pow2(config.pages) or config.programs_per_sm < 1:
+        raise ValueError(f"{config}: tokens and pages must be powers of two, programs_per_sm >= 1")
+    return min(triton.next_power_of_2(next_n), config.tokens)
 
 
 def _check_guard(guard: PageGuard, context_lens: torch.Tensor, max_context_len: int, kv_cache: torch.Tensor) -> None:

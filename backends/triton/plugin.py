@@ -40,24 +40,26 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
             plan.fp8_dtype,
             fnuz_mode=fnuz_mode,
             error_flags=plan.error_flags,
-            guard=plan.state,  # None for a plan built without prepare: the call then guards itself
+            # None for a plan built without prepare: the call then guards and schedules itself
+            guard=plan.state.guard if plan.state is not None else None,
+            schedule=plan.state.schedule if plan.state is not None else None,
         )
 
     return run
 
 
 def prepare_logits(plan):
-    """Per batch: the page guard over the plan's table and lens (backends/triton/page_guard.py)."""
-    from backends.triton.page_guard import prepare_page_guard  # imports triton, which the probe found
+    """Per batch: the page guard and the length-balanced schedule (backends/triton/paged_state.py)."""
+    from backends.triton.paged_state import prepare_triton_paged  # imports triton, which the probe found
 
-    return prepare_page_guard(plan)
+    return prepare_triton_paged(plan)
 
 
 def refresh_logits(captured, fresh) -> None:
-    """Under CUDA graphs: guard the new batch into the captured plan's guard tensors, in place."""
-    from backends.triton.page_guard import refresh_page_guard
+    """Under CUDA graphs: guard and schedule the new batch into the captured plan's tensors, in place."""
+    from backends.triton.paged_state import refresh_triton_paged
 
-    refresh_page_guard(captured, fresh)
+    refresh_triton_paged(captured, fresh)
 
 
 def logits_backends() -> list[Backend]:

@@ -59,6 +59,26 @@ def compare_topk(indices: torch.Tensor, logits: torch.Tensor, lengths: torch.Ten
     return wrong / max(rows, 1), "ok" if wrong == 0 else f"{wrong} of {rows} rows differ from torch.topk"
 
 
+def compare_window_topk(
+    indices: torch.Tensor, logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, k: int, block: int = 1024
+) -> tuple[float, str]:
+    """compare_topk over each row's window: row r sees logits[r, starts[r] : starts[r] + lengths[r]] and
+    its positions are relative to starts[r] (the extend step's top-k). Every row is checked, exactly,
+    `block` rows at a time so the windows copied out stay small."""
+    rows, width = logits.shape
+    if indices.shape != (rows, k) or indices.dtype != torch.int32:
+        return 1.0, f"got {indices.dtype} {list(indices.shape)}; expected int32 [{rows}, {k}]"
+    wrong = 0
+    for begin in range(0, rows, block):
+        end = min(begin + block, rows)
+        span = max(int(lengths[begin:end].max()), 1)
+        columns = (starts[begin:end].long()[:, None] + torch.arange(span, device=logits.device)).clamp(max=width - 1)
+        window = logits[begin:end].gather(1, columns)  # columns past a row's length are never read as visible
+        fraction, _ = compare_topk(indices[begin:end], window, lengths[begin:end], k)
+        wrong += round(fraction * (end - begin))
+    return wrong / max(rows, 1), "ok" if wrong == 0 else f"{wrong} of {rows} rows differ from torch.topk over [ks, ke)"
+
+
 def compare_ragged_topk(
     indices: torch.Tensor, logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int, tolerance: float
 ) -> tuple[float | None, str]:

@@ -1,22 +1,23 @@
 """`bench` rows of the extend (prefill) path: the ragged logits op per eligible backend, checked against
-the reference and set against the fp8-compute floor, and the whole prefill step (gather + Q quant +
-logits + top-k per chunk) as IndexerStep.select runs it, with its peak memory."""
+the reference and set against the fp8-compute floor, top-k alone over each row's key range, and the
+whole prefill step (gather + Q quant + logits + top-k per chunk) as IndexerStep.select runs it, with
+its peak memory."""
 
 from __future__ import annotations
 
 import torch
 
 from dispatch.bench.ceilings import Ceilings
-from dispatch.bench.compare import compare_logits, compare_ragged_topk
+from dispatch.bench.compare import compare_logits, compare_ragged_topk, compare_window_topk
 from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_host, time_rotating
-from dispatch.bench.workload import RaggedInputs, RaggedShape, ragged_floor_counts, ragged_inputs
+from dispatch.bench.workload import RaggedInputs, RaggedShape, ragged_floor_counts, ragged_inputs, ragged_topk_floor_bytes
 from dispatch.calling import call_backend
 from dispatch.dispatcher import Dispatcher
 from dispatch.extend import ExtendPlan, build_extend_plan
 from dispatch.indexer import IndexerStep
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.ops import gather_keys, ragged_mqa_logits
+from dispatch.ops import gather_keys, ragged_mqa_logits, topk_rows
 from dispatch.prefill import DEFAULT_LOGITS_BYTES
 from dispatch.rope import RopeSpec
 
@@ -50,17 +51,13 @@ def bench_ragged(
     repeats: int,
     tolerance: float,
     wanted: set[str] | None,
+    budget_s: float | None = None,
 ) -> list[Row]:
     """The ragged logits op alone, per eligible backend, on one batch's gathered keys (the full [M, S],
     -inf filled as the contract says; `no_fill_us` times clean_logits=False, what the step asks for)."""
     key = DispatchKey(dispatcher.target_arch, ForwardMode.EXTEND, 1, fp8_dtype)
     inputs = ragged_inputs(shape, fp8_dtype, device, seed=0)
-    reference_plan = _plan(dispatcher, inputs, fp8_dtype, REFERENCE)
-    k, scales = gather_keys(reference_plan, inputs.kv_cache)
-    q_fp8, folded = _reference_quant(dispatcher, key, inputs, shape)
-    ks, ke = reference_plan.metadata.ks, reference_plan.metadata.ke
-    args = (q_fp8, k, scales, folded, ks, ke)
-    reference = ragged_mqa_logits(reference_plan, *args)
+    _, args, reference = _reference_logits(dispatcher, key, inputs, shape)
     bytes_, flops = ragged_floor_counts(shape)
     floor = floor_seconds_of(bytes_, flops, ceilings)
     rows = []
@@ -78,14 +75,56 @@ def bench_ragged(
         if row.check == "ok":
             on_gpu = device != "cpu"
             row.seconds, row.extra["timing"] = time_rotating([lambda: ragged_mqa_logits(plan, *args)], on_gpu=on_gpu,
-                                                             repeats=repeats)
+                                                             repeats=repeats, budget_s=budget_s)
             no_fill, _ = time_rotating([lambda: ragged_mqa_logits(plan, *args, clean_logits=False)], on_gpu=on_gpu,
-                                       repeats=repeats)
+                                       repeats=repeats, budget_s=budget_s)
             row.extra["no_fill_us"] = no_fill * 1e6
     deepgemm = next((r for r in rows if r.backend.startswith("deepgemm") and r.seconds), None)
     for row in rows:
         if deepgemm is not None and row.seconds:
             row.extra["x_deepgemm"] = row.seconds / deepgemm.seconds
+    return rows
+
+
+def bench_ragged_topk(
+    dispatcher: Dispatcher,
+    shape: RaggedShape,
+    fp8_dtype: Fp8Dtype,
+    *,
+    k: int,
+    device: str,
+    ceilings: Ceilings | None,
+    repeats: int,
+    wanted: set[str] | None,
+    budget_s: float | None = None,
+) -> list[Row]:
+    """Top-k alone, per backend eligible for the extend key, as the extend step calls it: each query row
+    over its own key range [ks, ke) of the batch's reference logits (the whole batch as one chunk),
+    positions relative to ks; every row checked exactly against torch.topk over its range."""
+    key = DispatchKey(dispatcher.target_arch, ForwardMode.EXTEND, 1, fp8_dtype)
+    candidates = eligible_candidates(dispatcher, Op.TOPK, key, wanted)
+    if not candidates:  # a batch's reference logits for nothing to time
+        return []
+    inputs = ragged_inputs(shape, fp8_dtype, device, seed=0)
+    reference_plan, _, logits = _reference_logits(dispatcher, key, inputs, shape)
+    starts = reference_plan.metadata.ks
+    lengths = (reference_plan.metadata.ke - starts).contiguous()
+    bytes_ = ragged_topk_floor_bytes(shape, k)
+    floor = floor_seconds_of(bytes_, 0.0, ceilings)
+    rows = []
+    for name in candidates:
+        plan = _plan(dispatcher, inputs, fp8_dtype, name, op=Op.TOPK)
+        row = Row(Op.TOPK.value, name, plan.topk.layout.value, f"{shape.label()} k={k}", bytes=bytes_, floor_seconds=floor)
+        rows.append(row)
+        try:
+            out = topk_rows(plan, logits, lengths, k, starts=starts)
+        except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
+            row.check = f"failed: {type(error).__name__}: {error}"
+            continue
+        row.error, row.check = compare_window_topk(out, logits, starts, lengths, k)
+        if row.check == "ok":
+            call = [lambda plan=plan: topk_rows(plan, logits, lengths, k, starts=starts)]
+            row.seconds, row.extra["timing"] = time_rotating(call, on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 
@@ -131,11 +170,21 @@ def bench_extend_step(
     return [row]
 
 
-def _plan(dispatcher: Dispatcher, inputs: RaggedInputs, fp8_dtype: Fp8Dtype, backend: str) -> ExtendPlan:
+def _plan(dispatcher: Dispatcher, inputs: RaggedInputs, fp8_dtype: Fp8Dtype, backend: str,
+          op: Op = Op.RAGGED_MQA_LOGITS) -> ExtendPlan:
     return build_extend_plan(
         dispatcher, inputs.batch, kv_fp8_dtype=fp8_dtype, logits_byte_budget=_WHOLE,
-        pinned={Op.RAGGED_MQA_LOGITS: backend}, allow_disabled=True,
+        pinned={op: backend}, allow_disabled=True,
     )
+
+
+def _reference_logits(dispatcher: Dispatcher, key: DispatchKey, inputs: RaggedInputs, shape: RaggedShape):
+    """(the reference's plan, the ragged op's arguments, the reference's logits [M, S]) for one batch."""
+    reference_plan = _plan(dispatcher, inputs, key.fp8_dtype, REFERENCE)
+    k, scales = gather_keys(reference_plan, inputs.kv_cache)
+    q_fp8, folded = _reference_quant(dispatcher, key, inputs, shape)
+    args = (q_fp8, k, scales, folded, reference_plan.metadata.ks, reference_plan.metadata.ke)
+    return reference_plan, args, ragged_mqa_logits(reference_plan, *args)
 
 
 def _with_peak_memory(fn, device: str):

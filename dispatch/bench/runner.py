@@ -150,8 +150,10 @@ def bench_quant(
     repeats: int,
     wanted: set[str] | None,
     budget_s: float | None = None,
+    forward_mode: ForwardMode = ForwardMode.DECODE,
 ) -> list[Row]:
-    key = DispatchKey(dispatcher.target_arch, ForwardMode.DECODE, 1, fp8_dtype)
+    """Q quant alone, per backend eligible for `forward_mode`'s key, checked bit-exact against the reference."""
+    key = DispatchKey(dispatcher.target_arch, forward_mode, 1, fp8_dtype)
     inputs = quant_inputs(shape, device, seed=0)
     bytes_ = quant_floor_bytes(shape)
     floor = floor_seconds_of(bytes_, 0.0, ceilings)

@@ -2,11 +2,12 @@
 eligible backend of every op against the reference and time it (the bench's own runners), then write
 the cluster's measured overlay: per op and key, the backends fastest first, with the evidence.
 
-Keys: next_n 1 is `decode`; next_n > 1 is `target_verify` and `draft_extend`, which hand the kernels
-the same tensors, so one measurement serves both (a mode whose eligible backends differ is left to
-the rules). Q quant's time depends on its token count alone, so its measurement at the workload's
-token counts serves every key. Where only one backend is eligible there is nothing to choose and
-nothing is timed.
+Keys: each forward mode's own ops (dispatch.plan.ops_for). Paged keys by next_n: 1 is `decode`; next_n
+> 1 is `target_verify` and `draft_extend`, which hand the kernels the same tensors, so one measurement
+serves both (a mode whose eligible backends differ is left to the rules). Q quant's time depends on
+its token count alone, so its measurement at the workload's token counts serves every paged key. The
+`extend` key is measured over the workload's extend batches (dispatch/bench/extend_tune.py). Where only
+one backend is eligible there is nothing to choose and nothing is timed.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import yaml
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.registry.measured import geometric_mean
 from dispatch.registry.models import Workload
+from dispatch.version import dispatch_version
 
 BUDGET_S = 0.5  # timing per backend and shape at most about this long: a slow reference takes 3 repeats
-QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,))
+QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,), extend_requests=(2,), extend_lens=(24,), prefix_lens=(40,))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +65,9 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
     loader `validate` uses before it is returned."""
     import torch
 
+    from dispatch.bench.extend_tune import measure_extend
     from dispatch.detect import platform_fp8_dtype
+    from dispatch.plan import PAGED_STEP_OPS
     from dispatch.registry.measured import parse_measured
 
     name = dispatcher.cluster
@@ -76,18 +80,21 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
         repeats = min(repeats, 3)
     workload = workload.model_copy(update={"fp8_dtype": fp8})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tuner = _Tuner(dispatcher, workload, fp8, device, repeats, time.perf_counter())
-    ops = {op: tuner.measure(op) for op in Op}
+    tuner = Tuner(dispatcher, workload, fp8, device, repeats, time.perf_counter())
+    for op in PAGED_STEP_OPS:
+        tuner.measure_paged(op)
+    measure_extend(tuner)
+    ops = tuner.tables()
     overlay = {
         "version": 1,
         "cluster": name,
         "machine": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({_cpu_name()})",
         "date": datetime.date.today(),
-        "dispatch": _version("dispatch-dsa") or "unknown",
+        "dispatch": dispatch_version(),
         "torch": str(torch.__version__),
         "triton": _version("triton"),
         "workload": workload.model_dump(mode="json"),
-        "ops": {op.value: table for op, table in ops.items() if table["preferences"]},
+        "ops": {op.value: table for op, table in ops.items()},
     }
     relative = os.path.relpath(output, Path(dispatcher.document.path).parent) if output else None
     text = _header(name, overlay, relative) + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None, width=120)
@@ -95,51 +102,72 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
     return text, tuner.failures
 
 
-class _Tuner:
+class Tuner:
+    """Measures keys and collects, per op, the measured backends' versions and one preference per key."""
+
     def __init__(self, dispatcher, workload: Workload, fp8: Fp8Dtype, device: str, repeats: int, started: float):
         self.dispatcher, self.workload, self.fp8, self.device = dispatcher, workload, fp8, device
         self.repeats, self.started = repeats, started
         self.failures = 0
         self.common = dict(device=device, ceilings=None, repeats=repeats, budget_s=BUDGET_S)
+        self.tolerance = 1e-3 if device == "cuda" else 1e-5  # bench's: fp8 dots on a GPU, exact-ish on a CPU
+        self._versions: dict[Op, dict[str, str]] = {op: {} for op in Op}
+        self._preferences: dict[Op, list[dict]] = {op: [] for op in Op}
+        self._quant_rows: list | None = None
 
-    def measure(self, op: Op) -> dict:
-        """{"versions": {...}, "preferences": [...]} for `op` over the workload's keys."""
-        versions: dict[str, str] = {}
-        preferences = []
-        quant_rows = None
+    def tables(self) -> dict[Op, dict]:
+        """{op: {"versions": {...}, "preferences": [...]}} for every op with a preference, in Op order."""
+        return {
+            op: {"versions": dict(sorted(self._versions[op].items())), "preferences": self._preferences[op]}
+            for op in Op
+            if self._preferences[op]
+        }
+
+    def record(self, op: Op, modes: list[ForwardMode], next_n: int, names: list[str], rows: list) -> None:
+        """The preference the rows give for (op, these modes at next_n), with the versions of `names`."""
+        preference = self._preference(rows)
+        if preference is None:
+            return
+        arch = self.dispatcher.target_arch.value
+        key = {"arch": arch, "forward_mode": [m.value for m in modes], "next_n": next_n, "fp8_dtype": self.fp8.value}
+        self._preferences[op].append({"key": key, **preference})
+        for name in names:
+            self._versions[op][name] = str(self.dispatcher.catalog.get(op, name).version)
+
+    def choosable(self, op: Op, key: DispatchKey) -> list[str]:
+        """The backends to measure for (op, key); empty (and said) when fewer than two are eligible."""
+        names = self.eligible(op, key)
+        if len(names) < 2:
+            only = ", ".join(names) or "no backend"
+            self.say(f"{op.value} {key.forward_mode.value} next_n={key.next_n}: only {only} eligible; nothing to choose")
+            return []
+        return names
+
+    def measure_paged(self, op: Op) -> None:
         for next_n in self.workload.next_n:
             modes = self._modes(op, next_n)
-            names = self._eligible(op, DispatchKey(self.dispatcher.target_arch, modes[0], next_n, self.fp8))
-            if len(names) < 2:
-                only = ", ".join(names) or "no backend"
-                self._say(f"{op.value} next_n={next_n}: only {only} eligible; nothing to choose")
+            names = self.choosable(op, DispatchKey(self.dispatcher.target_arch, modes[0], next_n, self.fp8))
+            if not names:
                 continue
             if op is Op.INDEXER_Q_QUANT:
-                quant_rows = quant_rows if quant_rows is not None else self._rows(op, None, None)
-                rows = [row for row in quant_rows if row.backend in names]
+                if self._quant_rows is None:
+                    self._quant_rows = self._rows(op, None, None)
+                rows = [row for row in self._quant_rows if row.backend in names]
                 if {row.backend for row in rows} != set(names):
                     continue  # a backend eligible here was not eligible where Q quant was measured
             else:
                 rows = self._rows(op, next_n, set(names))
-            preference = self._preference(rows)
-            if preference is None:
-                continue
-            arch = self.dispatcher.target_arch.value
-            key = {"arch": arch, "forward_mode": [m.value for m in modes], "next_n": next_n, "fp8_dtype": self.fp8.value}
-            preferences.append({"key": key, **preference})
-            for name in names:
-                versions[name] = str(self.dispatcher.catalog.get(op, name).version)
-        return {"versions": dict(sorted(versions.items())), "preferences": preferences}
+            self.record(op, modes, next_n, names, rows)
 
     def _modes(self, op: Op, next_n: int) -> list[ForwardMode]:
         if next_n == 1:
             return [ForwardMode.DECODE]
         arch = self.dispatcher.target_arch
-        first = self._eligible(op, DispatchKey(arch, ForwardMode.TARGET_VERIFY, next_n, self.fp8))
-        same = self._eligible(op, DispatchKey(arch, ForwardMode.DRAFT_EXTEND, next_n, self.fp8)) == first
+        first = self.eligible(op, DispatchKey(arch, ForwardMode.TARGET_VERIFY, next_n, self.fp8))
+        same = self.eligible(op, DispatchKey(arch, ForwardMode.DRAFT_EXTEND, next_n, self.fp8)) == first
         return [ForwardMode.TARGET_VERIFY] + ([ForwardMode.DRAFT_EXTEND] if same else [])
 
-    def _eligible(self, op: Op, key: DispatchKey) -> list[str]:
+    def eligible(self, op: Op, key: DispatchKey) -> list[str]:
         # The cluster's disabled backends are never used here, so they are not measured.
         return sorted(b.name for b in self.dispatcher.eligible(op, key))
 
@@ -150,27 +178,26 @@ class _Tuner:
         rows = []
         w, d = self.workload, self.dispatcher
         if op is Op.INDEXER_Q_QUANT:
-            names = set(self._eligible(op, DispatchKey(d.target_arch, ForwardMode.DECODE, 1, self.fp8)))
+            names = set(self.eligible(op, DispatchKey(d.target_arch, ForwardMode.DECODE, 1, self.fp8)))
             for tokens in w.tokens:
-                rows += self._report(bench_quant(d, QuantShape(tokens), self.fp8, wanted=names, **self.common))
+                rows += self.report(bench_quant(d, QuantShape(tokens), self.fp8, wanted=names, **self.common))
             return rows
-        tolerance = 1e-3 if self.device == "cuda" else 1e-5
         for batch_size in w.batch_sizes:
             for length in w.lengths:
                 shape = LogitsShape(batch_size, next_n, length)
                 if op is Op.PAGED_MQA_LOGITS:
-                    measured = bench_logits(d, shape, self.fp8, tolerance=tolerance, wanted=names, **self.common)
-                    rows += self._report(measured)
+                    measured = bench_logits(d, shape, self.fp8, tolerance=self.tolerance, wanted=names, **self.common)
+                    rows += self.report(measured)
                 else:
                     for k in w.k:
-                        rows += self._report(bench_topk(d, shape, self.fp8, k=k, wanted=names, **self.common))
-                self._free()
+                        rows += self.report(bench_topk(d, shape, self.fp8, k=k, wanted=names, **self.common))
+                self.free()
         return rows
 
-    def _report(self, rows: list) -> list:
+    def report(self, rows: list) -> list:
         if rows:
             times = ", ".join(f"{r.backend} " + (f"{r.seconds * 1e6:.1f} us" if r.seconds else r.check) for r in rows)
-            self._say(f"{rows[0].op} {rows[0].shape}: {times}")
+            self.say(f"{rows[0].op} {rows[0].shape}: {times}")
         return rows
 
     def _preference(self, rows: list) -> dict | None:
@@ -184,20 +211,20 @@ class _Tuner:
                 times.setdefault(row.shape, {})[row.backend] = round(row.seconds * 1e6, 1) or 0.1
         if failed:
             self.failures += 1
-            self._say(f"check failed, never preferred: {failed}")
+            self.say(f"check failed, never preferred: {failed}")
         order = sorted({r.backend for r in rows} - set(failed), key=lambda name: (_geomean(times, name), name))
         if not order:
             return None
         shapes = [{"shape": shape, "median_us": {name: by[name] for name in order}} for shape, by in times.items()]
         return {"order": order, "shapes": shapes, **({"failed": failed} if failed else {})}
 
-    def _free(self) -> None:
+    def free(self) -> None:
         if self.device == "cuda":
             import torch
 
             torch.cuda.empty_cache()
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
         print(f"[{time.perf_counter() - self.started:6.1f} s] {text}", file=sys.stderr, flush=True)
 
 

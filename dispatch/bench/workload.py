@@ -174,10 +174,20 @@ def ragged_inputs(shape: RaggedShape, fp8_dtype: Fp8Dtype, device: str, seed: in
     )
 
 
+def ragged_visible_count(shape: RaggedShape) -> int:
+    """(query row, key) pairs an extend batch's rows see: prefix + j + 1 for new token j (causal)."""
+    return shape.requests * (shape.extend * shape.prefix + shape.extend * (shape.extend + 1) // 2)
+
+
+def ragged_topk_floor_bytes(shape: RaggedShape, k: int) -> float:
+    """Every visible logit read once (fp32) and every query row's k int32 positions written once."""
+    return float(ragged_visible_count(shape) * 4 + shape.rows * k * 4)
+
+
 def ragged_floor_counts(shape: RaggedShape) -> tuple[float, float]:
     """(bytes, flops) of the ragged logits at their least: every gathered key read once, every fp32 logit
     of [M, S] written once (the -inf fill included: the op's contract), q and weights read once; the
     fp8 dot over each row's visible keys only (causal: prefix + j + 1 for new token j)."""
-    visible = shape.requests * (shape.extend * shape.prefix + shape.extend * (shape.extend + 1) // 2)
+    visible = ragged_visible_count(shape)
     bytes_ = shape.keys * (shape.head_dim + 4) + shape.rows * shape.keys * 4 + shape.rows * shape.heads * (shape.head_dim + 4)
     return float(bytes_), 2.0 * shape.heads * shape.head_dim * visible

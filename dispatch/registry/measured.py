@@ -35,6 +35,7 @@ from dispatch.registry.document import (
     validation_problems,
 )
 from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
+from dispatch.version import dispatch_version, release_of
 
 Micros = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -221,15 +222,21 @@ def this_machine() -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
-def stale_evidence(document: RegistryDocument, catalog, machine: str | None = None) -> list[str]:
+def stale_evidence(document: RegistryDocument, catalog, machine: str | None = None, dispatch: str | None = None) -> list[str]:
     """Warnings (not errors) for measurements that may no longer hold: a backend's version differs
-    from the one it was measured with, or a measured backend is no longer registered. With `machine`,
-    only overlays measured on that kind of machine are compared: an H200 overlay read on a laptop is
-    not stale, it is simply not this machine's (and the laptop's library versions say nothing of it)."""
+    from the one it was measured with, a measured backend is no longer registered, or dispatch's
+    release differs (its own kernels are part of what was measured; `dispatch`, default this one's). With
+    `machine`, only overlays measured on that kind of machine are compared: an H200 overlay read on a
+    laptop is not stale, it is simply not this machine's (and the laptop's library versions say nothing
+    of it)."""
     warnings = []
     for cluster, measured in document.measured.items():
         if machine is not None and measured.overlay.machine != machine:
             continue
+        rerun = f"python -m dispatch tune --cluster {cluster}"
+        changed = _dispatch_release_changed(measured.overlay.dispatch, dispatch or dispatch_version())
+        if changed:
+            warnings.append(f"{measured.where(('dispatch',))}: dispatch: stale evidence: {changed}; re-run `{rerun}`")
         for op, table in measured.overlay.ops.items():
             for name, version in table.versions.items():
                 location = ("ops", op.value, "versions", name)
@@ -241,9 +248,18 @@ def stale_evidence(document: RegistryDocument, catalog, machine: str | None = No
                     problem = f"`{name}` was measured at version {version or '-'}; it is {backend.version or '-'} now"
                 else:
                     continue
-                rerun = f"python -m dispatch tune --cluster {cluster}"
                 warnings.append(f"{where}: stale evidence: {problem}; re-run `{rerun}`")
     return warnings
+
+
+def _dispatch_release_changed(measured: str, current: str) -> str | None:
+    """Why dispatch's version makes the evidence stale, or None. Releases are compared, not whole
+    versions: a source tree's version carries its commit (dispatch.version), which changes with every
+    commit, and "source" or "unknown" name no release at all; neither says the kernels changed."""
+    then, now = release_of(measured), release_of(current)
+    if then is None or now is None or then == now:
+        return None
+    return f"measured with dispatch {then}; this is {now}"
 
 
 def _ticks(names) -> str:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from dispatch.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, MAX_RULE_NEXT_N
+from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, MAX_RULE_NEXT_N, MAX_TUNE_LOGITS_BYTES
 
 
 def _as_tuple(value: object) -> object:
@@ -139,10 +139,10 @@ class ClusterMatch(Strict):
     hostname: str | None = None  # shell-style glob over socket.gethostname()
 
 
-def _bounded(most: int) -> object:
-    """A non-empty list of integers from 1 to `most`: what one machine can measure in minutes. (Empty
-    is refused after the items are checked, so a bad item is not also reported as an empty list.)"""
-    item = Annotated[int, Field(ge=1, le=most, strict=True)]
+def _bounded(most: int, least: int = 1) -> object:
+    """A non-empty list of integers from `least` to `most`: what one machine can measure in minutes.
+    (Empty is refused after the items are checked, so a bad item is not also reported as an empty list.)"""
+    item = Annotated[int, Field(ge=least, le=most, strict=True)]
     return Annotated[tuple[item, ...], Field(max_length=16), AfterValidator(lambda v: _not_empty(v, "name at least one"))]
 
 
@@ -156,6 +156,24 @@ class Workload(Strict):
     fp8_dtype: Fp8Dtype | None = None  # default: the platform's
     tokens: _bounded(MAX_CLI_SEQ_LEN) = (64, 512, 16384)  # token counts for indexer_q_quant
     k: _bounded(MAX_CLI_SEQ_LEN) = (2048,)  # keys kept per token, for topk
+    # Extend (prefill) batches, every combination: R requests of E new tokens after P cached keys each,
+    # M = R*E query rows over S = R*(P+E) gathered keys (chunked prefill and prefix caching give P > 0).
+    extend_requests: _bounded(MAX_CLI_BATCH) = (4,)
+    extend_lens: _bounded(MAX_CLI_SEQ_LEN) = (1024, 4096)
+    prefix_lens: _bounded(MAX_CLI_SEQ_LEN, least=0) = (0, 12288)
+
+    @model_validator(mode="after")
+    def _extend_logits_fit(self) -> "Workload":
+        # tune scores each extend batch in one chunk (dispatch.limits says why this bound).
+        requests, new, cached = max(self.extend_requests), max(self.extend_lens), max(self.prefix_lens)
+        size = requests * new * requests * (cached + new) * 4
+        if size > MAX_TUNE_LOGITS_BYTES:
+            raise ValueError(
+                f"the largest extend batch (`extend_requests` {requests}, `extend_lens` {new}, `prefix_lens` "
+                f"{cached}) has fp32 logits [M={requests * new}, S={requests * (cached + new)}] of "
+                f"{size / 2**30:.1f} GiB, more than the {MAX_TUNE_LOGITS_BYTES >> 30} GiB tune holds per batch"
+            )
+        return self
 
 
 class Cluster(Strict):
