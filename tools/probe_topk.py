@@ -55,7 +55,8 @@ SWEEP = [
     {"finish_warps": 16},
 ]
 FALLBACK = {"z": -1e9}  # the bracket is one bin: the exact radix select over each row, what a misjudged sample costs
-TIME_BUDGET_S = 110  # the lead's call is limited (~150 s in all): sweep configs past a shape's share are reported as skipped
+# The lead's call is limited (~150 s in all): sweep configs past a shape's share are reported as skipped.
+TIME_BUDGET_S = 110
 KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "finish_warps", "fine", "ties")
 
 SMOKE = "--smoke" in sys.argv
