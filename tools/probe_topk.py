@@ -34,11 +34,11 @@ from backends.triton.topk import launch, launch_config  # noqa: E402
 K = 2048
 BYTES_PER_S = 4.2e12
 SHAPES = [("B128 N4 L32K", 128, 4, 32768), ("B128 N1 L32K", 128, 1, 32768), ("B32 N2 L8K", 32, 2, 8192)]
-# Changes to launch_config's default for the shape, swept in this order: the split's chunk (block x
-# tiles) and warps first, then the bracket's sample, the refine's radix and the finish's warps.
+# Changes to launch_config's default for the shape, swept in this order: the finish's fine bins, the
+# split's chunk (block x tiles) and warps, then the bracket's sample, the refine's radix and the
+# finish's warps.
 SWEEP = [
     {},
-    {"fine": 0},  # round 2's radix finish: the A/B of the two-level finish, first so that it always runs
     {"fine": 256},
     {"fine": 4096},
     {"block": 1024, "tiles": 1, "num_warps": 4},
@@ -61,7 +61,7 @@ KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # the script's own check, under the interpreter: tiny shapes, two configs, wall-clock timing
-    K, SHAPES, SWEEP = 64, [("smoke N2", 3, 2, 1024)], [{}, {"fine": 0}, {"block": 256, "tiles": 2}]
+    K, SHAPES, SWEEP = 64, [("smoke N2", 3, 2, 1024)], [{}, {"block": 256, "tiles": 2}]
 DEVICE = "cpu" if SMOKE else "cuda"
 
 
@@ -176,6 +176,8 @@ def probe() -> None:
                                                        page_rows=page_rows, block_size=64, **default),
                to_positions=lambda out: out.long() - page_rows[:, None].long() * table_pages * 64)
         record("triton sorted", default, lambda: launch(logits, lengths, K, sorted=True, **default), descending=True)
+        radix_finish = {**default, "fine": 0}  # round 2's finish: the A/B of the two-level one, always measured
+        record("triton radix-fin", radix_finish, lambda: launch(logits, lengths, K, **radix_finish))
         fallback = {**default, **FALLBACK}
         record("triton two-pass", fallback, lambda: launch(logits, lengths, K, **fallback))
         record("torch.topk", {}, lambda: torch.topk(logits, K, dim=1).indices, graph=False)
@@ -196,7 +198,6 @@ def probe() -> None:
         split = kernel_times(lambda: launch(logits, lengths, K, sorted=True, page_table=page_table,
                                             page_rows=page_rows, **cfg))
         # The finish A/B stage by stage: the default (two-level finish) and round 2's radix finish, plain.
-        radix_finish = {**default, "fine": 0}
         stages = {"two-level": kernel_times(lambda: launch(logits, lengths, K, **default)),
                   "radix": kernel_times(lambda: launch(logits, lengths, K, **radix_finish))}
         for r in results:
@@ -253,10 +254,9 @@ def probe() -> None:
     print("\n# finish A/B (us, graph-replayed; per kernel from the profiler): default (two-level) vs fine=0 (radix)")
     for name, *_ in SHAPES:
         mine = [r for r in rows_out if r.get("shape") == name]
-        default = mine[0]["config"]  # the first row is the default config's
-        whole = {label: next((round(r["us"], 1) for r in mine if r.get("impl") == "triton" and r["config"] == config
-                              and "us" in r and r["exact"]), None)
-                 for label, config in (("two-level", default), ("radix", {**default, "fine": 0}))}
+        whole = {label: next((round(r["us"], 1) for r in mine if r.get("impl") == impl and "us" in r and r["exact"]),
+                             None)
+                 for label, impl in (("two-level", "triton"), ("radix", "triton radix-fin"))}
         stages = next((r["finish_ab_us"] for r in mine if "finish_ab_us" in r), {})
         print(f"{name:13s} whole {whole}  per kernel {stages}")
 
