@@ -270,18 +270,114 @@ def test_scratch_is_reused_across_calls():
         check(logits, lengths, 64, topk_indices(logits.to(DEVICE), lengths.to(DEVICE), 64))
 
 
+def finish_paths(lengths, k, config, width, starts=None):
+    """The path the finish took for each row of the last launch with `config`, read back from the
+    cached workspace: "all" (length <= k: every non-NaN key), "ties" (two-level, the threshold bin's
+    entries ranked pairwise), "bin-radix" (two-level, radix rounds over the threshold bin), "radix"
+    (fine = 0: radix rounds over the list), "row" (the exact select over the row). Also checks that
+    each two-level row's histogram counted exactly its candidates."""
+    from backends.triton.topk import _workspace
+
+    rows = lengths.numel()
+    counts, _, _, _, hist, _ = (t.cpu() for t in _workspace(torch.device(DEVICE), rows, config["cap"],
+                                                              config["fine"], config["ties"]))
+    paths = []
+    for r in range(rows):
+        start = 0 if starts is None else min(max(int(starts[r]), 0), width)
+        n = min(max(int(lengths[r]), 0), width - start)
+        above, listed = int(counts[r]) & 0xFFFFFFFF, int(counts[r]) >> 32
+        if n <= k:
+            paths.append("all")
+        elif not (above <= k <= above + listed and listed <= config["cap"]):
+            paths.append("row")
+        elif config["fine"] == 0:
+            paths.append("radix")
+        else:
+            h = hist[r].long()
+            assert int(h.sum()) == listed, f"row {r}: histogram counts {int(h.sum())} of {listed} candidates"
+            at_or_above = h.flip(0).cumsum(0).flip(0)
+            b = int((at_or_above >= k - above).nonzero().max())
+            paths.append("ties" if int(h[b]) <= config["ties"] else "bin-radix")
+    return paths
+
+
+def threshold_rows(width, k, gen):
+    """Rows whose k-th largest key is one of many equal keys: 60 keys above 10, then `copies` keys of
+    exactly 5.0, the rest below 3. k = 64 takes 4 of the copies: with 10 copies they fit the ties
+    list (ranked pairwise, equal keys told apart by position), with 300 they do not (radix rounds
+    over the threshold bin)."""
+    rows = []
+    for copies in (10, 300, 300):
+        row = torch.rand(width, generator=gen) * 5.0 - 2.0
+        place = torch.randperm(width, generator=gen)
+        row[place[:60]] = 10.0 + torch.rand(60, generator=gen)
+        row[place[60:60 + copies]] = 5.0
+        rows.append(row)
+    rows[2][place[width // 2:]] = NAN  # NaN beside the ties: never selected, never counted
+    return torch.stack(rows)
+
+
+# fine = 256 bins, ties = 16 (the interpreter's default); ties = 1: nearly every threshold bin goes to
+# radix rounds over it; fine = 1: one bin, every row's whole list in it; fine = 0: round 2's finish.
+@pytest.mark.parametrize("change", [{}, {"ties": 1}, {"fine": 1}, {"fine": 0}, {"fine": 4096, "ties": 64}],
+                         ids=["two-level", "ties-1", "one-bin", "radix-finish", "fine-4096"])
+@pytest.mark.parametrize("mode", ["plain", "pages", "sorted"])
+def test_two_level_finish(change, mode):
+    gen = torch.Generator().manual_seed(14)
+    width, k, rows = 2500, 64, 16
+    logits = random_logits(rows, width, gen).clone()
+    lengths = ragged_lengths(rows, width, k, gen)
+    logits[13:16] = threshold_rows(width, k, gen)
+    logits[6] = 1.5  # all equal, within the list's cap: one bin holds them all
+    logits[7] = -INF  # -inf is selectable: all in the lowest bin
+    logits[8, ::3] = NAN
+    lengths[6:16] = torch.tensor([600, 500, width, 2000, width, width, 1900, width, width, width])
+    config = {**launch_config(rows, width, k), **change}
+    block = 16
+    pages = width // block + 1
+    table = torch.randperm(rows * pages, generator=gen).to(torch.int32).reshape(rows, pages)
+    page_rows = torch.arange(rows, dtype=torch.int32)
+    kwargs = {"page_table": table.to(DEVICE), "page_rows": page_rows.to(DEVICE), "block_size": block} \
+        if mode == "pages" else {}
+    out = launch(logits.to(DEVICE), lengths.to(DEVICE), k, sorted=mode == "sorted", **kwargs, **config).cpu()
+    paths = finish_paths(lengths, k, config, width)
+    if mode == "pages":  # slots back to positions: the table is a permutation
+        page_of = torch.empty(rows * pages, dtype=torch.long)
+        page_of[table.reshape(-1).long()] = torch.arange(rows * pages) % pages
+        out = torch.where(out >= 0, page_of[(out.long() // block).clamp(min=0)] * block + out % block, -1).int()
+    check(logits, lengths, k, out)
+    if mode == "sorted":
+        vals = torch.where(out >= 0, logits.gather(1, out.clamp(min=0).long()), -INF)
+        assert (vals[:, :-1] >= vals[:, 1:]).all()
+    assert paths[:6] == ["all", "all", "all", "all"] + paths[4:6] and paths[6] != "row"
+    if config["fine"] == 0:
+        assert "radix" in paths
+    elif change == {"fine": 1}:
+        assert set(paths) <= {"all", "bin-radix", "row"} and paths.count("bin-radix") >= 8
+    elif change == {"ties": 1}:
+        assert paths.count("bin-radix") >= 6 and paths[13:16] == ["bin-radix"] * 3, paths
+    else:
+        assert paths.count("ties") >= 5 and paths[13:16] == ["ties", "bin-radix", "bin-radix"], paths
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("batch", "next_n", "context", "k"), [(128, 4, 32768, 2048), (32, 2, 8192, 2048), (64, 1, 32768, 512)])
-def test_serving_shapes_on_gpu(batch, next_n, context, k):
-    """Indexer-like logits: -inf past each row's length, lengths = L - N + j + 1, L in [L/2, 3L/2]."""
+@pytest.mark.parametrize("change", [{}, {"ties": 1}, {"fine": 0}], ids=["two-level", "bin-radix", "radix-finish"])
+def test_serving_shapes_on_gpu(batch, next_n, context, k, change):
+    """Indexer-like logits: -inf past each row's length, lengths = L - N + j + 1, L in [L/2, 3L/2]. The
+    default config's rows must take the two-level finish (most resolved pairwise)."""
     gen = torch.Generator().manual_seed(batch + next_n)
     ctx = torch.randint(context // 2, context * 3 // 2 + 1, (batch,), generator=gen)
     lengths = (ctx[:, None] - next_n + torch.arange(next_n)[None, :] + 1).reshape(-1).to(torch.int32)
     width = int(lengths.max())
     logits = torch.randn(lengths.numel(), width, generator=gen)
     logits[torch.arange(width)[None, :] >= lengths[:, None].long()] = -INF
-    out = topk_indices(logits.cuda(), lengths.cuda(), k)
+    config = {**launch_config(*logits.shape, k), **change}
+    out = launch(logits.cuda(), lengths.cuda(), k, **config)
     check(logits, lengths, k, out)
+    paths = finish_paths(lengths, k, config, width)
+    if not change:
+        assert paths.count("ties") >= 0.9 * len(paths), {p: paths.count(p) for p in set(paths)}
 
 
 @pytest.mark.parametrize("sorted_", [False, True], ids=["fused", "sorted"])

@@ -34,10 +34,13 @@ from backends.triton.topk import launch, launch_config  # noqa: E402
 K = 2048
 BYTES_PER_S = 4.2e12
 SHAPES = [("B128 N4 L32K", 128, 4, 32768), ("B128 N1 L32K", 128, 1, 32768), ("B32 N2 L8K", 32, 2, 8192)]
-# Changes to launch_config's default for the shape, swept in this order: the split's chunk (block x
-# tiles) and warps first, then the bracket's sample, the refine's radix and the finish's warps.
+# Changes to launch_config's default for the shape, swept in this order: the finish's fine bins, the
+# split's chunk (block x tiles) and warps, then the bracket's sample, the refine's radix and the
+# finish's warps.
 SWEEP = [
     {},
+    {"fine": 256},
+    {"fine": 4096},
     {"block": 1024, "tiles": 1, "num_warps": 4},
     {"block": 2048, "tiles": 1, "num_warps": 8},
     {"block": 512, "tiles": 1, "num_warps": 2},
@@ -52,8 +55,9 @@ SWEEP = [
     {"finish_warps": 16},
 ]
 FALLBACK = {"z": -1e9}  # the bracket is one bin: the exact radix select over each row, what a misjudged sample costs
-TIME_BUDGET_S = 170  # the lead's call is limited: sweep configs past a shape's share are reported as skipped
-KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "finish_warps")
+# The lead's call is limited (~150 s in all): sweep configs past a shape's share are reported as skipped.
+TIME_BUDGET_S = 110
+KEYS = ("block", "tiles", "lanes", "num_warps", "sample", "z", "radix", "cap", "finish_warps", "fine", "ties")
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # the script's own check, under the interpreter: tiny shapes, two configs, wall-clock timing
@@ -172,6 +176,8 @@ def probe() -> None:
                                                        page_rows=page_rows, block_size=64, **default),
                to_positions=lambda out: out.long() - page_rows[:, None].long() * table_pages * 64)
         record("triton sorted", default, lambda: launch(logits, lengths, K, sorted=True, **default), descending=True)
+        radix_finish = {**default, "fine": 0}  # round 2's finish: the A/B of the two-level one, always measured
+        record("triton radix-fin", radix_finish, lambda: launch(logits, lengths, K, **radix_finish))
         fallback = {**default, **FALLBACK}
         record("triton two-pass", fallback, lambda: launch(logits, lengths, K, **fallback))
         record("torch.topk", {}, lambda: torch.topk(logits, K, dim=1).indices, graph=False)
@@ -191,16 +197,19 @@ def probe() -> None:
         fi_us = next((r["us"] for r in results if r["impl"] == "flashinfer ragged" and "us" in r), None)
         split = kernel_times(lambda: launch(logits, lengths, K, sorted=True, page_table=page_table,
                                             page_rows=page_rows, **cfg))
+        # The finish A/B stage by stage: the default (two-level finish) and round 2's radix finish, plain.
+        stages = {"two-level": kernel_times(lambda: launch(logits, lengths, K, **default)),
+                  "radix": kernel_times(lambda: launch(logits, lengths, K, **radix_finish))}
         for r in results:
             r.update(shape=name, rows=rows, width=width, floor_us=floor_us)
             if "us" in r:
                 r["x_floor"] = r["us"] / floor_us
                 r["flashinfer_over"] = fi_us / r["us"] if fi_us else None
         rows_out.extend(results)
-        rows_out.append({"shape": name, "kernel_us": split, "config": cfg})
+        rows_out.append({"shape": name, "kernel_us": split, "config": cfg, "finish_ab_us": stages})
         print(f"{name}: rows {rows} x W {width}, floor {floor_us:.1f} us, default {label(default)}, "
-              f"best {None if best is None else label(best['config'])}; per kernel at best (sorted, pages): {split}",
-              flush=True)
+              f"best {None if best is None else label(best['config'])}; per kernel at best (sorted, pages): {split}; "
+              f"default per kernel, two-level vs radix finish: {stages}", flush=True)
         for r in results:
             cfg_text = label(r["config"]) if r["config"] else "-"
             if "error" in r:
@@ -242,6 +251,14 @@ def probe() -> None:
               f"{cell(got.get('triton'))} {cell(got.get('triton eager'))} {cell(got.get('triton +pages'), 7)} "
               f"{cell(got.get('triton sorted'), 7)} {cell(got.get('triton two-pass'), 7)} {cell(got.get('torch.topk'))}  "
               f"{kernels}")
+    print("\n# finish A/B (us, graph-replayed; per kernel from the profiler): default (two-level) vs fine=0 (radix)")
+    for name, *_ in SHAPES:
+        mine = [r for r in rows_out if r.get("shape") == name]
+        whole = {label: next((round(r["us"], 1) for r in mine if r.get("impl") == impl and "us" in r and r["exact"]),
+                             None)
+                 for label, impl in (("two-level", "triton"), ("radix", "triton radix-fin"))}
+        stages = next((r["finish_ab_us"] for r in mine if "finish_ab_us" in r), {})
+        print(f"{name:13s} whole {whole}  per kernel {stages}")
 
 
 def resources() -> None:
@@ -257,14 +274,14 @@ def resources() -> None:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     pointers = {"logits_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*i32",
                 "cand_ptr": "*i64", "pt_ptr": "*i32", "page_rows_ptr": "*i32", "bracket_ptr": "*fp32",
-                "counts_ptr": "*i64"}
+                "counts_ptr": "*i64", "window_ptr": "*fp32", "hist_ptr": "*i32", "ties_ptr": "*i64"}
     seen = set()
     for rows, width in [(512, 49070), (128, 49070), (64, 11814)]:
         for change in SWEEP:
             c = {**launch_config(rows, width, K, interpreted=False), **change}
             variants = [
-                (topk._bracket_kernel, {"HAS_STARTS": False, "BINS": c["bins"], "SAMPLE": c["sample"], "Z": c["z"]},
-                 c["finish_warps"]),
+                (topk._bracket_kernel, {"HAS_STARTS": False, "BINS": c["bins"], "SAMPLE": c["sample"], "Z": c["z"],
+                                        "FINE": c["fine"]}, c["finish_warps"]),
                 (topk._split_kernel, {"HAS_STARTS": False, "BLOCK": c["block"], "TILES": c["tiles"],
                                       "LANES": c["lanes"]}, c["num_warps"]),
             ]
@@ -272,7 +289,8 @@ def resources() -> None:
                 variants.append((topk._finish_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
                                                        "BLOCK": topk.FINISH_LANES * 32 * c["finish_warps"],
                                                        "LANES": topk.FINISH_LANES, "RADIX": c["radix"],
-                                                       "RADIX_BINS": max(1 << c["radix"], 32)}, c["finish_warps"]))
+                                                       "RADIX_BINS": max(1 << c["radix"], 32), "FINE": c["fine"],
+                                                       "TIES": c["ties"]}, c["finish_warps"]))
                 variants.append((topk._sort_kernel, {"HAS_STARTS": False, "HAS_PAGES": pages, "BLOCK_SIZE": 64,
                                                      "KP": K}, c["finish_warps"]))
             for kernel, constexprs, warps in variants:
@@ -291,10 +309,25 @@ def resources() -> None:
                 usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], check=True, capture_output=True,
                                        text=True).stdout
                 regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "SHARED:", "LOCAL:")))
-                sass = compiled.asm.get("sass") or ""
                 print(f"{kernel.fn.__name__:15s} warps {warps:2d} {constexprs}: {regs} "
-                      f"({time.time() - t:.1f} s){' sass ' + str(sass.count(chr(10))) + ' lines' if sass else ''}",
-                      flush=True)
+                      f"({time.time() - t:.1f} s) sass {sass_counts(cuobjdump, path)}", flush=True)
+
+
+def sass_counts(cuobjdump: str, path: str) -> str:
+    """Static SASS counts of a cubin: all instructions, barriers, shared-memory and shuffle ones, global
+    atomics (RED/ATOM)."""
+    import subprocess
+
+    sass = subprocess.run([cuobjdump, "-sass", path], check=True, capture_output=True, text=True).stdout
+    ops = []
+    for line in sass.splitlines():
+        text = line.split("*/", 1)[1].strip() if line.strip().startswith("/*") and "*/" in line else ""
+        if text:
+            op = text.split()[0]
+            ops.append(text.split()[1] if op.startswith("@") and len(text.split()) > 1 else op)
+    count = lambda *prefixes: sum(o.startswith(prefixes) for o in ops)  # noqa: E731
+    return (f"{len(ops)} instrs, {count('BAR')} BAR, {count('LDS', 'STS', 'ATOMS')} LDS/STS, {count('SHFL')} SHFL, "
+            f"{count('REDG', 'RED.', 'ATOMG', 'ATOM.')} RED/ATOM")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ programs per row, with an exact radix fallback. Three launches, no host sync (fo
 1. bracket (one program per row): SAMPLE keys in runs of 8 spread over the row give a linear bin
    window and, from the sample's histogram, a value bracket [t_lo, t_hi] that holds the k-th largest
    key with high probability (Z standard deviations of the sample count either side). It also zeroes
-   the row's packed counter (above | candidates << 32).
+   the row's packed counter (above | candidates << 32) and its fine histogram, and stores the fine
+   bins' window (FINE linear bins over the bracket's finite edges).
 2. split (rows x chunks programs, the one pass over the logits): each program classifies its chunk of
    BLOCK * TILES keys, tile by tile: keys above t_hi go straight to the output, keys inside the
    bracket to the row's capped candidate list (one int64: order-preserving key << 32 | position).
@@ -13,17 +14,22 @@ programs per row, with an exact radix fallback. Three launches, no host sync (fo
    counted but not written. Many independent programs per SM keep many loads in flight, which one
    program walking a whole row could not.
 3. finish (one program per row): rows of length <= k write their non-NaN positions then -1. Else, if
-   the counts show the bracket held (above <= k <= above + candidates, candidates <= CAP): radix
-   rounds over the candidates find the exact k-th key T and how many keys equal to T are still
-   needed; a last scan writes the rest. If not (the sample misjudged the row, NaN hid keys, or the
-   list overflowed), the same radix rounds run over the row itself: exact whatever the data, a few
-   more passes over that row only. With a page table, the output prefix written by the split is
-   turned into KV slots here (and the finish's own stores go through the table).
+   the counts show the bracket held (above <= k <= above + candidates, candidates <= CAP), two
+   levels: each candidate is counted into its fine bin (one atomic add into the row's histogram),
+   one scan finds the bin b holding the (k - above)-th largest, a compaction writes every candidate
+   of the bins above b, and b's own few entries are ranked pairwise (at most TIES; past that, radix
+   rounds over b's entries only). If the bracket did not hold (the sample misjudged the row, NaN hid
+   keys, or the list overflowed), radix rounds run over the row itself: exact whatever the data, a
+   few more passes over that row only. Correctness never depends on the sample or the bins, only
+   speed. With a page table, the output prefix written by the split is turned into KV slots here (and
+   the finish's own stores go through the table). FINE = 0 keeps round 2's finish (radix rounds over
+   the whole list) for A/B measurements.
 4. sort (sorted=True only, one program per row): the k chosen (key, position) pairs packed into int64
    and sorted descending with tl.sort, -1s last, then the page transform.
 NaN fails every bracket compare and is no radix entry, so it is never selected; -inf is an ordinary
-(lowest) key. Scratch (counters, brackets, candidate lists) is a per-device workspace cached by
-(rows rounded up to a power of two, CAP) and never freed, so a CUDA graph captured after one eager
+(lowest) key. Scratch (counters, brackets, candidate lists, fine windows and histograms, threshold
+bins' entries) is a per-device workspace cached by (rows rounded up to a power of two, CAP, FINE,
+TIES) and never freed, so a CUDA graph captured after one eager
 call at its shape allocates nothing. Design notes and the numbers behind them: NOTES.md.
 """
 
@@ -66,6 +72,21 @@ def _linear_bin(x, lo, inv_width, BINS: tl.constexpr):
 
 
 @triton.jit
+def _key_value(key):
+    # The inverse of _ordered_key (the same bit flip: it keeps the sign bit, so it undoes itself).
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fine_window(e_lo, e_hi, FINE: tl.constexpr):
+    """FINE linear bins over the bracket's finite edges e_lo <= e_hi: (lo, inv_width) for _linear_bin,
+    inv_width finite and > 0 whatever the edges. Linear in the value, not in the key: the ordered key
+    is logarithmic in the magnitude, and a bracket around 0 would pile its keys into a few key bins."""
+    inv_width = FINE / (e_hi - e_lo)
+    return e_lo, tl.where((e_hi > e_lo) & (inv_width < 1e30), inv_width, 1e30)
+
+
+@triton.jit
 def _slot_value(pos, pt_row_ptr, pages, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, mask):
     # What is written for relative position pos: pos itself, or its physical KV slot.
     # One return statement: the compiler types every return, pruned branches included.
@@ -91,10 +112,11 @@ def _threshold_bin(hist, need, NB: tl.constexpr):
 
 @triton.jit
 def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr):
-    """From SAMPLE keys in runs of 8 spread over the row (few sectors): a linear bin window (lo,
-    inv_width) from the sample's mean and top, and values t_lo <= t_hi such that [t_lo, t_hi] holds
-    the k-th largest key with high probability (Z standard deviations of the sample count either
-    side, resolved to the window's bin edges)."""
+    """From SAMPLE keys in runs of 8 spread over the row (few sectors): a linear bin window from the
+    sample's mean and top, and values t_lo <= t_hi such that [t_lo, t_hi] holds the k-th largest key
+    with high probability (Z standard deviations of the sample count either side, resolved to the
+    window's bin edges; an end bin's outer edge is -inf or +inf). Also the bracket's finite edges
+    e_lo <= e_hi (the same, without the infinities)."""
     s = tl.arange(0, SAMPLE)
     at = (s // 8) * (n // (SAMPLE // 8)) + s % 8
     in_row = at < n
@@ -124,10 +146,13 @@ def _sample_window(src, n, k, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.co
     b_hi = tl.sum((at_or_above.to(tl.float32) > expect - margin).to(tl.int32), axis=0) - 1
     b_lo = tl.maximum(tl.sum((at_or_above.to(tl.float32) >= expect + margin).to(tl.int32), axis=0) - 1, 0)
     b_hi = tl.maximum(b_hi, b_lo)
-    # Bin edges as values; the end bins reach to -inf and +inf (NaN is outside any bracket).
-    t_lo = tl.where(b_lo > 0, lo + b_lo.to(tl.float32) / inv_width, -float("inf"))
-    t_hi = tl.where(b_hi < BINS - 1, lo + (b_hi + 1).to(tl.float32) / inv_width, float("inf"))
-    return lo, inv_width, t_lo, t_hi
+    # Bin edges as values; the end bins reach to -inf and +inf (NaN is outside any bracket). The
+    # finite edges (e_lo <= e_hi) are where the finish's fine bins go.
+    e_lo = lo + b_lo.to(tl.float32) / inv_width
+    e_hi = lo + (b_hi + 1).to(tl.float32) / inv_width
+    t_lo = tl.where(b_lo > 0, e_lo, -float("inf"))
+    t_hi = tl.where(b_hi < BINS - 1, e_hi, float("inf"))
+    return t_lo, t_hi, e_lo, e_hi
 
 
 
@@ -157,8 +182,8 @@ def _page_row(row64, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows, num_pt_
 @triton.jit
 def _bracket_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
-    width, k,
-    HAS_STARTS: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr,
+    window_ptr, hist_ptr, width, k,
+    HAS_STARTS: tl.constexpr, BINS: tl.constexpr, SAMPLE: tl.constexpr, Z: tl.constexpr, FINE: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -166,9 +191,15 @@ def _bracket_kernel(
     tl.store(counts_ptr + row64, tl.zeros((), tl.int64))
     if n > k:
         src = logits_ptr + row64 * stride_row + start
-        _, _, t_lo, t_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
+        t_lo, t_hi, e_lo, e_hi = _sample_window(src, n, k, BINS, SAMPLE, Z)
         tl.store(bracket_ptr + 2 * row64, t_lo)
         tl.store(bracket_ptr + 2 * row64 + 1, t_hi)
+        if FINE > 0:
+            # The finish's fine bins: their window over the bracket, and the row's histogram zeroed.
+            fine_lo, fine_inv = _fine_window(e_lo, e_hi, FINE)
+            tl.store(window_ptr + 2 * row64, fine_lo)
+            tl.store(window_ptr + 2 * row64 + 1, fine_inv)
+            tl.store(hist_ptr + row64 * FINE + tl.arange(0, FINE), tl.zeros((FINE,), tl.int32))
 
 
 @triton.jit
@@ -223,9 +254,10 @@ def _split_kernel(
 
 
 @triton.jit
-def _entries(base, idx, count, FROM_ROW: tl.constexpr):
+def _entries(base, idx, count, key_min, key_max, FROM_ROW: tl.constexpr):
     """(key, position, live) of entries idx of a radix source: the row's logits themselves (NaN and
-    idx >= count not live) or a candidate list of count packed entries."""
+    idx >= count not live) or a candidate list of count packed entries; only keys inside [key_min,
+    key_max] are live."""
     live = idx < count
     if FROM_ROW:
         x = tl.load(base + idx, mask=live, other=float("nan"))
@@ -236,23 +268,23 @@ def _entries(base, idx, count, FROM_ROW: tl.constexpr):
         entry = tl.load(base + idx, mask=live, other=0)
         key = (entry >> 32).to(tl.int32)
         pos = entry.to(tl.int32)  # the low half
-    return key, pos, live
+    return key, pos, live & (key >= key_min) & (key <= key_max)
 
 
 @triton.jit
-def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
+def _select(base, count, above, key_min, key_max, out_row, k, pt_row, pages, FROM_ROW: tl.constexpr,
             HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
             RADIX: tl.constexpr, NB: tl.constexpr, LANES: tl.constexpr):
-    """The output holds `above` keys; the k - above largest live entries of the source fill the rest
-    (the caller guarantees there are at least that many). NB = max(2^RADIX, 32) histogram bins
-    (Triton's ballot lowering wants at least a warp's worth)."""
+    """The output holds `above` keys; the k - above largest live entries of the source (those with keys
+    in [key_min, key_max]) fill the rest (the caller guarantees there are at least that many).
+    NB = max(2^RADIX, 32) histogram bins (Triton's ballot lowering wants at least a warp's worth)."""
     offs = tl.arange(0, BLOCK)
     # The entries' smallest and largest keys: the digits they all share need no histogram (a narrow
     # bracket shares sign, exponent and often a few mantissa bits).
     kmin = tl.full((), 2147483647, tl.int32)
     kmax = tl.full((), -2147483648, tl.int32)
     for t in range(0, count, BLOCK):
-        key, _, live = _entries(base, t + offs, count, FROM_ROW)
+        key, _, live = _entries(base, t + offs, count, key_min, key_max, FROM_ROW)
         kmin = tl.minimum(kmin, tl.min(tl.where(live, key, 2147483647), axis=0))
         kmax = tl.maximum(kmax, tl.max(tl.where(live, key, -2147483648), axis=0))
     # Radix rounds RADIX bits at a time from the top (the top digit of a signed key is biased by
@@ -268,7 +300,7 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
         else:
             digits = tl.zeros((NB,), dtype=tl.int32)
             for t in range(0, count, BLOCK):
-                key, _, live = _entries(base, t + offs, count, FROM_ROW)
+                key, _, live = _entries(base, t + offs, count, key_min, key_max, FROM_ROW)
                 if r == 0:
                     d = (key >> shift) + (1 << (RADIX - 1))
                 else:
@@ -290,7 +322,7 @@ def _select(base, count, above, out_row, k, pt_row, pages, FROM_ROW: tl.constexp
     gt_next = above
     eq_next = k - need
     for t in range(0, count, BLOCK):
-        key, pos, live = _entries(base, t + idx0, count, FROM_ROW)
+        key, pos, live = _entries(base, t + idx0, count, key_min, key_max, FROM_ROW)
         gt = live & (key > prefix)
         eq = live & (key == prefix)
         flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
@@ -334,12 +366,110 @@ def _write_all(src, n, out_row, k, pt_row, pages,
 
 
 @triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _crossing_bin(hist, total, need, NB: tl.constexpr):
+    """For 1 <= need <= total = sum(hist), bins in ascending key order: the bin b holding the need-th
+    largest entry, the entries in bins above b, and b's own. The one bin with at_or_above >= need >
+    at_or_above - hist is b, so one scan and one (three-operand) reduction find all three."""
+    at_or_above = total - tl.cumsum(hist, axis=0) + hist
+    here = (at_or_above >= need) & (at_or_above - hist < need)
+    return tl.reduce((tl.where(here, tl.arange(0, NB), 0), tl.where(here, at_or_above - hist, 0),
+                      tl.where(here, hist, 0)), 0, _add3)
+
+
+@triton.jit
+def _rank_ties(ties_row, count, first, out_row, k, pt_row, pages,
+               HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, TIES: tl.constexpr):
+    """The k - first largest of the count (<= TIES) packed entries at ties_row fill slots [first, k).
+    Packed entries of one row are distinct (the position breaks ties between equal keys), so each
+    entry's rank among them, counted pairwise, is a distinct slot offset: no scan, no rounds."""
+    # The TIES x TIES pairs as one flat vector (a few a thread; a 2-D tile of row and column loads
+    # gets a layout that holds a whole row a thread), summed per row after a reshape.
+    pair = tl.arange(0, TIES * TIES)
+    i = pair // TIES
+    j = pair % TIES
+    e_i = tl.load(ties_row + i, mask=i < count, other=0)
+    e_j = tl.load(ties_row + j, mask=j < count, other=0)
+    rank = tl.sum(tl.reshape(((e_j > e_i) & (j < count)).to(tl.int32), (TIES, TIES)), axis=1)
+    mine = tl.arange(0, TIES)
+    entry = tl.load(ties_row + mine, mask=mine < count, other=0)
+    slot = first + rank
+    take = (mine < count) & (slot < k)
+    tl.store(out_row + slot, _slot_value(entry.to(tl.int32), pt_row, pages, HAS_PAGES, BLOCK_SIZE, take), mask=take)
+
+
+@triton.jit
+def _two_level(cand_list, count, above, out_row, k, window_row, hist_row, ties_row, pt_row, pages,
+               HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
+               FINE: tl.constexpr, TIES: tl.constexpr):
+    """Slots [above, k) from the candidate list in one histogram and one compaction instead of radix
+    rounds: the list's entries are counted into FINE linear bins over the bracket (one atomic add
+    each, into the row's histogram the bracket kernel zeroed), one scan finds the bin b holding the
+    (k - above)-th largest, every entry of a bin above b is written, and b's own entries (at most
+    TIES) are ranked pairwise. Returns whether that finished the row; if b holds more than TIES
+    entries (ties, or keys closer than the bins resolve), the caller's radix select takes b's entries
+    (those with keys in [key_min, key_max]) with the output holding `first` keys."""
+    lo = tl.load(window_row)
+    inv_width = tl.load(window_row + 1)
+    offs = tl.arange(0, BLOCK)
+    for t in range(0, count, BLOCK):
+        key, _, live = _entries(cand_list, t + offs, count, -2147483648, 2147483647, False)
+        fine = _linear_bin(_key_value(key), lo, inv_width, FINE)
+        tl.atomic_add(hist_row + fine, 1, mask=live, sem="relaxed")
+    tl.debug_barrier()  # every add is done before any thread reads the histogram
+    b, in_above, in_bin = _crossing_bin(tl.load(hist_row + tl.arange(0, FINE)), count, k - above, FINE)
+    first = above + in_above
+    # The compaction, laid out as the radix select's last scan: bins above b to the output, b's entries
+    # to the row's ties scratch. The bins are computed as above, by the same code in this kernel.
+    idx0 = tl.arange(0, BLOCK // LANES)[:, None] + tl.arange(0, LANES)[None, :] * (BLOCK // LANES)
+    gt_next = above
+    eq_next = 0
+    for t in range(0, count, BLOCK):
+        key, pos, live = _entries(cand_list, t + idx0, count, -2147483648, 2147483647, False)
+        fine = _linear_bin(_key_value(key), lo, inv_width, FINE)
+        gt = live & (fine > b)
+        eq = live & (fine == b)
+        flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+        line = tl.sum(flags, axis=1)
+        packed = (tl.cumsum(line, axis=0) - line)[:, None] + tl.cumsum(flags, axis=1)
+        slot = gt_next + (packed & 0xFFFF) - 1
+        tl.store(out_row + slot, _slot_value(pos, pt_row, pages, HAS_PAGES, BLOCK_SIZE, gt), mask=gt & (slot < k))
+        tie = eq_next + (packed >> 16) - 1
+        tl.store(ties_row + tie, _candidate(key, pos), mask=eq & (tie < TIES))
+        total = tl.sum(line, axis=0)
+        gt_next += total & 0xFFFF
+        eq_next += total >> 16
+    done = in_bin <= TIES
+    key_min = -2147483648
+    key_max = 2147483647
+    if done:
+        tl.debug_barrier()  # the ties' stores are visible to every thread
+        _rank_ties(ties_row, in_bin, first, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, TIES)
+    else:
+        # The bins are monotone in the key, so b's entries are exactly the list's entries with keys
+        # between the smallest and the largest of b's.
+        key_min = 2147483647
+        key_max = -2147483648
+        for t in range(0, count, BLOCK):
+            key, _, live = _entries(cand_list, t + offs, count, -2147483648, 2147483647, False)
+            eq = live & (_linear_bin(_key_value(key), lo, inv_width, FINE) == b)
+            key_min = tl.minimum(key_min, tl.min(tl.where(eq, key, 2147483647), axis=0))
+            key_max = tl.maximum(key_max, tl.max(tl.where(eq, key, -2147483648), axis=0))
+    return done.to(tl.int32), first, key_min, key_max
+
+
+@triton.jit
 def _finish_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, counts_ptr,
-    out_ptr, cand_ptr, stride_cand, pt_ptr, stride_pt, page_rows_ptr, stride_page_rows,
-    width, num_pt_rows, pages, k, cap,
+    out_ptr, cand_ptr, stride_cand, window_ptr, hist_ptr, ties_ptr, pt_ptr, stride_pt, page_rows_ptr,
+    stride_page_rows, width, num_pt_rows, pages, k, cap,
     HAS_STARTS: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr, LANES: tl.constexpr, RADIX: tl.constexpr, RADIX_BINS: tl.constexpr,
+    FINE: tl.constexpr, TIES: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
@@ -354,8 +484,20 @@ def _finish_kernel(
     if n <= k:
         _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
     elif (above <= k) & (above + in_bracket >= k) & (in_bracket <= cap):
-        _select(cand_ptr + row64 * stride_cand, in_bracket, above, out_row, k, pt_row, pages, False,
-                HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
+        cand_list = cand_ptr + row64 * stride_cand
+        # FINE = 0: radix rounds over the whole list (the round-2 finish, kept for A/B). Else the
+        # two-level finish, whose radix rounds (if any) see one fine bin's keys only.
+        done = 0
+        first = above
+        key_min = -2147483648
+        key_max = 2147483647
+        if FINE > 0:
+            done, first, key_min, key_max = _two_level(
+                cand_list, in_bracket, above, out_row, k, window_ptr + 2 * row64, hist_ptr + row64 * FINE,
+                ties_ptr + row64 * TIES, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK, LANES, FINE, TIES)
+        if done == 0:
+            _select(cand_list, in_bracket, first, key_min, key_max, out_row, k, pt_row, pages, False,
+                    HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
         if HAS_PAGES:
             # The split wrote positions into slots [0, above); the select wrote the rest as slots.
             offs = tl.arange(0, BLOCK)
@@ -369,7 +511,7 @@ def _finish_kernel(
         if _count_live(src, n, BLOCK) <= k:
             _write_all(src, n, out_row, k, pt_row, pages, HAS_PAGES, BLOCK_SIZE, BLOCK)
         else:
-            _select(src, n, 0, out_row, k, pt_row, pages, True,
+            _select(src, n, 0, -2147483648, 2147483647, out_row, k, pt_row, pages, True,
                     HAS_PAGES, BLOCK_SIZE, BLOCK, RADIX, RADIX_BINS, LANES)
 
 
@@ -432,14 +574,16 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
     2048 keys with 8 warps, or 1024 with 4 where 2048 would leave an SM fewer than PROGRAMS_PER_SM
     programs; a thread holds one column of lanes = 8 keys. The interpreter pays per operation, not
     per element, so there tiles are as large as the row allows (`interpreted` None: whether
-    TRITON_INTERPRET is on here)."""
+    TRITON_INTERPRET is on here). The finish is two-level (fine = 1024 bins, ties = 32: NOTES.md,
+    "Round 4"); fine = 0 selects round 2's radix finish."""
     if triton_interpreter_on() if interpreted is None else interpreted:
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
         return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 1024, "z": 4.0, "radix": 8,
-                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8}
+                "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8, "fine": 256, "ties": 16}
     block = 2048 if max(rows, 1) * max(width, 1) >= 2048 * PROGRAMS_PER_SM * SMS else 1024
     return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
-            "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8}
+            "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8, "fine": 1024,
+            "ties": 32}
 
 
 # The finish's tiles: a column of 8 keys a thread, so its tile follows its warps (2048 keys at 8).
@@ -447,7 +591,7 @@ FINISH_LANES = 8
 
 
 def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False,
-           block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps):
+           block, tiles, lanes, bins, sample, z, radix, cap, num_warps, finish_warps, fine, ties):
     """Check the inputs, then run the kernels with an explicit config (the probe calls this directly).
 
     block: keys per split tile (a power of two, at most 2^15: the packed scan
@@ -457,34 +601,38 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
     half-width in standard deviations (huge: every key a candidate, so the list overflows and the
     exact path runs; very negative: the bracket is one bin, usually wrong, same); radix: bits per
     refine round (4 or 8); cap: candidate list entries per row (>= 1); num_warps: the split's;
-    finish_warps: the bracket's, the finish's (tiles of FINISH_LANES keys a thread) and the sort's."""
+    finish_warps: the bracket's, the finish's (tiles of FINISH_LANES keys a thread) and the sort's;
+    fine: the two-level finish's histogram bins (a power of two, or 0: radix rounds over the whole
+    list); ties: the most entries of the threshold bin it ranks pairwise (a power of two; more go to
+    radix rounds over that bin)."""
     if not (_pow2(block) and block <= 1 << 15 and tiles >= 1 and _pow2(bins) and bins >= 32 and _pow2(sample)
-            and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1):
+            and sample >= 8 and _pow2(lanes) and lanes < block and radix in (4, 8) and cap >= 1
+            and (fine == 0 or _pow2(fine)) and _pow2(ties)):
         raise ValueError(f"block={block}, tiles={tiles}, bins={bins}, sample={sample}, lanes={lanes}, radix={radix}, "
-                         f"cap={cap}: powers of two, block <= 32768, tiles >= 1, bins >= 32, sample >= 8, "
-                         "lanes < block, radix 4 or 8, cap >= 1")
+                         f"cap={cap}, fine={fine}, ties={ties}: powers of two, block <= 32768, tiles >= 1, "
+                         "bins >= 32, sample >= 8, lanes < block, radix 4 or 8, cap >= 1, fine 0 or a power of two")
     rows, width = _check(logits, lengths, k, starts, page_table, page_rows, block_size)
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
-    counts, bracket, cand = _workspace(logits.device, rows, cap)
+    counts, bracket, cand, window, hist, tie_list = _workspace(logits.device, rows, cap, fine, ties)
     fuse_pages = page_table is not None and not sorted
     dummy = out  # stands in for absent optional tensors; never dereferenced (constexpr flags)
     row_args = (logits, logits.stride(0), lengths, lengths.stride(0),
                 starts if starts is not None else dummy, starts.stride(0) if starts is not None else 0)
     has_starts = starts is not None
-    _bracket_kernel[(rows,)](*row_args, bracket, counts, width, k, HAS_STARTS=has_starts, BINS=bins,
-                             SAMPLE=sample, Z=z, num_warps=finish_warps)
+    _bracket_kernel[(rows,)](*row_args, bracket, counts, window, hist, width, k, HAS_STARTS=has_starts, BINS=bins,
+                             SAMPLE=sample, Z=z, FINE=fine, num_warps=finish_warps)
     chunks = triton.cdiv(max(width, 1), block * tiles)
     _split_kernel[(rows, chunks)](*row_args, bracket, counts, out, cand, cand.stride(0), width, k, cap,
                                   HAS_STARTS=has_starts, BLOCK=block, TILES=tiles, LANES=lanes, num_warps=num_warps)
     page_args = (page_table if fuse_pages else dummy, page_table.stride(0) if fuse_pages else 0,
                  page_rows if fuse_pages else dummy, page_rows.stride(0) if fuse_pages else 0)
     table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if fuse_pages else (1, 0)
-    _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), *page_args, width, table_rows,
-                            table_pages, k, cap, HAS_STARTS=has_starts, HAS_PAGES=fuse_pages, BLOCK_SIZE=block_size,
-                            BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES, RADIX=radix, RADIX_BINS=max(1 << radix, 32),
-                            num_warps=finish_warps)
+    _finish_kernel[(rows,)](*row_args, counts, out, cand, cand.stride(0), window, hist, tie_list, *page_args, width,
+                            table_rows, table_pages, k, cap, HAS_STARTS=has_starts, HAS_PAGES=fuse_pages,
+                            BLOCK_SIZE=block_size, BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES,
+                            RADIX=radix, RADIX_BINS=max(1 << radix, 32), FINE=fine, TIES=ties, num_warps=finish_warps)
     if sorted:
         with_pages = page_table is not None
         # Slots past the width are -1 already (and stay last), so only min(k, W) are ordered. One
@@ -527,21 +675,25 @@ def _page_transform(out, page_table, page_rows, block_size):
     return torch.where(valid, slots, -1).to(torch.int32)
 
 
-def _workspace(device: torch.device, rows: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _workspace(device: torch.device, rows: int, cap: int, fine: int = 0, ties: int = 1) -> tuple[torch.Tensor, ...]:
     """Views of the cached scratch for `rows` rows: packed counters int64 [rows], brackets fp32
-    [rows, 2], candidate lists int64 [rows, cap]. Nothing needs initialising (the bracket kernel
-    zeroes the counters; only written list entries are read)."""
-    counts, bracket, cand = _scratch(device, triton.next_power_of_2(rows), cap)
-    return counts[:rows], bracket[:rows], cand[:rows]
+    [rows, 2], candidate lists int64 [rows, cap], the fine bins' windows fp32 [rows, 2] (lo,
+    inv_width), their histograms int32 [rows, max(fine, 1)], the threshold bins' entries
+    int64 [rows, ties]. Nothing needs initialising (the bracket kernel zeroes the counters and
+    histograms; only written entries are read)."""
+    return tuple(t[:rows] for t in _scratch(device, triton.next_power_of_2(rows), cap, fine, ties))
 
 
 @functools.lru_cache(maxsize=None)
-def _scratch(device: torch.device, rows: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scratch(device: torch.device, rows: int, cap: int, fine: int, ties: int) -> tuple[torch.Tensor, ...]:
     # Cached and never freed: a CUDA graph captured with these addresses stays valid. Power-of-two
     # row buckets bound the number of entries (the total is at most twice the largest).
     return (torch.empty(rows, dtype=torch.int64, device=device),
             torch.empty((rows, 2), dtype=torch.float32, device=device),
-            torch.empty((rows, cap), dtype=torch.int64, device=device))
+            torch.empty((rows, cap), dtype=torch.int64, device=device),
+            torch.empty((rows, 2), dtype=torch.float32, device=device),
+            torch.empty((rows, max(fine, 1)), dtype=torch.int32, device=device),
+            torch.empty((rows, ties), dtype=torch.int64, device=device))
 
 
 def _check(logits, lengths, k, starts, page_table, page_rows, block_size) -> tuple[int, int]:
