@@ -681,6 +681,8 @@ def _workspace(device: torch.device, rows: int, cap: int, fine: int = 0, ties: i
     inv_width), their histograms int32 [rows, max(fine, 1)], the threshold bins' entries
     int64 [rows, ties]. Nothing needs initialising (the bracket kernel zeroes the counters and
     histograms; only written entries are read)."""
+    if device.type == "cuda" and device.index is None:  # one cache entry per GPU, however it is named
+        device = torch.device("cuda", torch.cuda.current_device())
     return tuple(t[:rows] for t in _scratch(device, triton.next_power_of_2(rows), cap, fine, ties))
 
 
