@@ -435,3 +435,22 @@ def test_the_default_workload_covers_serving_prefill():
     labels = [shape.label() for shape in extend_shapes(Workload())]
     assert labels == ["M=4K S=4K R=4 H=64 D=128", "M=4K S=52K R=4 H=64 D=128", "M=16K S=16K R=4 H=64 D=128",
                       "M=16K S=64K R=4 H=64 D=128"]
+
+
+@pytest.mark.parametrize(
+    "order, means, rule_order, expected",
+    [
+        # Within 1%: the registry's order (native before flatten), whatever the noise said.
+        (["triton.flatten", "triton", "deepgemm.sm90"], [28.80, 28.81, 37.2], ["triton", "deepgemm.sm90"],
+         ["triton", "triton.flatten", "deepgemm.sm90"]),
+        # Past 1%: measured order stands.
+        (["triton.flatten", "triton"], [28.0, 28.9], ["triton"], ["triton.flatten", "triton"]),
+        # A backend the rule does not name never moves ahead of one it names.
+        (["a", "b", "c"], [10.0, 10.05, 10.06], ["c", "b"], ["c", "b", "a"]),
+        ([], [], ["x"], []),
+    ],
+)
+def test_measured_ties_keep_the_registry_order(order, means, rule_order, expected):
+    from dispatch.bench.tune import _ties_in_rule_order
+
+    assert _ties_in_rule_order(order, means, rule_order) == expected

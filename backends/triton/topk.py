@@ -564,15 +564,16 @@ def topk_indices(
 
 # Programs the split should give each SM at least: enough independent loads in flight to cover the
 # memory latency (reasoned, NOTES.md; the probe sweeps the chunk).
-PROGRAMS_PER_SM = 4
-SMS = 132  # an H200's; only sizes the default chunk
+# The split's chunk: 1024 keys with 4 warps. Measured against 2048 with 8 (the earlier default at
+# large shapes) on the H200, 2026-11-30 12:20 UTC (tools/probe_topk.py, graph-replayed): 82.8 vs 87.4
+# us at 512 rows x 49K, 33.7 vs 35.1 at 128 x 49K; 1024 was already the default at 64 x 12K.
+SPLIT_BLOCK = 1024
 
 
 def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None = None) -> dict:
     """Launch parameters (see `launch`). The split's chunk is one tile (tiles = 1: a second tile held
-    in flight lifts the split from ~80 to ~125 registers at sm_90, a third of the programs an SM):
-    2048 keys with 8 warps, or 1024 with 4 where 2048 would leave an SM fewer than PROGRAMS_PER_SM
-    programs; a thread holds one column of lanes = 8 keys. The interpreter pays per operation, not
+    in flight lifts the split from ~80 to ~125 registers at sm_90, a third of the programs an SM) of
+    SPLIT_BLOCK keys; a thread holds one column of lanes = 8 keys. The interpreter pays per operation, not
     per element, so there tiles are as large as the row allows (`interpreted` None: whether
     TRITON_INTERPRET is on here). The finish is two-level (fine = 1024 bins, ties = 32: NOTES.md,
     "Round 4"); fine = 0 selects round 2's radix finish."""
@@ -580,7 +581,7 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))
         return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 1024, "z": 4.0, "radix": 8,
                 "cap": max(4 * k, 1024), "num_warps": 1, "finish_warps": 8, "fine": 256, "ties": 16}
-    block = 2048 if max(rows, 1) * max(width, 1) >= 2048 * PROGRAMS_PER_SM * SMS else 1024
+    block = SPLIT_BLOCK
     return {"block": block, "tiles": 1, "lanes": 8, "bins": 64, "sample": 4096, "z": 4.0,
             "radix": 4, "cap": max(4 * k, 4096), "num_warps": block // 256, "finish_warps": 8, "fine": 1024,
             "ties": 32}

@@ -28,6 +28,7 @@ from dispatch.registry.models import Workload
 from dispatch.version import dispatch_version
 
 BUDGET_S = 0.5  # timing per backend and shape at most about this long: a slow reference takes 3 repeats
+TIE = 0.01  # geometric means within 1% are one time: run-to-run spread on the H200 is ~0.5-1%
 QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,), extend_requests=(2,), extend_lens=(24,), prefix_lens=(40,))
 
 
@@ -125,7 +126,8 @@ class Tuner:
 
     def record(self, op: Op, modes: list[ForwardMode], next_n: int, names: list[str], rows: list) -> None:
         """The preference the rows give for (op, these modes at next_n), with the versions of `names`."""
-        preference = self._preference(rows)
+        key = DispatchKey(self.dispatcher.target_arch, modes[0], next_n, self.fp8)
+        preference = self._preference(rows, self._rule_order(op, key))
         if preference is None:
             return
         arch = self.dispatcher.target_arch.value
@@ -200,8 +202,17 @@ class Tuner:
             self.say(f"{rows[0].op} {rows[0].shape}: {times}")
         return rows
 
-    def _preference(self, rows: list) -> dict | None:
-        """Order, per-shape times and failures from one key's rows; None when every backend failed."""
+    def _rule_order(self, op: Op, key: DispatchKey) -> list[str]:
+        """The backends in the order the registry alone would try them for `key`: the first matching
+        rule's `use`, then the fallback."""
+        table = self.dispatcher.document.registry.table(op)
+        rule = next((r for r in table.rules if r.when.matches(key)), None)
+        return list(rule.use if rule is not None else []) + list(table.fallback)
+
+    def _preference(self, rows: list, rule_order: list[str]) -> dict | None:
+        """Order, per-shape times and failures from one key's rows; None when every backend failed.
+        Backends within TIE of each other are measured equal: they keep the registry's order, so noise
+        never swaps two layouts of one kernel (next_n 1's native and flatten are the same launch)."""
         failed: dict[str, str] = {}
         times: dict[str, dict[str, float]] = {}
         for row in rows:
@@ -213,6 +224,7 @@ class Tuner:
             self.failures += 1
             self.say(f"check failed, never preferred: {failed}")
         order = sorted({r.backend for r in rows} - set(failed), key=lambda name: (_geomean(times, name), name))
+        order = _ties_in_rule_order(order, [_geomean(times, name) for name in order], rule_order)
         if not order:
             return None
         shapes = [{"shape": shape, "median_us": {name: by[name] for name in order}} for shape, by in times.items()]
@@ -226,6 +238,20 @@ class Tuner:
 
     def say(self, text: str) -> None:
         print(f"[{time.perf_counter() - self.started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def _ties_in_rule_order(order: list[str], means: list[float], rule_order: list[str]) -> list[str]:
+    """`order` (fastest first, with its geometric means), where a backend within TIE of the one before it
+    and earlier in `rule_order` moves ahead of it (an insertion sort on that relation)."""
+    rank = {name: i for i, name in enumerate(rule_order)}
+    pairs = list(zip(order, means))
+    for i in range(1, len(pairs)):
+        j = i
+        while (j > 0 and pairs[j][1] <= pairs[j - 1][1] * (1 + TIE)
+               and rank.get(pairs[j][0], len(rank)) < rank.get(pairs[j - 1][0], len(rank))):
+            pairs[j - 1], pairs[j] = pairs[j], pairs[j - 1]
+            j -= 1
+    return [name for name, _ in pairs]
 
 
 def _geomean(times: dict[str, dict[str, float]], name: str) -> float:
