@@ -298,6 +298,16 @@ def test_a_valid_overlay_parses():
     assert preference.order == ("triton", "deepgemm.sm90") and preference.mean_us("deepgemm.sm90") == 202.6
 
 
+def test_an_order_within_the_tie_is_accepted_and_past_it_refused():
+    """tune keeps backends within 1% in the registry's order, so the check allows that and no more."""
+    def with_times(triton, deepgemm):
+        return OVERLAY.replace("{triton: 161.9, deepgemm.sm90: 202.6}", f"{{triton: {triton}, deepgemm.sm90: {deepgemm}}}")
+
+    assert parse_measured(with_times(161.9, 160.4), "h200.yaml")  # 0.94% slower first: a tie
+    with pytest.raises(RegistryError, match="the measured order is fastest first"):
+        parse_measured(with_times(161.9, 160.1), "h200.yaml")  # 1.1%
+
+
 @pytest.mark.parametrize(
     "old, new, line, key, message",
     [

@@ -23,12 +23,11 @@ from pathlib import Path
 import yaml
 
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.registry.measured import geometric_mean
+from dispatch.registry.measured import MEASURED_TIE as TIE, geometric_mean
 from dispatch.registry.models import Workload
 from dispatch.version import dispatch_version
 
 BUDGET_S = 0.5  # timing per backend and shape at most about this long: a slow reference takes 3 repeats
-TIE = 0.01  # geometric means within 1% are one time: run-to-run spread on the H200 is ~0.5-1%
 QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,), extend_requests=(2,), extend_lens=(24,), prefix_lens=(40,))
 
 
