@@ -188,7 +188,7 @@ class Dispatcher:
                     label = f"cluster `{self.cluster}` measured"
                     steps.append(_Step(name, f"measured[{index}]", "measured", label, (), where))
         table = self.document.registry.table(op)
-        index = next((i for i, r in enumerate(table.rules) if r.when.matches(key)), None)
+        index = table.first_match(key)
         if index is not None:
             rule, location = table.rules[index], ("ops", op.value, "rules", index)
             steps += [_Step(name, rule.id, "rule", f"rule `{rule.id}`", location) for name in rule.use]

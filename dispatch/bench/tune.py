@@ -126,7 +126,7 @@ class Tuner:
     def record(self, op: Op, modes: list[ForwardMode], next_n: int, names: list[str], rows: list) -> None:
         """The preference the rows give for (op, these modes at next_n), with the versions of `names`."""
         key = DispatchKey(self.dispatcher.target_arch, modes[0], next_n, self.fp8)
-        preference = self._preference(rows, self._rule_order(op, key))
+        preference = self._preference(rows, list(self.dispatcher.document.registry.table(op).named_for(key)))
         if preference is None:
             return
         arch = self.dispatcher.target_arch.value
@@ -200,13 +200,6 @@ class Tuner:
             times = ", ".join(f"{r.backend} " + (f"{r.seconds * 1e6:.1f} us" if r.seconds else r.check) for r in rows)
             self.say(f"{rows[0].op} {rows[0].shape}: {times}")
         return rows
-
-    def _rule_order(self, op: Op, key: DispatchKey) -> list[str]:
-        """The backends in the order the registry alone would try them for `key`: the first matching
-        rule's `use`, then the fallback."""
-        table = self.dispatcher.document.registry.table(op)
-        rule = next((r for r in table.rules if r.when.matches(key)), None)
-        return list(rule.use if rule is not None else []) + list(table.fallback)
 
     def _preference(self, rows: list, rule_order: list[str]) -> dict | None:
         """Order, per-shape times and failures from one key's rows; None when every backend failed.

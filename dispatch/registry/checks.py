@@ -192,9 +192,7 @@ def coverage(document: RegistryDocument, catalog: Catalog) -> list[Finding]:
     for op, table in registry.ops.items():
         served[op] = set()
         for cell in all_cells:
-            rule = next((r for r in table.rules if r.when.matches(cell.key)), None)
-            named = (rule.use if rule else ()) + table.fallback
-            if any(_serves(catalog, op, name, cell.key, registry.disabled) for name in named):
+            if any(_serves(catalog, op, name, cell.key, registry.disabled) for name in table.named_for(cell.key)):
                 served[op].add(cell)
     in_scope = mentioned_archs(document) | {cell.key.arch for cells_ in served.values() for cell in cells_}
     findings = []

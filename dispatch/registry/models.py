@@ -124,6 +124,16 @@ class OpTable(Strict):
     rules: tuple[Rule, ...] = ()
     fallback: NameList = ()
 
+    def first_match(self, key: DispatchKey) -> int | None:
+        """The index of the first rule whose `when` matches `key` (rules are tried in order), or None."""
+        return next((i for i, rule in enumerate(self.rules) if rule.when.matches(key)), None)
+
+    def named_for(self, key: DispatchKey) -> tuple[str, ...]:
+        """The backends the registry alone would try for `key`, in order: the first matching rule's
+        `use`, then the fallback."""
+        index = self.first_match(key)
+        return (self.rules[index].use if index is not None else ()) + self.fallback
+
     @model_validator(mode="after")
     def _serves_something(self) -> "OpTable":
         if not self.rules and not self.fallback:
