@@ -29,13 +29,12 @@ from dispatch.bounds import new_error_flags
 from dispatch.kv_cache import BLOCK_KV
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
 from backends.triton.page_guard import guard_pages
-from backends.triton.paged_schedule import program_count, schedule_pages
 from backends.triton.paged_mqa_logits import (
     LaunchConfig,
     _paged_mqa_logits_kernel,
     default_config,
+    schedule_for,
     triton_paged_mqa_logits,
-    work_row_tokens,
 )
 from dispatch.key import Fp8Dtype
 from dispatch.layout import Layout
@@ -106,9 +105,7 @@ class Batch:
         context_lens = inputs[3]
         key = (id(inputs), config)
         if key not in self.schedules:  # once per batch in serving, so outside the timed call
-            tokens = work_row_tokens(config, context_lens.shape[1])
-            self.schedules[key] = schedule_pages(context_lens, tokens, program_count(context_lens.device, config.programs_per_sm),
-                                                 self.max_len, BLOCK_KV)
+            self.schedules[key] = schedule_for(context_lens, self.max_len, BLOCK_KV, config)
         return triton_paged_mqa_logits(*inputs, config=config, guard=self.guards[id(inputs)],
                                        schedule=self.schedules[key])
 

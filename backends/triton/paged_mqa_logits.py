@@ -297,8 +297,7 @@ def triton_paged_mqa_logits(
     cfg = config or default_config(next_n, q.device)
     tokens = work_row_tokens(cfg, next_n)
     if schedule is None:
-        schedule = schedule_pages(context_lens, tokens, program_count(q.device, cfg.programs_per_sm), max_context_len,
-                                  block_kv)
+        schedule = schedule_for(context_lens, max_context_len, block_kv, cfg)
     elif not schedule.matches(context_lens, tokens, max_context_len, block_kv):
         raise LayoutError(
             f"the paged schedule was built for lens {list(schedule.context_lens.shape)}, {schedule.tokens} tokens a "
@@ -337,6 +336,16 @@ def triton_paged_mqa_logits(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def schedule_for(context_lens: torch.Tensor, max_context_len: int, block_kv: int,
+                 config: LaunchConfig | None = None) -> PagedSchedule:
+    """The batch's length-balanced schedule for `config` (default_config when None), cut now: what the
+    backends' prepare keeps per batch and a direct call without one builds for itself."""
+    next_n = context_lens.shape[1]
+    config = config or default_config(next_n, context_lens.device)
+    programs = program_count(context_lens.device, config.programs_per_sm)
+    return schedule_pages(context_lens, work_row_tokens(config, next_n), programs, max_context_len, block_kv)
 
 
 def work_row_tokens(config: LaunchConfig, next_n: int) -> int:
