@@ -115,3 +115,33 @@ def test_garbage_lengths_stay_inside_the_width():
     bounds = [tuple(pair) for pair in schedule.bounds.cpu().tolist()]
     assert bounds == reference_bounds(lens, 2, 5, width)
     assert all(0 <= row < 3 and 0 <= page <= math.ceil(width / BLOCK_KV) for row, page in bounds)
+
+
+def test_a_refreshed_plan_is_cut_for_the_captured_width_not_the_fresh_one():
+    """Under CUDA graphs a later batch may be shorter than the captured bound: its own plan's width (its
+    max_seq_len) is narrower than the captured plan's, which the graph's kernel covers. The refreshed
+    schedule must cover the captured width, so every column is written (-inf past each length)."""
+    from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
+    from backends.triton import plugin
+    from tests.paged_batch import paged_batch
+    from tests.plans import plan_for
+
+    backend = next(b for b in plugin.logits_backends() if b.name == "triton")
+    first = paged_batch([300, 200], 2, heads=16, head_dim=32, seed=3)
+    pool = first.kv_cache.shape[0]
+    plan = plan_for(backend, first.seq_lens, first.page_table, 2, num_kv_blocks=pool)
+    q = plan.q_in_layout(first.q_tokens)
+    backend.run(plan, q, first.kv_cache, first.weights)
+
+    second_lens = torch.tensor([90, 40], dtype=torch.int32)
+    fresh = plan_for(backend, second_lens, first.page_table, 2, num_kv_blocks=pool)
+    assert fresh.max_context_len < plan.max_context_len
+    plan.context_lens.copy_(fresh.context_lens)
+    backend.refresh_state(plan.state, fresh.state)
+    out = backend.run(plan, q, first.kv_cache, first.weights)
+    ref = reference_paged_mqa_logits(q, first.kv_cache, first.weights, plan.context_lens, plan.block_table,
+                                     plan.max_context_len, plan.fp8_dtype)
+    assert not torch.isnan(out).any()
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    visible = ~torch.isinf(ref)
+    assert float((out[visible] - ref[visible]).norm() / ref[visible].norm()) < 1e-5
