@@ -77,11 +77,13 @@ __all__ = [
 
 
 class PagedMqaLogitsRun(Protocol):
-    """run(plan, q, kv_cache, weights) -> fp32 logits [B*N, plan.max_context_len].
+    """run(plan, q, kv_cache, weights, *, clean_logits=True) -> fp32 logits [B*N, plan.max_context_len].
 
     q is fp8 in plan.layout (native [B, N, H, D]; flatten [B*N, 1, H, D]), kv_cache uint8
     [num_blocks, block_kv, 1, D + 4], weights fp32 [B*N, H]. The run checks its inputs with
-    check_logits_inputs and writes -inf at every position past a token's length. Bounds and NaN
+    check_logits_inputs and, with clean_logits, writes -inf at every position past a token's length;
+    without it those positions are unspecified (a backend may still write -inf there): the indexer
+    step asks for that, because its top-k never reads past a length. Bounds and NaN
     (dispatch/bounds.py): it never follows a page-table entry outside [0, num_blocks) that a visible
     key needs; that token's row, like the row of a token whose length passes max_context_len, is NaN
     in every column, and the bit is ORed into plan.error_flags (a torch reference raises
@@ -89,7 +91,13 @@ class PagedMqaLogitsRun(Protocol):
     makes the logits it touches NaN."""
 
     def __call__(
-        self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
+        self,
+        plan: IndexerPlan,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        clean_logits: bool = True,
     ) -> torch.Tensor: ...
 
 

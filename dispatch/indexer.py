@@ -64,7 +64,8 @@ class IndexerStep:
         if isinstance(plan, ExtendPlan):
             return self._select_extend(plan, q, weights, positions, cos_sin_cache, kv_cache)
         q_fp8, folded = self._quantise(plan, q, weights, positions, cos_sin_cache)
-        logits = paged_mqa_logits(plan, q_fp8, kv_cache, folded)
+        # The top-k reads only each token's visible keys, so the logits need no -inf tail.
+        logits = paged_mqa_logits(plan, q_fp8, kv_cache, folded, clean_logits=False)
         return topk(plan, logits, self.topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])
 
     def _quantise(self, plan, q, weights, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,9 +43,21 @@ def indexer_q_quant(
     )
 
 
-def paged_mqa_logits(plan: IndexerPlan, q_tokens: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> Any:
-    """Paged MQA logits through the plan's decided backend; q_tokens is per-token fp8 [B*N, H, D]."""
-    return call_backend(plan.decision(Op.PAGED_MQA_LOGITS), plan, plan.q_in_layout(q_tokens), kv_cache, weights)
+def paged_mqa_logits(
+    plan: IndexerPlan,
+    q_tokens: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    clean_logits: bool = True,
+) -> Any:
+    """Paged MQA logits through the plan's decided backend; q_tokens is per-token fp8 [B*N, H, D].
+    Without clean_logits the positions past a token's length are unspecified (a reader of only the
+    visible keys, as the top-k op is, saves the backend the -inf fill)."""
+    return call_backend(
+        plan.decision(Op.PAGED_MQA_LOGITS), plan, plan.q_in_layout(q_tokens), kv_cache, weights,
+        clean_logits=clean_logits,
+    )
 
 
 def topk(

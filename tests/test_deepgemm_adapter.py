@@ -204,6 +204,29 @@ def test_result_is_the_reference_with_minus_inf_past_lengths(garbage, name, next
     assert out.data_ptr() == kernel_out.data_ptr() and out.stride(0) == 256
 
 
+@pytest.mark.parametrize("name,next_n", [("deepgemm.sm90", 2), ("deepgemm.sm100", 3), ("deepgemm.sm90.flatten", 4)])
+def test_without_clean_logits_only_poisoned_rows_are_rewritten(name, next_n):
+    """clean_logits=False: the visible logits as with it, the kernel's garbage left past the lengths
+    (no masking pass), and the rows of a token that needs an out-of-pool page all NaN."""
+    fake = FakeDeepGemm(num_sms=NUM_SMS, garbage="random")
+    backend = backend_named(name, fake)
+    batch = paged_batch(SEQ_LENS, next_n)
+    table = batch.page_table.clone()
+    table[1, 0] = 1 << 20  # request 1's only page: outside the pool, so its tokens are poisoned
+    arch = Arch.SM100 if name == "deepgemm.sm100" else Arch.SM90
+    plan = plan_for(backend, batch.seq_lens, table, next_n, arch=arch)
+    out = backend.run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights, clean_logits=False)
+    expected = expected_logits(batch)
+    poisoned = torch.zeros(out.shape[0], dtype=torch.bool)
+    poisoned[next_n : 2 * next_n] = True
+    assert torch.isnan(out[poisoned]).all()
+    visible = expected > float("-inf")
+    visible[poisoned] = False
+    assert torch.equal(out[visible], expected[visible])
+    hidden = ~visible & ~poisoned[:, None]
+    assert hidden.any() and not (out[hidden] == float("-inf")).all()  # the tail was not masked
+
+
 # --- what run rejects before the launch ----------------------------------------------------------
 
 

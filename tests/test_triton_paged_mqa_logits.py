@@ -16,7 +16,7 @@ from dispatch.bench.paged_cache import build_paged_kv_cache
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
 from backends.triton import availability, plugin
 from backends.triton.fp8_mode import Fp8Mode, fnuz_mode_for_here
-from backends.triton.paged_mqa_logits import LaunchConfig, triton_paged_mqa_logits
+from backends.triton.paged_mqa_logits import LaunchConfig, default_config, triton_paged_mqa_logits
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
 from dispatch.key import FP8_MAX, Arch, Fp8Dtype, Op
@@ -129,6 +129,28 @@ def test_every_element_is_written():
         q, cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype, out=out
     )
     assert_close(out, reference_for(plan, q, cache, weights))
+
+
+@pytest.mark.parametrize("layout", [Layout.NATIVE, Layout.FLATTEN])
+@pytest.mark.parametrize("seq_lens,next_n", [([150, 40, 0], 3), ([70, 300], 1), ([6, 129], 6)])
+def test_without_clean_logits_the_visible_keys_are_unchanged(seq_lens, next_n, layout):
+    """clean_logits=False: every visible logit as with it, and the pages past a token group's longest
+    length are not written (the fill is what the flag saves); nothing outside the buffer either."""
+    backend = BACKENDS["triton" if layout is Layout.NATIVE else "triton.flatten"]
+    plan, q, cache, weights = make_case(seq_lens, next_n, backend, extra_pages=2, seed=next_n)
+    clean = backend.run(plan, q, cache, weights)
+    sentinel = 7.25
+    out = torch.full((len(seq_lens) * next_n, plan.max_context_len), sentinel, device=DEVICE)
+    triton_paged_mqa_logits(q, cache, weights, plan.context_lens, plan.block_table, plan.max_context_len,
+                            plan.fp8_dtype, out=out, clean_logits=False)
+    lengths = plan.token_lengths.cpu().long()
+    columns = torch.arange(plan.max_context_len)[None, :]
+    visible = columns < lengths[:, None]
+    assert torch.equal(out.cpu()[visible], clean.cpu()[visible])
+    # Past the widest request's last compute step (PAGES pages of 64 keys): never written.
+    step = default_config(next_n, torch.device(DEVICE)).pages * 64
+    last_page_end = -(-max(seq_lens) // step) * step
+    assert (out.cpu()[:, last_page_end:] == sentinel).all()
 
 
 def test_nan_bytes_past_a_length_are_masked():

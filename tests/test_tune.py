@@ -201,7 +201,7 @@ def test_validate_warns_when_the_evidence_is_stale(tuned, tmp_path, capsys):
     assert any("`gone.backend` was measured but is not registered for paged_mqa_logits" in line for line in stale)
 
 
-def _skewed_logits(plan, q, kv_cache, weights):
+def _skewed_logits(plan, q, kv_cache, weights, *, clean_logits=True):
     return run_paged_mqa_logits(plan, q, kv_cache, weights) * 1.001  # 1e-3 off: fails the CPU check (1e-5)
 
 

@@ -212,7 +212,7 @@ def resources() -> None:
                 continue
             seen.add(key)
             constexprs = {"N": next_n, "TG": tokens, "H": HEADS, "D": HEAD_DIM, "BLOCK_KV": BLOCK_KV,
-                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0, "NAN_BYTES": 0}
+                          "PAGES": config.pages, "PRODUCT_SCALE": 1.0, "NAN_BYTES": 0, "FILL": True}
             signature = {n: (pointer_types[i] if i < len(pointer_types) else "constexpr" if n in constexprs else "i32")
                          for i, n in enumerate(names)}
             aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

@@ -203,7 +203,11 @@ class DeepGemmPagedLogits:
         captured.schedule.copy_(fresh.schedule)
         captured.guard.refresh(fresh.guard.num_blocks)
 
-    def run(self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
+    ) -> torch.Tensor:
+        # Without clean_logits the -inf tail is skipped, but a poisoned token's row (deep_gemm scored it
+        # through the guard's safe table) must still become NaN: one small launch instead of the pass.
         check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
         self._check_schedule(plan)
         check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
@@ -217,7 +221,11 @@ class DeepGemmPagedLogits:
         logits = launch_paged_mqa_logits(
             self.load(), q, kv_cache, weights, plan.context_lens, guard.safe_table, state.schedule, plan.max_context_len
         )
-        return mask_past_lengths(logits, guard.lens, guard.fill)
+        if clean_logits:
+            return mask_past_lengths(logits, guard.lens, guard.fill)
+        from backends.triton.poisoned_rows import nan_poisoned_rows  # triton ships with torch on CUDA
+
+        return nan_poisoned_rows(logits, guard.lens)
 
     def _check_schedule(self, plan: IndexerPlan) -> None:
         state = plan.state

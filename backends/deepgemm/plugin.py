@@ -54,8 +54,8 @@ class _OnFirstUse:
             self._impl = DeepGemmPagedLogits(*self._args)
         return self._impl
 
-    def run(self, plan, q, kv_cache, weights):
-        return self._built().run(plan, q, kv_cache, weights)
+    def run(self, plan, q, kv_cache, weights, *, clean_logits=True):
+        return self._built().run(plan, q, kv_cache, weights, clean_logits=clean_logits)
 
     def prepare(self, plan):
         return self._built().prepare(plan)

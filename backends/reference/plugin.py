@@ -9,11 +9,12 @@ from dispatch.contract import ALL_ARCHS, PAGED_MODES, Backend, Layout, Op, Suppo
 
 # The kernels and the input checks import torch; registering must not (`validate` runs without it),
 # so they are imported on first call (afterwards a sys.modules lookup).
-def run_paged_mqa_logits(plan, q, kv_cache, weights):
+def run_paged_mqa_logits(plan, q, kv_cache, weights, *, clean_logits=True):
     from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
     from dispatch.contract import check_logits_inputs
 
-    # Both reference backends run the same function, which reads the layout from the tensors' tag.
+    # Both reference backends run the same function, which reads the layout from the tensors' tag. It
+    # writes the -inf tail whatever clean_logits says (the flag permits skipping it, never requires it).
     check_logits_inputs(plan, q, kv_cache, weights)
     return reference_paged_mqa_logits(
         q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype

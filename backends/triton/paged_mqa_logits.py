@@ -136,6 +136,7 @@ def _paged_mqa_logits_kernel(
     PAGES: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
     NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
+    FILL: tl.constexpr,  # write -inf in the columns past the row's pages (clean_logits)
 ):
     GROUPS: tl.constexpr = (N + TG - 1) // TG
     num_pages = tl.cdiv(max_context_len, BLOCK_KV)
@@ -150,7 +151,7 @@ def _paged_mqa_logits_kernel(
         _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, stride_q_row, stride_q_tok,
                           stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
                           max_context_len, num_pages, work_row // GROUPS, work_row % GROUPS, first_page,
-                          segment_end, N, TG, H, D, BLOCK_KV, PAGES, PRODUCT_SCALE, NAN_BYTES)
+                          segment_end, N, TG, H, D, BLOCK_KV, PAGES, PRODUCT_SCALE, NAN_BYTES, FILL)
         work_row += 1
         first_page = 0
 
@@ -160,9 +161,11 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
                       stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
                       max_context_len, num_pages, row, group, page_begin, page_end,
                       N: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr,
-                      PAGES: tl.constexpr, PRODUCT_SCALE: tl.constexpr, NAN_BYTES: tl.constexpr):
+                      PAGES: tl.constexpr, PRODUCT_SCALE: tl.constexpr, NAN_BYTES: tl.constexpr,
+                      FILL: tl.constexpr):
     # Up to TG tokens of one row, pages [page_begin, page_end): every logit column of that range is
-    # written, -inf included, so no reduction across programs is needed.
+    # written, -inf included (without FILL, the pages past the group's longest length are not), so no
+    # reduction across programs is needed.
     T: tl.constexpr = PAGES * BLOCK_KV
     BLOCK_BYTES: tl.constexpr = BLOCK_KV * (D + 4)
     BLOCK_WORDS: tl.constexpr = BLOCK_BYTES // 4
@@ -201,11 +204,12 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
             _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows, T, TG, H, NAN_BYTES)
     # The columns no compute step wrote (the last step may run past compute_end; its select wrote
     # -inf there) get -inf without reading anything.
-    fill_begin = tl.maximum(page_begin, page_begin + tl.cdiv(compute_end - page_begin, PAGES) * PAGES)
-    neg_inf = tl.full((TG, T), float("-inf"), tl.float32)
-    for page in range(fill_begin, page_end, PAGES):
-        col = page * BLOCK_KV + t
-        tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=live[:, None] & (col < col_end)[None, :])
+    if FILL:
+        fill_begin = tl.maximum(page_begin, page_begin + tl.cdiv(compute_end - page_begin, PAGES) * PAGES)
+        neg_inf = tl.full((TG, T), float("-inf"), tl.float32)
+        for page in range(fill_begin, page_end, PAGES):
+            col = page * BLOCK_KV + t
+            tl.store(out_rows[:, None] + col[None, :], neg_inf, mask=live[:, None] & (col < col_end)[None, :])
     # Poisoned tokens: NaN in every column of the segment. No iteration when none is poisoned.
     nan_end = tl.where(tl.max(poisoned.to(tl.int32), axis=0) > 0, page_end, page_begin)
     nan = tl.full((TG, T), float("nan"), tl.float32)
@@ -259,8 +263,10 @@ def triton_paged_mqa_logits(
     error_flags: torch.Tensor | None = None,
     guard: PageGuard | None = None,
     schedule: PagedSchedule | None = None,
+    clean_logits: bool = True,
 ) -> torch.Tensor:
-    """fp32 logits [rows * N, max_context_len], -inf past each token's length. No host-device sync.
+    """fp32 logits [rows * N, max_context_len], -inf past each token's length (with clean_logits; without
+    it the pages past a token group's longest length are left unwritten). No host-device sync.
 
     A token whose length passes max_context_len, or that needs a page-table entry outside
     [0, num_blocks), gets an all-NaN row, and BAD_PAGE / LENGTH_PAST_BOUND is ORed into `error_flags`
@@ -269,8 +275,8 @@ def triton_paged_mqa_logits(
     launches a guard first (one small extra launch). `schedule` is this batch's length-balanced
     schedule (backends/triton/paged_schedule.py), built by the plan for `config`; without one this call
     builds it first (one more small launch). `fnuz_mode` overrides fnuz_mode_for_here() for
-    an e4m3fnuz cache; `config` overrides default_config; `out` is a preallocated result (every element
-    is written, so it needs no initialisation).
+    an e4m3fnuz cache; `config` overrides default_config; `out` is a preallocated result (with clean_logits
+    every element is written, so it needs no initialisation).
     """
     mode = fp8_mode(fp8_dtype, fnuz_mode)
     rows, next_n, heads, head_dim = _check(q, kv_cache, weights, context_lens, block_table, max_context_len, fp8_dtype)
@@ -332,6 +338,7 @@ def triton_paged_mqa_logits(
         PAGES=cfg.pages,
         PRODUCT_SCALE=mode.product_scale,
         NAN_BYTES=nan_bytes_mode(mode),
+        FILL=clean_logits,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -22,9 +22,10 @@ NATIVE_NEXT_N_MAX = 8
 
 
 def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
-    """run(plan, q, kv_cache, weights) for one layout; `fnuz_mode` None lets the machine choose."""
+    """run(plan, q, kv_cache, weights, *, clean_logits) for one layout; `fnuz_mode` None lets the machine
+    choose."""
 
-    def run(plan, q, kv_cache, weights):
+    def run(plan, q, kv_cache, weights, *, clean_logits=True):
         from dispatch.contract import check_logits_inputs
 
         check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
@@ -40,6 +41,7 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
             plan.fp8_dtype,
             fnuz_mode=fnuz_mode,
             error_flags=plan.error_flags,
+            clean_logits=clean_logits,
             # None for a plan built without prepare: the call then guards and schedules itself
             guard=plan.state.guard if plan.state is not None else None,
             schedule=plan.state.schedule if plan.state is not None else None,

@@ -113,10 +113,11 @@ def _stages(plan, paged, activations, settings, k):
                                activations["cos_sin_cache"], **settings)
 
     q_fp8, folded = quant()
-    logits = paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded)
+    # As the step runs them: the top-k reads only visible keys, so the logits skip the -inf tail.
+    logits = paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded, clean_logits=False)
     stages = {
         "quant": quant,
-        "logits": lambda: paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded),
+        "logits": lambda: paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded, clean_logits=False),
         "topk": lambda: topk(plan, logits, k),
     }
     return stages, logits

@@ -20,7 +20,7 @@ from dispatch.contract import (
 CHUNK = 8
 
 
-def run(plan, q, kv_cache, weights):
+def run(plan, q, kv_cache, weights, *, clean_logits=True):  # writes -inf past lengths either way
     check_logits_inputs(plan, q, kv_cache, weights, consumes=Layout.NATIVE)
     batch, next_n, heads, head_dim = q.shape
     num_blocks, block_kv = kv_cache.shape[:2]
