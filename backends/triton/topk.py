@@ -44,13 +44,20 @@ import triton
 import triton.language as tl
 
 from backends.triton.topk_finish import _finish_kernel, _sort_kernel
-from backends.triton.topk_keys import _candidate, _fine_window, _ordered_key, _row_window, _sample_window
+from backends.triton.topk_keys import (
+    ROW_STRIDE_NOT_SPECIALISED,
+    _candidate,
+    _fine_window,
+    _ordered_key,
+    _row_window,
+    _sample_window,
+)
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.input_checks import check_topk_inputs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDE_NOT_SPECIALISED)
 def _bracket_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
     window_ptr, hist_ptr, width, k,
@@ -73,7 +80,7 @@ def _bracket_kernel(
             tl.store(hist_ptr + row64 * FINE + tl.arange(0, FINE), tl.zeros((FINE,), tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDE_NOT_SPECIALISED)
 def _split_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, bracket_ptr, counts_ptr,
     out_ptr, cand_ptr, stride_cand, width, k, cap,
@@ -215,19 +222,29 @@ def launch(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, 
                             BLOCK_SIZE=block_size, BLOCK=FINISH_LANES * 32 * finish_warps, LANES=FINISH_LANES,
                             RADIX=radix, RADIX_BINS=max(1 << radix, 32), FINE=fine, TIES=ties, num_warps=finish_warps)
     if sorted:
-        with_pages = page_table is not None
-        # Slots past the width are -1 already (and stay last), so only min(k, W) are ordered. One
-        # program holds them in registers; past SORT_MAX the torch post-pass orders them instead.
-        sort_width = triton.next_power_of_2(max(min(k, width), 1))
-        if sort_width > SORT_MAX:
-            out = _sort_descending(logits, out, starts)
-            return _page_transform(out, page_table, page_rows, block_size) if with_pages else out
-        page_args = (page_table if with_pages else dummy, page_table.stride(0) if with_pages else 0,
-                     page_rows if with_pages else dummy, page_rows.stride(0) if with_pages else 0)
-        table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if with_pages else (1, 0)
-        _sort_kernel[(rows,)](logits, logits.stride(0), row_args[4], row_args[5], out, *page_args, width,
-                              table_rows, table_pages, k, min(k, width), HAS_STARTS=has_starts, HAS_PAGES=with_pages,
-                              BLOCK_SIZE=block_size, KP=sort_width, num_warps=finish_warps)
+        out = _sort(logits, out, starts, page_table, page_rows, block_size, width, k, finish_warps)
+    return out
+
+
+def _sort(logits, out, starts, page_table, page_rows, block_size, width, k, num_warps):
+    """The chosen positions in descending order of value, -1s last, then the page transform (the
+    kernels left the positions untransformed when sorted=True)."""
+    rows = out.shape[0]
+    with_pages = page_table is not None
+    # Slots past the width are -1 already (and stay last), so only min(k, W) are ordered. One
+    # program holds them in registers; past SORT_MAX the torch post-pass orders them instead.
+    sort_width = triton.next_power_of_2(max(min(k, width), 1))
+    if sort_width > SORT_MAX:
+        out = _sort_descending(logits, out, starts)
+        return _page_transform(out, page_table, page_rows, block_size) if with_pages else out
+    dummy = out
+    page_args = (page_table if with_pages else dummy, page_table.stride(0) if with_pages else 0,
+                 page_rows if with_pages else dummy, page_rows.stride(0) if with_pages else 0)
+    table_rows, table_pages = (page_table.shape[0], page_table.shape[1]) if with_pages else (1, 0)
+    _sort_kernel[(rows,)](logits, logits.stride(0), starts if starts is not None else dummy,
+                          starts.stride(0) if starts is not None else 0, out, *page_args, width,
+                          table_rows, table_pages, k, min(k, width), HAS_STARTS=starts is not None,
+                          HAS_PAGES=with_pages, BLOCK_SIZE=block_size, KP=sort_width, num_warps=num_warps)
     return out
 
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from backends.triton.topk_keys import (
+    ROW_STRIDE_NOT_SPECIALISED,
     _candidate,
     _key_value,
     _linear_bin,
@@ -229,7 +230,7 @@ def _two_level(cand_list, count, above, out_row, k, window_row, hist_row, ties_r
     return done.to(tl.int32), first, key_min, key_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDE_NOT_SPECIALISED)
 def _finish_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, counts_ptr,
     out_ptr, cand_ptr, stride_cand, window_ptr, hist_ptr, ties_ptr, pt_ptr, stride_pt, page_rows_ptr,
