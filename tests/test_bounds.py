@@ -427,3 +427,45 @@ def test_out_of_range_pages_on_gpu(layout, pool_given):
     assert error < 1e-3
     with pytest.raises(IndexBoundsError, match="page-table entry outside"):
         plan.check_errors()
+
+
+# --- The step without the logits' -inf tail --------------------------------------------------------
+
+
+@pytest.mark.parametrize("logits_backend", ["triton", "triton.flatten"])
+def test_indexer_step_without_the_tail_still_gives_poisoned_tokens_no_keys(logits_backend):
+    """IndexerStep.select asks for clean_logits=False: a poisoned token still selects nothing (its row
+    is NaN), and every other token selects what the top-k of the clean logits selects."""
+    from dispatch import load_dispatcher
+    from dispatch.indexer import IndexerStep
+    from dispatch.key import ForwardMode, Op
+    from dispatch.ops import paged_mqa_logits, topk
+    from dispatch.plan import ForwardBatch, build_plan
+
+    seq_lens, next_n, k = [100, 70, 130], 2, 8
+    batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=12)
+    dispatcher = load_dispatcher()
+    step = IndexerStep(dispatcher, kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
+                       softmax_scale=32**-0.5, head_scale=16**-0.5, topk=k)
+    table = batch.page_table.clone()
+    table[1, 0] = 2**31 - 1  # request 1 needs a page outside the pool: its two tokens are poisoned
+    forward = ForwardBatch(batch.seq_lens, table, 192, ForwardMode.TARGET_VERIFY, next_n=next_n,
+                           num_kv_blocks=batch.kv_cache.shape[0])
+    pinned = {Op.INDEXER_Q_QUANT: "triton", Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: "triton"}
+    plan = build_plan(dispatcher, forward, kv_fp8_dtype=torch.float8_e4m3fn, pinned=pinned, allow_disabled=True)
+    tokens = len(seq_lens) * next_n
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(tokens, 16, 32, generator=gen).to(torch.bfloat16)
+    weights = torch.randn(tokens, 16, generator=gen)
+    angles = torch.arange(256, dtype=torch.float64)[:, None] * torch.ones(8)
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    positions = torch.tensor([98, 99, 68, 69, 128, 129])
+    out = step.select(plan, q, weights, positions, cache, batch.kv_cache)
+    assert (out[2:4] == -1).all()
+    q_fp8, folded = step._quantise(plan, q, weights, positions, cache)
+    clean = paged_mqa_logits(plan, q_fp8, batch.kv_cache, folded)  # with the tail
+    want = topk(plan, clean, k)
+    for token in (0, 1, 4, 5):
+        assert set(out[token].tolist()) == set(want[token].tolist()), token
+    with pytest.raises(IndexBoundsError, match="page-table entry outside"):
+        plan.check_errors()
