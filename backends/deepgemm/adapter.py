@@ -160,7 +160,7 @@ def mask_past_lengths(
     The mask is built on each call from the plan's lens rather than once per batch: under CUDA graphs
     the plan's lens are refreshed in place between replays, and the mask must follow them. deep_gemm's
     own clean_logits would make the pass inside the extension but takes only 1-D lens, and plans hold
-    2-D ones; a top-k that takes the lengths could skip the pass altogether.
+    2-D ones. The indexer step skips the pass (clean_logits=False): its top-k takes the lengths.
     """
     positions = torch.arange(logits.shape[1], device=logits.device, dtype=context_lens.dtype)
     visible = positions[None, :] < context_lens.reshape(-1, 1)
@@ -206,8 +206,6 @@ class DeepGemmPagedLogits:
     def run(
         self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
     ) -> torch.Tensor:
-        # Without clean_logits the -inf tail is skipped, but a poisoned token's row (deep_gemm scored it
-        # through the guard's safe table) must still become NaN: one small launch instead of the pass.
         check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
         self._check_schedule(plan)
         check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
@@ -223,6 +221,8 @@ class DeepGemmPagedLogits:
         )
         if clean_logits:
             return mask_past_lengths(logits, guard.lens, guard.fill)
+        # No -inf tail, but a poisoned token's row (deep_gemm scored it through the guard's safe table)
+        # must still become NaN: one small launch instead of the pass over every logit.
         from backends.triton.poisoned_rows import nan_poisoned_rows  # triton ships with torch on CUDA
 
         return nan_poisoned_rows(logits, guard.lens)
