@@ -177,7 +177,8 @@ def test_row_streaming_kernels_do_not_specialise_on_the_row_stride():
             names = [p.name for p in kernel.params if p.do_not_specialize]
         else:
             names = kernel.kwargs["do_not_specialize"]
-        assert names == ["stride_row"], kernel.fn.__name__
+        # The finish leaves the candidate lists' stride unspecialised too (topk_finish.py: 28 registers).
+        assert names == ["stride_row"] + (["stride_cand"] if kernel is _finish_kernel else []), kernel.fn.__name__
 
 
 @pytest.mark.parametrize("sorted_", [False, True], ids=["fused", "sorted"])
@@ -278,7 +279,7 @@ def test_scratch_is_reused_across_calls():
     gen = torch.Generator().manual_seed(12)
     a = _workspace(torch.device(DEVICE), 5, 1024)
     b = _workspace(torch.device(DEVICE), 7, 1024)
-    assert a[2].data_ptr() == b[2].data_ptr() and a[0].shape == (5,) and b[2].shape == (7, 1024)
+    assert a.cand.data_ptr() == b.cand.data_ptr() and a.counts.shape == (5,) and b.cand.shape == (7, 1024)
     for rows in (7, 5):
         logits = random_logits(rows, 900, gen)
         lengths = torch.full((rows,), 900, dtype=torch.int32)
@@ -294,8 +295,8 @@ def finish_paths(lengths, k, config, width, starts=None):
     from backends.triton.topk import _workspace
 
     rows = lengths.numel()
-    counts, _, _, _, hist, _ = (t.cpu() for t in _workspace(torch.device(DEVICE), rows, config["cap"],
-                                                              config["fine"], config["ties"]))
+    scratch = _workspace(torch.device(DEVICE), rows, config["cap"], config["fine"], config["ties"])
+    counts, hist = scratch.counts.cpu(), scratch.hist.cpu()
     paths = []
     for r in range(rows):
         start = 0 if starts is None else min(max(int(starts[r]), 0), width)

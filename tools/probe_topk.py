@@ -262,7 +262,8 @@ def probe() -> None:
 
 
 # Integer arguments divisible by 16 at the probe's shapes, which Triton specialises unless a kernel opts
-# out (the row stride is opted out: topk_keys.ROW_STRIDE_NOT_SPECIALISED).
+# out (the row stride everywhere, topk_keys.ROW_STRIDE_NOT_SPECIALISED; the list stride in the finish,
+# topk_finish.FINISH_NOT_SPECIALISED).
 SPECIALISED_INTS = {"k", "cap", "stride_cand"}
 
 
@@ -309,7 +310,7 @@ def resources() -> None:
                 # allocations) and the integers divisible by 16 there (k = 2048, cap, the list stride);
                 # without these attributes the counts describe code that never runs (the finish: 9.8K
                 # instructions and 151 barriers compiled bare, 10.7K and 216 as launched).
-                specialised = set(pointers) | SPECIALISED_INTS
+                specialised = (set(pointers) | SPECIALISED_INTS) - set(kernel.do_not_specialize)
                 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in specialised}
                 source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                                    attrs=attrs)

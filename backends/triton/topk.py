@@ -38,6 +38,7 @@ call at its shape allocates nothing. Design notes and the numbers behind them: N
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -273,27 +274,35 @@ def _page_transform(out, page_table, page_rows, block_size):
     return torch.where(valid, slots, -1).to(torch.int32)
 
 
-def _workspace(device: torch.device, rows: int, cap: int, fine: int = 0, ties: int = 1) -> tuple[torch.Tensor, ...]:
-    """Views of the cached scratch for `rows` rows: packed counters int64 [rows], brackets fp32
-    [rows, 2], candidate lists int64 [rows, cap], the fine bins' windows fp32 [rows, 2] (lo,
-    inv_width), their histograms int32 [rows, max(fine, 1)], the threshold bins' entries
-    int64 [rows, ties]. Nothing needs initialising (the bracket kernel zeroes the counters and
-    histograms; only written entries are read)."""
+class Scratch(NamedTuple):
+    """The top-k's per-row scratch. Nothing needs initialising: the bracket kernel zeroes the
+    counters and the histograms; only written entries are read."""
+
+    counts: torch.Tensor  # int64 [rows]: above | candidates << 32, the split's packed slot counter
+    bracket: torch.Tensor  # fp32 [rows, 2]: t_lo, t_hi
+    cand: torch.Tensor  # int64 [rows, cap]: the candidate lists (key << 32 | position)
+    window: torch.Tensor  # fp32 [rows, 2]: the fine bins' lo and inv_width
+    hist: torch.Tensor  # int32 [rows, max(fine, 1)]: the fine bins' counts
+    ties: torch.Tensor  # int64 [rows, ties]: the threshold bin's entries
+
+
+def _workspace(device: torch.device, rows: int, cap: int, fine: int = 0, ties: int = 1) -> Scratch:
+    """Views of the cached scratch for `rows` rows."""
     if device.type == "cuda" and device.index is None:  # one cache entry per GPU, however it is named
         device = torch.device("cuda", torch.cuda.current_device())
-    return tuple(t[:rows] for t in _scratch(device, triton.next_power_of_2(rows), cap, fine, ties))
+    return Scratch(*(t[:rows] for t in _scratch(device, triton.next_power_of_2(rows), cap, fine, ties)))
 
 
 @functools.lru_cache(maxsize=None)
-def _scratch(device: torch.device, rows: int, cap: int, fine: int, ties: int) -> tuple[torch.Tensor, ...]:
+def _scratch(device: torch.device, rows: int, cap: int, fine: int, ties: int) -> Scratch:
     # Cached and never freed: a CUDA graph captured with these addresses stays valid. Power-of-two
     # row buckets bound the number of entries (the total is at most twice the largest).
-    return (torch.empty(rows, dtype=torch.int64, device=device),
-            torch.empty((rows, 2), dtype=torch.float32, device=device),
-            torch.empty((rows, cap), dtype=torch.int64, device=device),
-            torch.empty((rows, 2), dtype=torch.float32, device=device),
-            torch.empty((rows, max(fine, 1)), dtype=torch.int32, device=device),
-            torch.empty((rows, ties), dtype=torch.int64, device=device))
+    return Scratch(counts=torch.empty(rows, dtype=torch.int64, device=device),
+                   bracket=torch.empty((rows, 2), dtype=torch.float32, device=device),
+                   cand=torch.empty((rows, cap), dtype=torch.int64, device=device),
+                   window=torch.empty((rows, 2), dtype=torch.float32, device=device),
+                   hist=torch.empty((rows, max(fine, 1)), dtype=torch.int32, device=device),
+                   ties=torch.empty((rows, ties), dtype=torch.int64, device=device))
 
 
 def _check(logits, lengths, k, starts, page_table, page_rows, block_size) -> tuple[int, int]:

@@ -21,6 +21,14 @@ from backends.triton.topk_keys import (
 )
 
 
+# The finish also leaves the candidate lists' stride unspecialised: specialised (cap = 8192 is
+# divisible by 16) it compiled to 106 registers, 10696 SASS instructions and 216 barriers at sm_90
+# instead of 78 / 9968 / 159 (Triton 3.6, tools/probe_topk.py --resources), and the finish took 21.4 /
+# 9.0 / 6.4 us instead of 18.0 / 7.6 / 4.5 at the probe's three shapes (H200, 13:09 and 14:14 UTC
+# 2026-11-30; NOTES.md "Round 6").
+FINISH_NOT_SPECIALISED = ROW_STRIDE_NOT_SPECIALISED + ["stride_cand"]
+
+
 @triton.jit
 def _entries(base, idx, count, key_min, key_max, FROM_ROW: tl.constexpr):
     """(key, position, live) of entries idx of a radix source: the row's logits themselves (NaN and
@@ -230,7 +238,7 @@ def _two_level(cand_list, count, above, out_row, k, window_row, hist_row, ties_r
     return done.to(tl.int32), first, key_min, key_max
 
 
-@triton.jit(do_not_specialize=ROW_STRIDE_NOT_SPECIALISED)
+@triton.jit(do_not_specialize=FINISH_NOT_SPECIALISED)
 def _finish_kernel(
     logits_ptr, stride_row, lengths_ptr, stride_len, starts_ptr, stride_start, counts_ptr,
     out_ptr, cand_ptr, stride_cand, window_ptr, hist_ptr, ties_ptr, pt_ptr, stride_pt, page_rows_ptr,
