@@ -83,7 +83,7 @@ def test_explain_sm100_target_verify(capsys):
 
 @pytest.mark.parametrize(
     "next_n, backend, rule",
-    [(2, "triton", "sm90-triton-measured"), (4, "triton", "sm90-beyond-deepgemm")],
+    [(2, "deepgemm.sm90", "sm90-deepgemm-measured"), (4, "triton", "sm90-beyond-deepgemm")],
 )
 def test_explain_sm90(capsys, next_n, backend, rule):
     payload = explain_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", str(next_n))
@@ -419,8 +419,8 @@ def test_explain_extend_refuses_what_cannot_be_planned(capsys):
 
 
 def test_a_what_if_plan_runs_no_backend(capsys, clean_environment):
-    """sm90 at next_n 2 decides triton (DeepGEMM next), whose per-batch prepare launches GPU kernels (and
-    DeepGEMM's needs deep_gemm): a what-if describes the plan (shapes, decisions) without running either,
+    """sm90 at next_n 2 decides deepgemm.sm90 (Triton next), whose per-batch prepare needs deep_gemm (and
+    Triton's launches GPU kernels): a what-if describes the plan (shapes, decisions) without running either,
     and exits 0."""
     def must_not_run(*args, **kwargs):
         raise AssertionError("a what-if ran a backend's prepare")
@@ -432,13 +432,13 @@ def test_a_what_if_plan_runs_no_backend(capsys, clean_environment):
     code, out, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "2",
                          "--seq-lens", "130,64,7")
     assert code == 0, err
-    assert "what-if" in out and "chosen:   triton" in out
+    assert "what-if" in out and "chosen:   deepgemm.sm90" in out
     assert "plan for B=3, next_n=2, max_context_len=130" in out
     assert "context_lens [3, 2] (native): [[129, 130], [63, 64], [6, 7]]" in out
     payload = explain_all_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "2",
                                "--seq-lens", "130,64,7")
     backends = {d["op"]: d["backend"] for d in payload["decisions"]}
-    assert backends["paged_mqa_logits"] == "triton" and payload["plan"]["context_lens_shape"] == [3, 2]
+    assert backends["paged_mqa_logits"] == "deepgemm.sm90" and payload["plan"]["context_lens_shape"] == [3, 2]
 
 
 @pytest.mark.parametrize(

@@ -398,7 +398,7 @@ def test_the_readme_overlay_example_is_one_the_loader_accepts():
     example = section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml\n") + 8)]
     measured = parse_measured(example, "README.md")
     key = DispatchKey(Arch.SM90, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)
-    assert measured.find(Op.PAGED_MQA_LOGITS, key)[1].order[0] == "triton"
+    assert measured.find(Op.PAGED_MQA_LOGITS, key)[1].order[0] == "deepgemm.sm90"
 
 
 def test_every_overlay_error_is_listed_in_file_order():

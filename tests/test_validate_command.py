@@ -60,7 +60,7 @@ def test_every_schema_error_in_one_run_in_file_order(capsys, tmp_path):
 
 
 def test_unknown_names_and_lint_together_in_file_order(capsys, tmp_path):
-    text = SHIPPED.replace("use: [triton, deepgemm.sm90]", "use: [tritn, deepgemm.sm90]", 1)
+    text = SHIPPED.replace("use: [deepgemm.sm90, triton]", "use: [deepgemm.sm90, tritn]", 1)
     text = text.replace("prefer: [torch.reference]", "prefer: [Torch.Reference]")
     text = text.replace("      - id: portable-triton\n", "      - id: never\n        when: {arch: cpu}\n        use: [triton]\n      - id: portable-triton\n")
     code, out, err = validate(capsys, tmp_path, text)
@@ -68,8 +68,8 @@ def test_unknown_names_and_lint_together_in_file_order(capsys, tmp_path):
     lines = err.splitlines()
     assert len(lines) == 3, err
     line = {marker: text.splitlines().index(marker) + 1 for marker in (
-        "        use: [tritn, deepgemm.sm90]", "      - id: cpu-reference", "    prefer: [Torch.Reference]")}
-    assert lines[0].startswith(f"dispatch: R:{line['        use: [tritn, deepgemm.sm90]']}: ops.paged_mqa_logits.rules[1].use[0]: "
+        "        use: [deepgemm.sm90, tritn]", "      - id: cpu-reference", "    prefer: [Torch.Reference]")}
+    assert lines[0].startswith(f"dispatch: R:{line['        use: [deepgemm.sm90, tritn]']}: ops.paged_mqa_logits.rules[1].use[1]: "
                                "unknown backend `tritn`; did you mean `triton`?")
     assert lines[1].startswith(f"lint: R:{line['      - id: cpu-reference']}: ops.paged_mqa_logits.rules[6]: "
                                "rule `cpu-reference` can never fire: earlier rules `never`")
@@ -85,10 +85,10 @@ def test_a_name_with_a_capital_letter_is_an_unknown_backend_not_a_regex_error(ca
 
 
 def test_a_duplicate_rule_id_points_at_the_duplicate(capsys, tmp_path):
-    text = SHIPPED.replace("      - id: cpu-reference\n        why: On the CPU", "      - id: sm90-triton-measured\n        why: On the CPU")
+    text = SHIPPED.replace("      - id: cpu-reference\n        why: On the CPU", "      - id: sm90-deepgemm-measured\n        why: On the CPU")
     code, _, err = validate(capsys, tmp_path, text)
-    duplicate_line = text.splitlines().index("      - id: sm90-triton-measured", 20) + 1
-    first_line = text.splitlines().index("      - id: sm90-triton-measured") + 1
+    duplicate_line = text.splitlines().index("      - id: sm90-deepgemm-measured", 20) + 1
+    first_line = text.splitlines().index("      - id: sm90-deepgemm-measured") + 1
     assert code == 2
     assert err.startswith(f"dispatch: R:{duplicate_line}: ops.paged_mqa_logits.rules[5].id: duplicate rule id")
     assert f"(first used on line {first_line})" in err
