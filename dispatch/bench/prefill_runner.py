@@ -68,7 +68,7 @@ def bench_ragged(
             plan = _plan(dispatcher, inputs, fp8_dtype, name)
             out = ragged_mqa_logits(plan, *args)
         except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
-            row.check = f"failed: {type(error).__name__}: {error}"
+            row.failed(error)
             continue
         row.error, row.check = compare_logits(out, reference, tolerance)
         del out
@@ -119,7 +119,7 @@ def bench_ragged_topk(
         try:
             out = topk_rows(plan, logits, lengths, k, starts=starts)
         except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
-            row.check = f"failed: {type(error).__name__}: {error}"
+            row.failed(error)
             continue
         row.error, row.check = compare_window_topk(out, logits, starts, lengths, k)
         if row.check == "ok":
@@ -161,7 +161,7 @@ def bench_extend_step(
 
         out, peak = _with_peak_memory(run, device)
     except Exception as error:  # reported, not raised: the other rows still run
-        row.check = f"failed: {type(error).__name__}: {error}"
+        row.failed(error)
         return [row]
     row.extra["peak_MiB"] = peak / (1 << 20) if peak is not None else None
     row.error, row.check = _check_step(dispatcher, key, inputs, shape, plan, out, k, tolerance)

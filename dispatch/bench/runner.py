@@ -44,6 +44,10 @@ class Row:
     check: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def failed(self, error: Exception) -> None:
+        """Record a backend that raised: a benchmark reports it and goes on with the others."""
+        self.check = f"failed: {type(error).__name__}: {error}"
+
     def as_dict(self) -> dict[str, Any]:
         timed = self.seconds is not None
         return {
@@ -94,7 +98,7 @@ def bench_logits(
 ) -> list[Row]:
     """Paged logits per eligible backend: checked against the reference with the -inf tail, timed
     without it (clean_logits=False), as the indexer step runs them."""
-    mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
+    mode = shape.forward_mode
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
     first = logits_inputs(shape, fp8_dtype, device, seed=0)
     data_bytes = first.kv_cache.numel()
@@ -111,7 +115,7 @@ def bench_logits(
             plan_of = {id(inputs): _plan(dispatcher, name, mode, inputs, fp8_dtype) for inputs in sets}
             out = paged_mqa_logits(plan_of[id(first)], first.q_tokens, first.kv_cache, first.weights)
         except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
-            row.check = f"failed: {type(error).__name__}: {error}"
+            row.failed(error)
             continue
         row.error, row.check = compare_logits(out, reference, tolerance)
         if row.check == "ok":
@@ -173,7 +177,7 @@ def bench_quant(
         try:
             out = call_backend(decision, **inputs, **settings)
         except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
-            row.check = f"failed: {type(error).__name__}: {error}"
+            row.failed(error)
             continue
         row.error, row.check = compare_q_quant(out, reference)
         if row.check == "ok":
@@ -196,7 +200,7 @@ def bench_topk(
 ) -> list[Row]:
     """Top-k alone, per eligible backend, on the logits the decided logits backend gives this workload,
     over the plan's per-token lengths; checked against torch.topk."""
-    mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
+    mode = shape.forward_mode
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
     candidates = eligible_candidates(dispatcher, Op.TOPK, key, wanted)
     if not candidates:  # a grid's worth of inputs and logits for nothing to time
@@ -215,7 +219,7 @@ def bench_topk(
         try:
             out = topk(plan, logits, k)
         except Exception as error:  # a benchmark reports a backend that fails; it does not stop the others
-            row.check = f"failed: {type(error).__name__}: {error}"
+            row.failed(error)
             continue
         row.error, row.check = compare_topk(out, logits, plan.token_lengths, k)
         if row.check == "ok":

@@ -24,7 +24,7 @@ from dispatch.bench.workload import (
 )
 from dispatch.dispatcher import Dispatcher
 from dispatch.indexer import IndexerStep
-from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.key import DispatchKey, Fp8Dtype, Op
 from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
 from dispatch.plan import ForwardBatch, build_plan
 from dispatch.rope import RopeSpec
@@ -45,7 +45,7 @@ def bench_step(
 ) -> list[Row]:
     """One row per (logits backend, top-k backend): the step's median time, with each stage's own time
     (`quant_us`, `logits_us`, `topk_us`) and the step over the logits alone (`x_logits`) in the row."""
-    mode = ForwardMode.DECODE if shape.next_n == 1 else ForwardMode.TARGET_VERIFY
+    mode = shape.forward_mode
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
     paged = logits_inputs(shape, fp8_dtype, device, seed=0)
     tokens = shape.batch_size * shape.next_n
@@ -85,7 +85,7 @@ def bench_step(
             # The step's own logits are the yardstick: the selection must be exact on what it scored.
             row.error, row.check = compare_topk(run_step(), scored, plan.token_lengths, k)
         except Exception as error:  # a benchmark reports a combination that fails; it does not stop the others
-            row.check = f"failed: {type(error).__name__}: {error}"
+            row.failed(error)
             continue
         if row.check != "ok":
             continue

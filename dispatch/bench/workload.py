@@ -8,7 +8,7 @@ import torch
 
 from dispatch.bench.paged_cache import build_paged_kv_cache
 from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Fp8Dtype
+from dispatch.key import FP8_MAX, Fp8Dtype, ForwardMode
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,11 @@ class LogitsShape:
     mean_len: int  # lengths are uniform in [mean/2, 3*mean/2]
     heads: int = 64
     head_dim: int = 128
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        """The mode a paged shape is timed under: decode for one token a request, else verify."""
+        return ForwardMode.DECODE if self.next_n == 1 else ForwardMode.TARGET_VERIFY
 
     def label(self) -> str:
         length = f"{self.mean_len // 1024}K" if self.mean_len >= 1024 else str(self.mean_len)
