@@ -207,6 +207,7 @@ def test_position_outside_the_cos_sin_cache_is_never_read(fp8_dtype, mode, bad, 
     assert (q_fp8.view(torch.uint8)[bad_tokens] == nan_byte).all()
     good = torch.where(bad_tokens, 0, positions)
     want_q, want_w = reference_quant(q, weights, good, cache, fp8_dtype=fp8_dtype, **QUANT)
+    # Exact: Q quant is elementwise and correctly rounded step by step (tests/test_triton_q_quant.py).
     assert torch.equal(q_fp8.view(torch.uint8)[~bad_tokens], want_q.view(torch.uint8)[~bad_tokens])
     assert torch.equal(folded[~bad_tokens], want_w[~bad_tokens])
     message = rf"token 1: position {bad} is outside the cos/sin cache's \[0, {MAX_POS}\)"

@@ -67,6 +67,7 @@ def test_q_quant_poisons_exactly_the_non_finite_vectors(fp8_dtype, which, mode, 
     clean = q.clone()
     clean[poisoned] = 0.0
     want_q, want_w = reference_quant(clean, weights, positions, cache, fp8_dtype=fp8_dtype, rope=rope, **SETTINGS)
+    # Exact: Q quant is elementwise and correctly rounded step by step (tests/test_triton_q_quant.py).
     assert torch.equal(q_fp8.view(torch.uint8)[~poisoned], want_q.view(torch.uint8)[~poisoned])
     assert torch.equal(folded[~poisoned], want_w[~poisoned])
 

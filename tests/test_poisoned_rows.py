@@ -23,7 +23,7 @@ def test_only_poisoned_rows_become_nan(rows, width):
     assert out.data_ptr() == logits.data_ptr()
     poisoned = (lens < 0).to(DEVICE)
     assert torch.isnan(out[poisoned]).all()
-    assert torch.equal(out[~poisoned], before[~poisoned])
+    assert torch.equal(out[~poisoned], before[~poisoned])  # exact: untouched memory
 
 
 def test_nothing_poisoned_writes_nothing():

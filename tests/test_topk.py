@@ -92,6 +92,7 @@ def test_past_the_length_is_never_read():
     dirty = logits.clone()
     for r, length in enumerate(lengths.tolist()):
         dirty[r, length:] = 1e30 if r % 2 else NAN
+    # Exact: the same function on the same visible values (random normals: no ties).
     assert torch.equal(topk_indices(dirty, lengths, 8), clean)
 
 
@@ -175,7 +176,7 @@ def test_the_plan_decides_topk_once_and_the_op_uses_its_per_token_lengths():
     out = topk(plan, logits, 8)
     lengths = plan.token_lengths
     assert lengths.tolist() == [7, 8, 9, 15, 16, 17, 28, 29, 30]
-    assert torch.equal(out, topk_indices(logits, lengths, 8))
+    assert torch.equal(out, topk_indices(logits, lengths, 8))  # exact: the op calls this very function
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND])

@@ -259,6 +259,11 @@ def probe() -> None:
                  for label, impl in (("two-level", "triton"), ("radix", "triton radix-fin"))}
         stages = next((r["finish_ab_us"] for r in mine if "finish_ab_us" in r), {})
         print(f"{name:13s} whole {whole}  per kernel {stages}")
+    if SMOKE:  # the smoke mode is a check: any error or inexact selection fails it
+        bad = [r for r in rows_out if "impl" in r and ("error" in r or not r["exact"])]
+        if bad:
+            sys.exit(f"smoke: {len(bad)} of the probe's rows failed: " + "; ".join(
+                f"{r['impl']} {r.get('error', 'not exact')}"[:200] for r in bad[:5]))
 
 
 # Integer arguments divisible by 16 at the probe's shapes, which Triton specialises unless a kernel opts
