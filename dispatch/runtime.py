@@ -55,12 +55,16 @@ def load_dispatcher(
     arch: Arch | str | None = None,
     check_availability: bool | None = None,
     plugins: list[LoadedPlugin] | None = None,
+    device_name: str | None = None,
 ) -> Dispatcher:
     """A dispatcher for this machine, or for `arch` when given (a what-if: availability on this
-    machine is then not checked unless `check_availability` says so)."""
+    machine is then not checked unless `check_availability` says so). `device_name` matches clusters
+    as a machine with that GPU would (dispatch.clusters.resolve_cluster)."""
     document = load_registry(registry_path(registry))
     catalog = collect_backends(load_plugins() if plugins is None else plugins)
-    return build_dispatcher(document, catalog, cluster=cluster, arch=arch, check_availability=check_availability)
+    return build_dispatcher(
+        document, catalog, cluster=cluster, arch=arch, check_availability=check_availability, device_name=device_name
+    )
 
 
 def build_dispatcher(
@@ -70,6 +74,7 @@ def build_dispatcher(
     cluster: str | None = None,
     arch: Arch | str | None = None,
     check_availability: bool | None = None,
+    device_name: str | None = None,
 ) -> Dispatcher:
     """A dispatcher over a loaded registry and catalog: every backend name checked, the cluster resolved.
     Raises RegistryError before anything is built, so a caller holding an older dispatcher keeps it."""
@@ -79,7 +84,7 @@ def build_dispatcher(
     return Dispatcher(
         document,
         catalog,
-        cluster=resolve_cluster(document, cluster, target),
+        cluster=resolve_cluster(document, cluster, target, device_name),
         target_arch=target,
         check_availability=(target is host) if check_availability is None else check_availability,
     )
