@@ -332,19 +332,24 @@ def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: l
 
 def _validate(args: argparse.Namespace) -> int:
     """Every problem of the file in one run, in file order: schema errors (all, or nothing else can be
-    checked), else unknown backend names, lint and coverage together. Imports no torch, so it checks
-    what an engine's assembly (load_dispatcher) checks except this machine's cluster match."""
+    checked), else overlays that cannot be attached, unknown backend names, lint, coverage and keys a
+    cluster leaves without a backend together. Imports no torch, so it checks what an engine's
+    assembly (load_dispatcher) checks except this machine's cluster match."""
     from dispatch.plugins import collect_backends
     from dispatch.registry.checks import findings, unknown_backend_names
+    from dispatch.registry.cluster_coverage import cluster_coverage
     from dispatch.registry.document import load_registry
     from dispatch.registry.measured import stale_evidence, this_machine
     from dispatch.runtime import load_plugins, registry_path
 
-    document = load_registry(registry_path(args.path))
+    overlay_problems: list[str] = []
+    document = load_registry(registry_path(args.path), overlay_problems)
     catalog = collect_backends(load_plugins())
     unknown = unknown_backend_names(document, catalog)
-    found = sorted(
-        [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)],
+    # A cluster's coverage is asked of the dispatcher, which needs every name it is given to be known.
+    clusters = [] if unknown else cluster_coverage(document, catalog)
+    found = [("dispatch", problem) for problem in overlay_problems] + sorted(
+        [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog) + clusters],
         key=lambda pair: pair[1].line or 0,
     )
     # Warned, not failed (the choice still stands), and only for overlays measured on this kind of machine.

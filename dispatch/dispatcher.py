@@ -161,7 +161,7 @@ class Dispatcher:
             layout=impl.layout,
             rule=step.rule,
             source=step.source,
-            rule_at=step.where or (f"{self.document.path}:{line}" if line else ""),
+            rule_at=step.where or (self.document.where_of(step.location) if line else ""),
             evidence=self._evidence(op, *measured) if measured else None,
             cluster=self.cluster,
             plugin=impl.plugin,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 from pathlib import Path
 
@@ -15,11 +14,9 @@ from dispatch.key import Arch, parse_enum
 from dispatch.plugins import LoadedPlugin, allowlist_from_env, builtin_plugins, collect_backends, entry_point_plugins
 from dispatch.registry.checks import check_backend_names
 from dispatch.registry.document import RegistryDocument, load_registry
+from dispatch.registry.extends import PACKAGED_REGISTRY
 
-# The registry shipped with the package. In a checkout dispatch/registry.yaml is a link to the
-# top-level registry.yaml (the one file anyone edits); a wheel carries the linked file's bytes.
-# Resolving the link makes messages name the top-level file, so its line numbers are the ones to edit.
-DEFAULT_REGISTRY = Path(str(importlib.resources.files("dispatch") / "registry.yaml")).resolve()
+DEFAULT_REGISTRY = PACKAGED_REGISTRY  # the registry shipped with the package (dispatch.registry.extends says where)
 
 
 def registry_path(explicit: str | os.PathLike | None = None) -> Path:
