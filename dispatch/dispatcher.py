@@ -279,11 +279,10 @@ class Dispatcher:
     def _log(self, decision: Decision) -> None:
         others = ", ".join(r.backend for r in decision.rejected)
         logger.info(
-            "using %s (%s, %s %s) for %s at %s out of [%s]",
+            "using %s (%s, by %s) for %s at %s out of [%s]",
             decision.backend,
             decision.layout.value,
-            decision.source,
-            decision.rule,
+            decision.chosen_by,  # "rule `x`", "fallback[1]": the source said once
             decision.op.value,
             decision.key,
             others,
