@@ -82,11 +82,13 @@ class Dispatcher:
     def can_decide(self, op: Op, key: DispatchKey) -> bool:
         """Whether `decide` would find a backend, without caching or logging a decision (a reload's
         coverage check asks this of every kind of key)."""
-        try:
-            self._decide(Op(op), key)
-        except NoBackendError:
-            return False
-        return True
+        op = Op(op)
+        # _decide's choice without its rejections and messages: a step whose backend is eligible.
+        # (validate asks this of every key and cluster, so it must stay cheap.)
+        return any(
+            (backend := self.catalog.get(op, step.backend)) is not None and not self._why_ineligible(backend, key)
+            for step in self._steps(op, key)
+        )
 
     def decided_keys(self) -> list[tuple[Op, DispatchKey]]:
         """The (op, key) pairs decided so far, from the cache."""

@@ -55,7 +55,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if refusal:
         print(f"tune: {refusal}", file=sys.stderr)
         return 2  # the CLI's EXIT_INVALID: an option is missing
-    declared = _beside(dispatcher.document.path, cluster.measured) if cluster and cluster.measured else None
+    declared = _declared_overlay(dispatcher.document, dispatcher.cluster, cluster)
     output = args.output or declared
     text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
     if output:
@@ -286,8 +286,12 @@ def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:
     )
 
 
-def _beside(registry: str, relative: str) -> str:
-    return str(Path(registry).parent / relative)
+def _declared_overlay(document, name: str | None, cluster) -> str | None:
+    """Where the cluster's `measured:` path points, read as the loader reads it: from the folder of the
+    file naming it (the packaged registry's, for a cluster `extends: default` took from it)."""
+    if cluster is None or not cluster.measured:
+        return None
+    return str(document.measured_dirs.get(name, Path(document.path).parent) / cluster.measured)
 
 
 def _version(distribution: str) -> str | None:
