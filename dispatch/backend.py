@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from dispatch.errors import PluginError
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.layout import Layout
+from dispatch.verification import Verified
 
 # A backend's name: what registry.yaml and plugins spell the same way (checked with re.fullmatch).
 BACKEND_NAME = r"[a-z0-9][a-z0-9_.\-]*"
@@ -100,11 +102,16 @@ class Backend:
     refresh_state: Callable[[Any, Any], None] | None = None
     version: str = ""
     description: str = ""
+    # How it was verified on each arch (`python -m dispatch gpus` prints it); archs left out: UNDECLARED.
+    verified: Mapping[Arch, Verified] = field(default_factory=dict, compare=False)
     # Filled in by the host when the backend is registered; a plugin leaves them empty. `version` above
     # is the backend's library (torch, triton, deep_gemm); `plugin_version` is the plugin distribution's.
     plugin: str = field(default="", compare=False)
     distribution: str = field(default="", compare=False)
     plugin_version: str = field(default="", compare=False)
+
+    def verified_on(self, arch: Arch) -> Verified:
+        return self.verified.get(arch, Verified.UNDECLARED)
 
     def availability(self) -> Availability:
         result = _probe_once(self.probe)

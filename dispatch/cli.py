@@ -1,4 +1,4 @@
-"""`python -m dispatch`: explain, validate, backends, schema, bench, tune. The one place that turns the
+"""`python -m dispatch`: explain, validate, backends, gpus, schema, bench, tune. The one place that turns the
 project's errors into messages and exit codes (EXIT_CODES below)."""
 
 from __future__ import annotations
@@ -105,23 +105,32 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     explain.add_argument("--op", choices=[o.value for o in Op] + ["all"], default=None,
                          help="the op to explain, or all (default: the mode's logits op: ragged_mqa_logits for "
                               "extend, paged_mqa_logits otherwise)")
-    explain.add_argument("--arch", choices=[a.value for a in Arch],
+    machine = explain.add_mutually_exclusive_group()
+    machine.add_argument("--gpu", metavar="NAME",
+                         help="explain for the machine of this GPU, by short or marketing name (h200, \"NVIDIA H200\", "
+                              "b200, mi300x; `python -m dispatch gpus` lists them): its arch, fp8 dtype and the "
+                              "cluster it would match")
+    machine.add_argument("--arch", type=_arch, metavar="{" + ",".join(a.value for a in Arch) + "}",
                          help="explain for this arch, a what-if when it is not this machine's (default: this machine's)")
-    explain.add_argument("--forward-mode", choices=[m.value for m in ForwardMode], default="decode",
-                         help="the batch's forward mode (default: %(default)s)")
+    explain.add_argument("--forward-mode", type=_forward_mode, default=None, metavar="{" + ",".join(EXPLAINED_MODES) + "}",
+                         help="the batch's forward mode (default: extend with --extend-lens, else decode; `idle`, a rank with no tokens this "
+                              "step, runs no indexer op and has nothing to explain)")
     explain.add_argument("--next-n", type=_next_n, default=None,
                          help=f"tokens scored per request (default: 1 for decode and extend, else 2; at most {MAX_CLI_NEXT_N})")
     explain.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype],
                          help="the K cache's fp8 dtype (default: the arch's platform dtype)")
     explain.add_argument("--seq-lens", type=_seq_lens, metavar="L,L,...",
-                         help="explain a whole batch plan: each request's total length L, drafts included, "
-                              f"each at least next-n (e.g. 130,64,7); at most {MAX_CLI_BATCH} requests of at most "
-                              f"{MAX_CLI_SEQ_LEN} tokens; with --forward-mode extend, each request's new tokens")
+                         help="explain a paged batch's plan (decode, target_verify, draft_extend): each request's "
+                              "total length L, drafts included, each at least next-n (e.g. 130,64,7); at most "
+                              f"{MAX_CLI_BATCH} requests of at most {MAX_CLI_SEQ_LEN} tokens")
+    explain.add_argument("--extend-lens", type=_extend_lens, metavar="E,E,...",
+                         help="explain an extend (prefill) batch's plan, --forward-mode extend implied: each "
+                              "request's new tokens E, scored after its --prefix-lens cached keys (e.g. 100,3,700)")
     explain.add_argument("--prefix-lens", type=_prefix_lens, metavar="P,P,...",
-                         help="with --forward-mode extend and --seq-lens: each request's keys already cached "
+                         help="with --extend-lens: each request's keys already cached "
                               "(default: all 0)")
     explain.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
-                         help="with --forward-mode extend and --seq-lens: each chunk's fp32 logits budget "
+                         help="with --extend-lens: each chunk's fp32 logits budget "
                               "(default: 512 MiB)")
     _common(explain)
 
@@ -132,6 +141,12 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     backends.add_argument("--json", action="store_true", help="print a JSON list of backends instead of text")
 
     command("schema", "the JSON Schema of registry.yaml, for editors", _schema)
+
+    gpus = command("gpus", "each GPU known by name: its arch, the backend decided per op and mode, how each was "
+                           "verified", _gpus)
+    gpus.add_argument("--format", choices=["text", "markdown", "json"], default="text",
+                      help="text columns, the README's markdown table, or JSON (default: %(default)s)")
+    gpus.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")
 
     from dispatch.bench.command import add_arguments
 
@@ -165,18 +180,46 @@ def _next_n(text: str) -> int:
     return _bounded(text, "--next-n", MAX_CLI_NEXT_N, low=None)  # below 1: the key's own message
 
 
-def _seq_lens(text: str) -> list[int]:
+def _seq_lens(text: str, option: str = "--seq-lens") -> list[int]:
     parts = text.split(",")
     if len(parts) > MAX_CLI_BATCH:
-        raise argparse.ArgumentTypeError(f"--seq-lens lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
+        raise argparse.ArgumentTypeError(f"{option} lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
     # Only the upper bound here: a length below next_n is ForwardBatch's to refuse, naming the request.
-    lens = [_bounded(part.strip(), "a --seq-lens length", MAX_CLI_SEQ_LEN, low=None) for part in parts]
+    lens = [_bounded(part.strip(), f"a {option} length", MAX_CLI_SEQ_LEN, low=None) for part in parts]
     if len(lens) * max(lens) > MAX_CLI_PLAN_TOKENS:
         raise argparse.ArgumentTypeError(
-            f"--seq-lens: {len(lens)} requests x the longest ({max(lens)}) is past {MAX_CLI_PLAN_TOKENS} tokens, "
+            f"{option}: {len(lens)} requests x the longest ({max(lens)}) is past {MAX_CLI_PLAN_TOKENS} tokens, "
             "too large a block table to print"
         )
     return lens
+
+
+def _extend_lens(text: str) -> list[int]:
+    return _seq_lens(text, "--extend-lens")
+
+
+def _arch(text: str) -> str:
+    """An arch name; a GPU's name (`h200`) is refused with the arch it has."""
+    if text in {a.value for a in Arch}:
+        return text
+    from dispatch.gpus import gpu_name_hint
+
+    allowed = ", ".join(a.value for a in Arch)
+    raise argparse.ArgumentTypeError(gpu_name_hint(text) or f"invalid choice: {text[:40]!r} (choose from {allowed})")
+
+
+# The modes a batch runs the indexer in; `idle` (a data-parallel rank with no tokens) runs none of its ops.
+EXPLAINED_MODES = tuple(m.value for m in ForwardMode if m is not ForwardMode.IDLE)
+
+
+def _forward_mode(text: str) -> str:
+    if text in EXPLAINED_MODES:
+        return text
+    if text == ForwardMode.IDLE.value:
+        raise argparse.ArgumentTypeError(
+            "forward mode idle is a rank with no tokens this step: it runs no indexer op, so nothing is decided"
+        )
+    raise argparse.ArgumentTypeError(f"invalid choice: {text[:40]!r} (choose from {', '.join(EXPLAINED_MODES)})")
 
 
 def _prefix_lens(text: str) -> list[int]:
@@ -199,21 +242,22 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _explain(args: argparse.Namespace) -> int:
     from dispatch.detect import detect_arch, platform_fp8_dtype
     from dispatch.explain import explain
+    from dispatch.gpus import find_gpu
     from dispatch.key import DispatchKey
     from dispatch.plan import ops_for
     from dispatch.runtime import load_dispatcher
 
-    arch = Arch(args.arch) if args.arch else detect_arch()
-    mode = ForwardMode(args.forward_mode)
+    gpu = find_gpu(args.gpu) if args.gpu else None
+    arch = gpu.arch if gpu else Arch(args.arch) if args.arch else detect_arch()
+    mode = _explained_mode(args)
     single = mode in (ForwardMode.DECODE, ForwardMode.EXTEND)
     next_n = args.next_n if args.next_n is not None else (1 if single else 2)
-    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(arch)
+    fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else gpu.fp8_dtype if gpu else platform_fp8_dtype(arch)
     key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8)
-    dispatcher = load_dispatcher(args.registry, cluster=args.cluster, arch=arch)
-    if args.prefix_lens is not None and (mode is not ForwardMode.EXTEND or not args.seq_lens):
-        raise InvalidKeyError("--prefix-lens goes with --forward-mode extend and --seq-lens")
-    if args.seq_lens and mode is ForwardMode.EXTEND:
-        return _explain_extend_plan(dispatcher, key, args.seq_lens, args.prefix_lens, args.logits_budget, args.json)
+    dispatcher = load_dispatcher(args.registry, cluster=args.cluster, arch=arch,
+                                 device_name=gpu.device_name if gpu else None)
+    if args.extend_lens:
+        return _explain_extend_plan(dispatcher, key, args.extend_lens, args.prefix_lens, args.logits_budget, args.json)
     if args.op is None:
         args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
@@ -222,9 +266,28 @@ def _explain(args: argparse.Namespace) -> int:
         print(json.dumps(explanation.as_dict(), indent=2))
         return EXIT_OK
     if not dispatcher.check_availability:
-        print(f"(this machine is {detect_arch().value}; explaining {arch.value} as a what-if)")
+        from dispatch.gpu_table import what_if_note
+
+        print(what_if_note(dispatcher, detect_arch(), gpu, cluster_named=bool(args.cluster)))
     print(explanation.text())
     return EXIT_OK
+
+
+def _explained_mode(args: argparse.Namespace) -> ForwardMode:
+    """The forward mode, from --forward-mode or implied by --extend-lens; lengths of the other kind of
+    batch are refused, saying which option that batch takes."""
+    if args.extend_lens:
+        if args.forward_mode not in (None, ForwardMode.EXTEND.value):
+            raise InvalidKeyError(f"--extend-lens is an extend batch's; --forward-mode {args.forward_mode} takes "
+                                  "--seq-lens (each request's total length)")
+        return ForwardMode.EXTEND
+    mode = ForwardMode(args.forward_mode or ForwardMode.DECODE.value)
+    if args.seq_lens and mode is ForwardMode.EXTEND:
+        raise InvalidKeyError("--seq-lens is a paged batch's total lengths; an extend batch takes --extend-lens "
+                              "(each request's new tokens) and --prefix-lens (its cached keys)")
+    if (args.prefix_lens is not None or args.logits_budget is not None) and not args.extend_lens:
+        raise InvalidKeyError("--prefix-lens and --logits-budget go with --extend-lens (an extend batch)")
+    return mode
 
 
 def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: list[int] | None,
@@ -238,9 +301,9 @@ def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: l
 
     prefix = prefix_lens or [0] * len(extend_lens)
     if len(prefix) != len(extend_lens):
-        raise InvalidKeyError(f"--prefix-lens has {len(prefix)} requests, --seq-lens {len(extend_lens)}")
+        raise InvalidKeyError(f"--prefix-lens has {len(prefix)} requests, --extend-lens {len(extend_lens)}")
     if sum(prefix) + sum(extend_lens) > MAX_CLI_PLAN_TOKENS:
-        raise InvalidKeyError(f"--prefix-lens and --seq-lens add up to more than {MAX_CLI_PLAN_TOKENS} keys, "
+        raise InvalidKeyError(f"--prefix-lens and --extend-lens add up to more than {MAX_CLI_PLAN_TOKENS} keys, "
                               "too large a plan to print")
     table = page_table_for([p + e for p, e in zip(prefix, extend_lens)])
     budget = DEFAULT_LOGITS_BYTES if budget is None else budget
@@ -269,19 +332,24 @@ def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: l
 
 def _validate(args: argparse.Namespace) -> int:
     """Every problem of the file in one run, in file order: schema errors (all, or nothing else can be
-    checked), else unknown backend names, lint and coverage together. Imports no torch, so it checks
-    what an engine's assembly (load_dispatcher) checks except this machine's cluster match."""
+    checked), else overlays that cannot be attached, unknown backend names, lint, coverage and keys a
+    cluster leaves without a backend together. Imports no torch, so it checks what an engine's
+    assembly (load_dispatcher) checks except this machine's cluster match."""
     from dispatch.plugins import collect_backends
     from dispatch.registry.checks import findings, unknown_backend_names
+    from dispatch.registry.cluster_coverage import cluster_coverage
     from dispatch.registry.document import load_registry
     from dispatch.registry.measured import stale_evidence, this_machine
     from dispatch.runtime import load_plugins, registry_path
 
-    document = load_registry(registry_path(args.path))
+    overlay_problems: list[str] = []
+    document = load_registry(registry_path(args.path), overlay_problems)
     catalog = collect_backends(load_plugins())
     unknown = unknown_backend_names(document, catalog)
-    found = sorted(
-        [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog)],
+    # A cluster's coverage is asked of the dispatcher, which needs every name it is given to be known.
+    clusters = [] if unknown else cluster_coverage(document, catalog)
+    found = [("dispatch", problem) for problem in overlay_problems] + sorted(
+        [("dispatch", f) for f in unknown] + [("lint", f) for f in findings(document, catalog) + clusters],
         key=lambda pair: pair[1].line or 0,
     )
     # Warned, not failed (the choice still stands), and only for overlays measured on this kind of machine.
@@ -309,6 +377,20 @@ def _backends(args: argparse.Namespace) -> int:
 
     rows = [backend_row(b) for b in collect_backends(load_plugins()).backends]
     print(json.dumps(rows, indent=2) if args.json else backends_text(rows))
+    return EXIT_OK
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    from dispatch import gpu_table
+    from dispatch.plugins import collect_backends
+    from dispatch.registry.document import load_registry
+    from dispatch.runtime import load_plugins, registry_path
+
+    rows = gpu_table.gpu_rows(load_registry(registry_path(args.registry)), collect_backends(load_plugins()))
+    if args.format == "json":
+        print(json.dumps([row.as_dict() for row in rows], indent=2))
+    else:
+        print(gpu_table.markdown(rows) if args.format == "markdown" else gpu_table.text(rows))
     return EXIT_OK
 
 

@@ -13,7 +13,12 @@ from dispatch.registry.document import RegistryDocument
 from dispatch.registry.models import ClusterMatch
 
 
-def resolve_cluster(document: RegistryDocument, requested: str | None, arch: Arch) -> str | None:
+def resolve_cluster(
+    document: RegistryDocument, requested: str | None, arch: Arch, device_name: str | None = None
+) -> str | None:
+    """The cluster named, else the one whose `match` fits. `device_name` (a what-if for another GPU,
+    e.g. "NVIDIA H200") is matched instead of this machine's GPU; its hostname is then unknown, so a
+    match on `hostname` does not fit."""
     name = requested or os.environ.get("DISPATCH_CLUSTER") or None
     clusters = document.registry.clusters
     if name is not None:
@@ -21,7 +26,7 @@ def resolve_cluster(document: RegistryDocument, requested: str | None, arch: Arc
             declared = ", ".join(sorted(clusters)) or "none"
             raise RegistryError(f"{document.path}: unknown cluster `{name}` (declared: {declared})")
         return name
-    matching = [n for n, c in clusters.items() if c.match is not None and _matches(c.match, arch)]
+    matching = matching_clusters(document, arch, device_name)
     if len(matching) > 1:
         raise RegistryError(
             f"{document.path}: clusters {', '.join(f'`{n}`' for n in matching)} all match this machine; "
@@ -30,9 +35,18 @@ def resolve_cluster(document: RegistryDocument, requested: str | None, arch: Arc
     return matching[0] if matching else None
 
 
-def _matches(match: ClusterMatch, arch: Arch) -> bool:
+def matching_clusters(document: RegistryDocument, arch: Arch, device_name: str | None = None) -> list[str]:
+    """Every cluster whose `match` fits this machine, or with `device_name` a machine with that GPU."""
+    if device_name is None:
+        device, host = gpu_name(), socket.gethostname()
+    else:
+        device, host = device_name, None
+    return [n for n, c in document.registry.clusters.items() if c.match is not None and _matches(c.match, arch, device, host)]
+
+
+def _matches(match: ClusterMatch, arch: Arch, device: str, host: str | None) -> bool:
     return (
         (match.arch is None or arch in match.arch)
-        and (match.gpu_name is None or fnmatch.fnmatch(gpu_name(), match.gpu_name))
-        and (match.hostname is None or fnmatch.fnmatch(socket.gethostname(), match.hostname))
+        and (match.gpu_name is None or fnmatch.fnmatch(device, match.gpu_name))
+        and (match.hostname is None or (host is not None and fnmatch.fnmatch(host, match.hostname)))
     )

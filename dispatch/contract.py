@@ -24,6 +24,7 @@ from dispatch.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.kv_cache import BLOCK_KV, split_kv_cache
 from dispatch.layout import Layout
 from dispatch.rope import RopeSpec
+from dispatch.verification import Verified
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +69,7 @@ __all__ = [
     "RopeSpec",
     "Support",
     "TopkRun",
+    "Verified",
     "check_logits_inputs",
     "check_ragged_logits_inputs",
     "hookimpl",

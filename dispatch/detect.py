@@ -65,6 +65,11 @@ def platform_fp8_dtype(arch: Arch) -> Fp8Dtype:
     override = os.environ.get("DISPATCH_FP8_DTYPE")
     if override:
         return parse_enum(Fp8Dtype, override, "DISPATCH_FP8_DTYPE")
+    return native_fp8_dtype(arch)
+
+
+def native_fp8_dtype(arch: Arch) -> Fp8Dtype:
+    """The platform fp8 dtype of `arch`, whatever the environment says."""
     return Fp8Dtype.E4M3FNUZ if arch is Arch.GFX942 else Fp8Dtype.E4M3FN
 
 

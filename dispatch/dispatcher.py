@@ -82,11 +82,13 @@ class Dispatcher:
     def can_decide(self, op: Op, key: DispatchKey) -> bool:
         """Whether `decide` would find a backend, without caching or logging a decision (a reload's
         coverage check asks this of every kind of key)."""
-        try:
-            self._decide(Op(op), key)
-        except NoBackendError:
-            return False
-        return True
+        op = Op(op)
+        # _decide's choice without its rejections and messages: a step whose backend is eligible.
+        # (validate asks this of every key and cluster, so it must stay cheap.)
+        return any(
+            (backend := self.catalog.get(op, step.backend)) is not None and not self._why_ineligible(backend, key)
+            for step in self._steps(op, key)
+        )
 
     def decided_keys(self) -> list[tuple[Op, DispatchKey]]:
         """The (op, key) pairs decided so far, from the cache."""
@@ -161,7 +163,7 @@ class Dispatcher:
             layout=impl.layout,
             rule=step.rule,
             source=step.source,
-            rule_at=step.where or (f"{self.document.path}:{line}" if line else ""),
+            rule_at=step.where or (self.document.where_of(step.location) if line else ""),
             evidence=self._evidence(op, *measured) if measured else None,
             cluster=self.cluster,
             plugin=impl.plugin,
@@ -279,11 +281,10 @@ class Dispatcher:
     def _log(self, decision: Decision) -> None:
         others = ", ".join(r.backend for r in decision.rejected)
         logger.info(
-            "using %s (%s, %s %s) for %s at %s out of [%s]",
+            "using %s (%s, by %s) for %s at %s out of [%s]",
             decision.backend,
             decision.layout.value,
-            decision.source,
-            decision.rule,
+            decision.chosen_by,  # "rule `x`", "fallback[1]": the source said once
             decision.op.value,
             decision.key,
             others,

@@ -113,11 +113,9 @@ def _check_builtin_package() -> None:
     except ImportError as error:
         raise PluginError(f"the built-in backends package `backends` of {OWN_DISTRIBUTION} is not importable: {error}") from error
     if not getattr(package, "DISPATCH_DSA_BUILTIN_BACKENDS", False):
-        raise PluginError(
-            f"`backends` resolves to {getattr(package, '__file__', None) or package!r}, which is not "
-            f"{OWN_DISTRIBUTION}'s built-in backends package (another distribution installs a top-level "
-            "`backends`); uninstall it or install dispatch-dsa into its own virtual environment"
-        )
+        from dispatch.shadowing import shadow_message
+
+        raise PluginError(shadow_message(package))
 
 
 def entry_point_plugins(allowlist: frozenset[str]) -> list[LoadedPlugin]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 from pathlib import Path
 
@@ -15,11 +14,9 @@ from dispatch.key import Arch, parse_enum
 from dispatch.plugins import LoadedPlugin, allowlist_from_env, builtin_plugins, collect_backends, entry_point_plugins
 from dispatch.registry.checks import check_backend_names
 from dispatch.registry.document import RegistryDocument, load_registry
+from dispatch.registry.extends import PACKAGED_REGISTRY
 
-# The registry shipped with the package. In a checkout dispatch/registry.yaml is a link to the
-# top-level registry.yaml (the one file anyone edits); a wheel carries the linked file's bytes.
-# Resolving the link makes messages name the top-level file, so its line numbers are the ones to edit.
-DEFAULT_REGISTRY = Path(str(importlib.resources.files("dispatch") / "registry.yaml")).resolve()
+DEFAULT_REGISTRY = PACKAGED_REGISTRY  # the registry shipped with the package (dispatch.registry.extends says where)
 
 
 def registry_path(explicit: str | os.PathLike | None = None) -> Path:
@@ -55,12 +52,16 @@ def load_dispatcher(
     arch: Arch | str | None = None,
     check_availability: bool | None = None,
     plugins: list[LoadedPlugin] | None = None,
+    device_name: str | None = None,
 ) -> Dispatcher:
     """A dispatcher for this machine, or for `arch` when given (a what-if: availability on this
-    machine is then not checked unless `check_availability` says so)."""
+    machine is then not checked unless `check_availability` says so). `device_name` matches clusters
+    as a machine with that GPU would (dispatch.clusters.resolve_cluster)."""
     document = load_registry(registry_path(registry))
     catalog = collect_backends(load_plugins() if plugins is None else plugins)
-    return build_dispatcher(document, catalog, cluster=cluster, arch=arch, check_availability=check_availability)
+    return build_dispatcher(
+        document, catalog, cluster=cluster, arch=arch, check_availability=check_availability, device_name=device_name
+    )
 
 
 def build_dispatcher(
@@ -70,6 +71,7 @@ def build_dispatcher(
     cluster: str | None = None,
     arch: Arch | str | None = None,
     check_availability: bool | None = None,
+    device_name: str | None = None,
 ) -> Dispatcher:
     """A dispatcher over a loaded registry and catalog: every backend name checked, the cluster resolved.
     Raises RegistryError before anything is built, so a caller holding an older dispatcher keeps it."""
@@ -79,7 +81,7 @@ def build_dispatcher(
     return Dispatcher(
         document,
         catalog,
-        cluster=resolve_cluster(document, cluster, target),
+        cluster=resolve_cluster(document, cluster, target, device_name),
         target_arch=target,
         check_availability=(target is host) if check_availability is None else check_availability,
     )

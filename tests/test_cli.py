@@ -391,13 +391,13 @@ def test_explain_extend_decides_every_op_of_the_ragged_step_on_every_arch(capsys
 
 @needs_cpu_host
 def test_explain_an_extend_batch_shows_its_ragged_plan_and_chunks(capsys):
-    code, out, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "extend", "--seq-lens", "100,3,700",
+    code, out, err = run(capsys, "explain", "--arch", "sm90", "--extend-lens", "100,3,700",
                          "--prefix-lens", "0,500,64", "--logits-budget", "400000")
     assert code == 0, err
     assert "M=803 query rows, S=1367 gathered keys" in out and "key_offsets [0, 100, 603, 1367]" in out
     assert "rows [0, 141) x keys [0, 705): logits [141, 705], 397620 bytes" in out
     assert "chosen:   deepgemm.sm90" in out and "rule `sm90-deepgemm-ragged`" in out
-    payload = explain_all_json(capsys, "--arch", "gfx942", "--forward-mode", "extend", "--seq-lens", "3,2",
+    payload = explain_all_json(capsys, "--arch", "gfx942", "--forward-mode", "extend", "--extend-lens", "3,2",
                                "--prefix-lens", "1,0")
     plan = payload["plan"]
     assert plan["ks"] == [0, 0, 0, 4, 4] and plan["ke"] == [2, 3, 4, 5, 6]
@@ -407,13 +407,17 @@ def test_explain_an_extend_batch_shows_its_ragged_plan_and_chunks(capsys):
 
 
 def test_explain_extend_refuses_what_cannot_be_planned(capsys):
-    code, _, err = run(capsys, "explain", "--arch", "sm90", "--forward-mode", "extend", "--seq-lens", "100",
-                       "--logits-budget", "100")
+    code, _, err = run(capsys, "explain", "--arch", "sm90", "--extend-lens", "100", "--logits-budget", "100")
     assert code == 2 and "query row 25 sees 26 keys" in err and "more than the budget of 100" in err
     code, _, err = run(capsys, "explain", "--forward-mode", "decode", "--seq-lens", "5", "--prefix-lens", "1")
-    assert code == 2 and "--prefix-lens goes with --forward-mode extend" in err
-    code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--seq-lens", "5,6", "--prefix-lens", "1")
-    assert code == 2 and "--prefix-lens has 1 requests, --seq-lens 2" in err
+    assert code == 2 and "--prefix-lens and --logits-budget go with --extend-lens" in err
+    code, _, err = run(capsys, "explain", "--extend-lens", "5,6", "--prefix-lens", "1")
+    assert code == 2 and "--prefix-lens has 1 requests, --extend-lens 2" in err
+    # --seq-lens is a paged batch's total lengths: an extend batch is told which option it takes
+    code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--seq-lens", "5")
+    assert code == 2 and "an extend batch takes --extend-lens" in err
+    code, _, err = run(capsys, "explain", "--forward-mode", "target_verify", "--extend-lens", "5")
+    assert code == 2 and "--forward-mode target_verify takes --seq-lens" in err
     code, _, err = run(capsys, "explain", "--forward-mode", "extend", "--op", "paged_mqa_logits")
     assert code == 1 and "forward_mode extend not supported" in err
 

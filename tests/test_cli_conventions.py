@@ -100,7 +100,7 @@ def test_one_table_of_environment_variables_in_the_readme_the_help_and_the_code(
 def test_verbose_shows_each_decision_on_stderr(capsys):
     assert main(["explain", "--arch", "cpu", "-v"]) == 0
     err = capsys.readouterr().err
-    assert "dispatch INFO: using torch.reference (native, rule cpu-reference) for paged_mqa_logits" in err
+    assert "dispatch INFO: using torch.reference (native, by rule `cpu-reference`) for paged_mqa_logits" in err
     assert main(["-v", "explain", "--arch", "cpu", "--forward-mode", "draft_extend"]) == 0  # before the command too
     assert "for paged_mqa_logits at arch=cpu forward_mode=draft_extend" in capsys.readouterr().err
     assert main(["explain", "--arch", "cpu", "--forward-mode", "target_verify", "--next-n", "5"]) == 0

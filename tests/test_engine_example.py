@@ -53,8 +53,8 @@ def test_the_decision_log_is_on_by_default(capsys):
     try:
         load_example().main(["--steps", "3", "--layers", "1", "--requests", "2", "--device", "cpu"])
         err = capsys.readouterr().err
-        assert "dispatch INFO: using torch.reference (native, rule cpu-reference) for paged_mqa_logits" in err
-        assert "dispatch INFO: using torch.reference (ragged, rule cpu-reference-ragged) for ragged_mqa_logits" in err
+        assert "dispatch INFO: using torch.reference (native, by rule `cpu-reference`) for paged_mqa_logits" in err
+        assert "dispatch INFO: using torch.reference (ragged, by rule `cpu-reference-ragged`) for ragged_mqa_logits" in err
         load_example().main(["--steps", "1", "--layers", "1", "--requests", "2", "--device", "cpu", "--quiet"])
         assert "INFO" not in capsys.readouterr().err
     finally:

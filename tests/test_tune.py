@@ -129,7 +129,7 @@ def test_the_dispatcher_and_explain_follow_the_measured_extend_choice(tuned, cap
     preference = measured.find(Op.RAGGED_MQA_LOGITS, EXTEND)[1]
     summary = plan.decisions[Op.RAGGED_MQA_LOGITS].evidence.summary()
     args = ["explain", "--registry", str(registry), "--cluster", "ci-cpu", "--forward-mode", "extend"]
-    for extra in ([], ["--seq-lens", "5,2", "--prefix-lens", "3,0"]):  # one key, and a whole extend plan
+    for extra in ([], ["--extend-lens", "5,2", "--prefix-lens", "3,0"]):  # one key, and a whole extend plan
         assert main(args + extra) == 0
         text = capsys.readouterr().out
         block = text[text.index("ragged_mqa_logits for arch=cpu forward_mode=extend"):]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from dispatch import detect
-from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
+from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, Verified, hookimpl
 
 _E4M3FN = frozenset({Fp8Dtype.E4M3FN})
 
@@ -158,6 +158,10 @@ def library_version() -> str:
     return ""
 
 
+# SM90 ran on the H200 with sgl-deep-gemm 0.1.5; SM100 only against the recording stand-in (no SM100 here).
+VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.SM100: Verified.CONTRACT}
+
+
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
     """The three paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
@@ -178,6 +182,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
                 refresh_state=impl.refresh_state,
                 version=library_version(),
                 description=description,
+                verified={arch: VERIFIED[arch]},
             )
         )
     return backends
@@ -199,6 +204,7 @@ def deepgemm_ragged_backends(load: Callable[[], ModuleType] = import_deep_gemm) 
                 probe=probe_for(arch, load, missing_ragged_symbols),
                 prepare=ragged.prepare,
                 description=f"DeepGEMM fp8_mqa_logits (ragged, prefill), {arch.value.upper()}; Triton K gather",
+                verified={arch: VERIFIED[arch]},
             )
         )
     return backends

@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
 from dispatch import detect
-from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Layout, LayoutError, Op, Support, hookimpl
+from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Layout, LayoutError, Op, Support, Verified, hookimpl
 
 if TYPE_CHECKING:  # torch is imported where it runs: registering must not import it (`validate` runs without it)
     import torch
@@ -121,6 +121,8 @@ def flashinfer_backends(load: Callable[[], ModuleType] = import_flashinfer) -> l
             run=topk_runner(load),
             probe=probe,
             description="FlashInfer radix top-k over each row's length (top_k_ragged_transform)",
+            # FlashInfer 0.6.4 ran and was timed on the H200 (tools/probe_topk.py); no other GPU here.
+            verified={Arch.SM90: Verified.MEASURED} | {arch: Verified.NOT_RUN for arch in FLASHINFER_ARCHS - {Arch.SM90}},
         )
     ]
 

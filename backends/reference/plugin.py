@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from dispatch.contract import ALL_ARCHS, PAGED_MODES, Backend, Layout, Op, Support, hookimpl
+from dispatch.contract import ALL_ARCHS, PAGED_MODES, Arch, Backend, Layout, Op, Support, Verified, hookimpl
 
 
 # The kernels and the input checks import torch; registering must not (`validate` runs without it),
@@ -56,6 +56,11 @@ def _torch_version() -> str:
         return ""
 
 
+# Plain torch, the same code on every device: tested on the CPU in CI, and run on the H200 as the
+# yardstick of every GPU check.
+VERIFIED = {arch: Verified.CPU_TESTS for arch in Arch} | {Arch.SM90: Verified.MEASURED}
+
+
 @hookimpl
 def register_backends(register):
     logits_support = Support(archs=ALL_ARCHS, forward_modes=PAGED_MODES)
@@ -68,6 +73,7 @@ def register_backends(register):
                 supports=logits_support,
                 run=run_paged_mqa_logits,
                 version=_torch_version(),
+                verified=VERIFIED,
                 description=f"plain torch, {layout.value} layout; slow, exact fp32 on fp8 inputs",
             )
         )
@@ -79,6 +85,7 @@ def register_backends(register):
             supports=Support(archs=ALL_ARCHS),
             run=run_q_quant,
             version=_torch_version(),
+            verified=VERIFIED,
             description="plain torch RoPE + power-of-two fp8 quantisation",
         )
     )
@@ -90,6 +97,7 @@ def register_backends(register):
             supports=Support(archs=ALL_ARCHS),
             run=run_topk,
             version=_torch_version(),
+            verified=VERIFIED,
             description="plain torch two-key stable sort: visible first, then by value; NaN never selected",
         )
     )
@@ -102,6 +110,7 @@ def register_backends(register):
             run=run_ragged_mqa_logits,
             prepare=reference_key_gather,
             version=_torch_version(),
+            verified=VERIFIED,
             description="plain torch ragged logits over [ks, ke), -inf elsewhere; torch gather (raises on a bad slot)",
         )
     )

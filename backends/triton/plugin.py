@@ -12,10 +12,23 @@ from backends.triton.availability import (
     probe_for,
     triton_version,
 )
-from dispatch.contract import PAGED_MODES, Arch, Backend, Fp8Dtype, Layout, Op, Support, hookimpl
+from dispatch.contract import PAGED_MODES, Arch, Backend, Fp8Dtype, Layout, Op, Support, Verified, hookimpl
 
 if TYPE_CHECKING:  # fp8_mode and the input checks import torch; registering must not (`validate` runs without it)
     from backends.triton.fp8_mode import Fp8Mode
+
+# Where the kernels ran (README, "Backends"): timed and checked on the H200 and under the CPU interpreter
+# in CI; compiled ahead of time for sm89, sm100, sm120 and gfx950, never run there (no such GPU here).
+TRITON_VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.CPU: Verified.CPU_TESTS} | {
+    arch: Verified.COMPILED for arch in (Arch.SM89, Arch.SM100, Arch.SM120, Arch.GFX950)
+}
+# e4m3fnuz is emulated bit-exactly through e4m3fn (CPU interpreter, H200); no AMD GPU ran it.
+FNUZ_VERIFIED = {Arch.GFX942: Verified.EMULATED, Arch.CPU: Verified.CPU_TESTS}
+# The ragged logits and the top-k ran on the H200 (tools/probe_prefill.py, tools/probe_topk.py) and the
+# interpreter; elsewhere they are portable Triton with no evidence from that arch.
+PORTABLE_VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.CPU: Verified.CPU_TESTS} | {
+    arch: Verified.NOT_RUN for arch in (Arch.SM80, Arch.SM89, Arch.SM100, Arch.SM120, Arch.GFX942, Arch.GFX950)
+}
 
 # The native kernel holds a row's tokens x heads in one program's tile; past 8 tokens it is untested.
 NATIVE_NEXT_N_MAX = 8
@@ -80,6 +93,7 @@ def logits_backends() -> list[Backend]:
             prepare=prepare_logits,
             refresh_state=refresh_logits,
             probe=probe_for(TRITON_ARCHS),
+            verified=TRITON_VERIFIED,
             version=version,
             description="Triton fp8 dot, native layout: each KV page read once for all next_n tokens",
         ),
@@ -92,6 +106,7 @@ def logits_backends() -> list[Backend]:
             prepare=prepare_logits,
             refresh_state=refresh_logits,
             probe=probe_for(TRITON_ARCHS),
+            verified=TRITON_VERIFIED,
             version=version,
             description="Triton fp8 dot, flatten layout: one row per token, KV pages read next_n times",
         ),
@@ -109,6 +124,7 @@ def logits_backends() -> list[Backend]:
             prepare=prepare_logits,
             refresh_state=refresh_logits,
             probe=probe_for(FNUZ_ARCHS),
+            verified=FNUZ_VERIFIED,
             version=version,
             description="Triton, native layout, e4m3fnuz: tl.float8e4b8 on gfx94x, emulated through e4m3fn elsewhere",
         ),
@@ -133,6 +149,7 @@ def q_quant_backends() -> list[Backend]:
             supports=Support(archs=TRITON_ARCHS, fp8_dtypes=frozenset({Fp8Dtype.E4M3FN})),
             run=run_q_quant,
             probe=probe_for(TRITON_ARCHS),
+            verified=TRITON_VERIFIED,
             version=triton_version(),
             description=description.format("e4m3fn (FP8_MAX 448)"),
         ),
@@ -143,6 +160,7 @@ def q_quant_backends() -> list[Backend]:
             supports=Support(archs=FNUZ_ARCHS, fp8_dtypes=frozenset({Fp8Dtype.E4M3FNUZ})),
             run=run_q_quant,
             probe=probe_for(FNUZ_ARCHS),
+            verified=FNUZ_VERIFIED,
             version=triton_version(),
             description=description.format("e4m3fnuz (FP8_MAX 224; native on gfx94x, emulated elsewhere)"),
         ),
@@ -170,6 +188,7 @@ def topk_backends() -> list[Backend]:
             supports=Support(archs=TOPK_ARCHS),
             run=run_topk,
             probe=probe_for(TOPK_ARCHS),
+            verified=PORTABLE_VERIFIED,
             version=triton_version(),
             description="Triton sampled-bracket select split over rows x chunks, exact radix finish; fused page transform",
         )
@@ -210,6 +229,7 @@ def ragged_backends() -> list[Backend]:
             run=ragged_runner(),
             prepare=triton_key_gather,
             probe=probe_for(TRITON_ARCHS),
+            verified=PORTABLE_VERIFIED,
             version=version,
             description="Triton fp8 dot over each row tile's key window [min ks, max ke); Triton K gather",
         ),
@@ -221,6 +241,7 @@ def ragged_backends() -> list[Backend]:
             run=ragged_runner(),
             prepare=triton_key_gather,
             probe=probe_for(FNUZ_ARCHS),
+            verified=FNUZ_VERIFIED,
             version=version,
             description="Triton ragged logits, e4m3fnuz: tl.float8e4b8 on gfx94x, emulated through e4m3fn elsewhere",
         ),

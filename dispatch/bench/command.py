@@ -182,26 +182,54 @@ def report_text(report: dict) -> str:
         lines.append(f"ceilings: copy {c['copy_GBps']:.0f} GB/s (read+write), fp8 matmul {c['fp8_TFLOPs']:.0f} TFLOP/s")
     o = report["dispatch_overhead"]
     lines.append(f"dispatch: cached decide {o['decide_cached_us']:.2f} us, build_plan B=128 {o['build_plan_B128_us']:.1f} us (host)")
-    header = f"{'op':<17} {'backend':<24} {'layout':<8} {'shape':<34} {'median us':>10} {'GB/s':>7} {'TFLOP/s':>8} {'x floor':>8} {'rel err':>9}  {'timed':<6} check"
+    # Widths from the cells themselves: a step row's backend ("torch.reference + torch.reference") or a
+    # long shape must not push the columns after it out of line.
+    columns = [
+        ("op", "<", lambda r: r["op"]),
+        ("backend", "<", lambda r: r["backend"]),
+        ("layout", "<", lambda r: r["layout"]),
+        ("shape", "<", lambda r: r["shape"]),
+        ("median us", ">", lambda r: _num(r["median_us"], ".1f")),
+        ("GB/s", ">", lambda r: _figure(r["GBps"])),
+        ("TFLOP/s", ">", lambda r: _figure(r["TFLOPs"])),
+        ("x floor", ">", lambda r: _num(r["x_floor"], ".2f")),
+        ("rel err", ">", lambda r: _num(r["rel_error"], ".1e")),
+        ("timed", "<", lambda r: r.get("timing", "-")),
+        ("check", "<", lambda r: r["check"]),
+    ]
+    cells = [[shown(row) for _, _, shown in columns] for row in report["rows"]]
+    widths = [max([len(name)] + [len(line[i]) for line in cells]) for i, (name, _, _) in enumerate(columns)]
+
+    def joined(values: list[str]) -> str:
+        return " ".join(format(v, f"{align}{w}") for v, (_, align, _), w in zip(values, columns, widths)).rstrip()
+
+    header = joined([name for name, _, _ in columns])
     lines += ["", header, "-" * len(header)]
-    for row in report["rows"]:
-        lines.append(
-            f"{row['op']:<17} {row['backend']:<24} {row['layout']:<8} {row['shape']:<34} "
-            f"{_num(row['median_us'], '.1f'):>10} {_num(row['GBps'], '.0f'):>7} {_num(row['TFLOPs'], '.0f'):>8} "
-            f"{_num(row['x_floor'], '.2f'):>8} {_num(row['rel_error'], '.1e'):>9}  {row.get('timing', '-'):<6} {row['check']}"
-            + _stage_times(row)
-            + _notes(row)
-        )
+    for row, line in zip(report["rows"], cells):
+        lines.append(joined(line) + _stage_times(row) + _notes(row))
     return "\n".join(lines)
 
 
+def _figure(value) -> str:
+    """A rate with three significant digits: a CPU's 0.004 TFLOP/s is not printed as 0."""
+    if value is None:
+        return "-"
+    return format(value, ".0f") if value >= 100 else format(value, ".3g")
+
+
 # Extra figures some rows carry (the prefill rows), printed after the check when present.
-_NOTES = (("step", "{}"), ("no_fill_us", "without -inf fill {:.1f} us"), ("x_deepgemm", "{:.2f}x deepgemm"),
-          ("chunks", "{} chunks"), ("peak_MiB", "peak {:.0f} MiB"), ("plan_us", "plan {:.0f} us (host)"))
+_NOTES = (
+    ("step", str),
+    ("no_fill_us", "without -inf fill {:.1f} us".format),
+    ("x_deepgemm", "{:.2f}x deepgemm".format),
+    ("chunks", lambda n: f"{n} chunk" if n == 1 else f"{n} chunks"),
+    ("peak_MiB", "peak {:.0f} MiB".format),
+    ("plan_us", "plan {:.0f} us (host)".format),
+)
 
 
 def _notes(row: dict) -> str:
-    notes = [text.format(row[name]) for name, text in _NOTES if row.get(name) is not None]
+    notes = [shown(row[name]) for name, shown in _NOTES if row.get(name) is not None]
     return f"  ({', '.join(notes)})" if notes else ""
 
 

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes and next_n <= 2, for a CPU run")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per backend and shape, at most")
+    parser.add_argument("--on-cpu", action="store_true",
+                        help="measure the cluster's whole workload even with no GPU (without it, a CPU run is "
+                             "refused unless --quick: the default workload is dozens of shapes of up to 128K keys, "
+                             "for the torch reference and the Triton interpreter)")
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -47,7 +51,11 @@ def run_tune(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     cluster = dispatcher.document.registry.clusters.get(dispatcher.cluster) if dispatcher.cluster else None
-    declared = _beside(dispatcher.document.path, cluster.measured) if cluster and cluster.measured else None
+    refusal = _cpu_refusal(cluster.workload if cluster and cluster.workload else Workload(), args)
+    if refusal:
+        print(f"tune: {refusal}", file=sys.stderr)
+        return 2  # the CLI's EXIT_INVALID: an option is missing
+    declared = _declared_overlay(dispatcher.document, dispatcher.cluster, cluster)
     output = args.output or declared
     text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
     if output:
@@ -57,6 +65,23 @@ def run_tune(args: argparse.Namespace) -> int:
     else:
         print(text, end="")
     return 1 if failures else 0
+
+
+def _cpu_refusal(workload: Workload, args: argparse.Namespace) -> str | None:
+    """Why a full tune is not started on a CPU, or None: it runs for a long time and measures nothing a
+    GPU cluster can use, so it takes --quick (a smoke run) or --on-cpu (on purpose)."""
+    import torch
+
+    if args.quick or args.on_cpu or torch.cuda.is_available():
+        return None
+    paged = len(workload.batch_sizes) * len(workload.lengths) * len(workload.next_n)
+    extend = len(workload.extend_requests) * len(workload.extend_lens) * len(workload.prefix_lens)
+    return (
+        f"no GPU visible to torch: the workload is {paged} paged shapes (batch sizes up to "
+        f"{max(workload.batch_sizes)}, lengths up to {max(workload.lengths)}) and {extend} extend batches per "
+        "backend, which on a CPU runs for a long time and measures nothing a GPU "
+        "cluster can use; pass --quick for a smoke run of tiny shapes, or --on-cpu to measure it anyway"
+    )
 
 
 def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, output: str | None = None) -> tuple[str, int]:
@@ -261,8 +286,12 @@ def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:
     )
 
 
-def _beside(registry: str, relative: str) -> str:
-    return str(Path(registry).parent / relative)
+def _declared_overlay(document, name: str | None, cluster) -> str | None:
+    """Where the cluster's `measured:` path points, read as the loader reads it: from the folder of the
+    file naming it (the packaged registry's, for a cluster `extends: default` took from it)."""
+    if cluster is None or not cluster.measured:
+        return None
+    return str(document.measured_dirs.get(name, Path(document.path).parent) / cluster.measured)
 
 
 def _version(distribution: str) -> str | None:

@@ -29,6 +29,13 @@ class RegistryDocument:
     lines: dict[Location, int] = field(repr=False)
     # Each cluster's measured overlay (dispatch.registry.measured.MeasuredDocument), by cluster name.
     measured: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The folder a cluster's relative `measured:` path is read from when it is not this file's: a
+    # cluster taken from the packaged registry by `extends: default` keeps the packaged folder.
+    measured_dirs: dict[str, Path] = field(default_factory=dict, repr=False)
+    # With `extends: default`: the parts taken from the packaged registry (locations, and everything
+    # under them), and where that file is and its lines, so a message names the file that holds a part.
+    inherited: tuple[Location, ...] = field(default=(), repr=False)
+    inherited_from: tuple[str, dict[Location, int]] | None = field(default=None, repr=False)
 
     @property
     def fingerprint(self) -> str:
@@ -43,6 +50,15 @@ class RegistryDocument:
     def line_of(self, location: Location) -> int | None:
         """The line of the deepest part of `location` that the file has."""
         return _deepest_line(self.lines, location)
+
+    def where_of(self, location: Location) -> str:
+        """"file:line" of `location`, in the packaged file for a part `extends: default` took from it."""
+        if self.inherited_from is not None and any(location[: len(part)] == part for part in self.inherited):
+            path, lines = self.inherited_from
+        else:
+            path, lines = self.path, self.lines
+        line = _deepest_line(lines, location)
+        return f"{path}:{line}" if line else path
 
     def error(self, location: Location, message: str) -> RegistryError:
         return located_error(self.path, self.line_of(location), location, message)
@@ -73,7 +89,9 @@ def dotted(location: Location) -> str:
     return text
 
 
-def load_registry(path: str | Path) -> RegistryDocument:
+def load_registry(path: str | Path, overlay_problems: list[str] | None = None) -> RegistryDocument:
+    """The validated registry at `path`. With `overlay_problems`, a measured overlay that cannot be
+    attached is listed there rather than raised (validate reports it with everything else)."""
     path = Path(path)
     raw = _read_bounded(path)
     try:
@@ -81,7 +99,7 @@ def load_registry(path: str | Path) -> RegistryDocument:
     except UnicodeDecodeError as error:
         line = raw.count(b"\n", 0, error.start) + 1
         raise RegistryError(f"{path}:{line}: not UTF-8 text: byte {raw[error.start]:#04x} is {error.reason}") from None
-    return parse_registry(text, str(path))
+    return parse_registry(text, str(path), overlay_problems)
 
 
 def _read_bounded(path: Path) -> bytes:
@@ -121,10 +139,15 @@ def validation_problems(error: ValidationError, lines) -> list:
     return problems
 
 
-def parse_registry(text: str, path: str = "<registry>") -> RegistryDocument:
+def parse_registry(text: str, path: str = "<registry>", overlay_problems: list[str] | None = None) -> RegistryDocument:
     if len(text) > MAX_REGISTRY_BYTES:
         raise RegistryError(_too_big(path, len(text)))
     data, lines = _safe_load_with_lines(text, path)
+    inheriting: dict[str, Any] = {}
+    if "extends" in data:
+        from dispatch.registry.extends import onto_packaged
+
+        data, inheriting = onto_packaged(data, lines, path)
     try:
         registry = Registry.model_validate(data)
     except ValidationError as error:
@@ -134,7 +157,8 @@ def parse_registry(text: str, path: str = "<registry>") -> RegistryDocument:
         raise errors_in_file_order(path, duplicates)
     from dispatch.registry.measured import attach_measured  # it reads files with this module's loader
 
-    return attach_measured(RegistryDocument(registry=registry, path=path, lines=lines))
+    document = RegistryDocument(registry=registry, path=path, lines=lines, **inheriting)
+    return attach_measured(document, overlay_problems)
 
 
 def _duplicate_rule_ids(registry: Registry, lines: dict[Location, int]):
@@ -235,9 +259,10 @@ def _safe_load_with_lines(text: str, path: str) -> tuple[Any, dict[Location, int
         _index_lines(node, (), lines, path, set())
         data = loader.construct_document(node)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise RegistryError(clipped(f"{path}{line}: not valid YAML: {getattr(error, 'problem', error)}")) from None
+        from dispatch.registry.yaml_words import in_words
+
+        line, message = in_words(error, text)
+        raise RegistryError(clipped(f"{path}{f':{line}' if line else ''}: not valid YAML: {message}")) from None
     except RecursionError:
         # PyYAML composes recursively; a registry is a few levels deep.
         raise RegistryError(f"{path}: not valid YAML: nested too deeply") from None

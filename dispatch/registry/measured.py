@@ -25,6 +25,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from dispatch.errors import RegistryError
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, Op
+from dispatch.limits import cut
 from dispatch.registry.document import (
     Location,
     RegistryDocument,
@@ -194,23 +195,41 @@ def _read(path: Path) -> str:
         raise RegistryError(f"{path}:{line}: not UTF-8 text: byte {raw[error.start]:#04x} is {error.reason}") from None
 
 
-def attach_measured(document: RegistryDocument) -> RegistryDocument:
-    """`document` with each cluster's `measured:` overlay loaded, paths relative to the registry file."""
-    measured = {}
-    base = Path(document.path).parent
+def attach_measured(document: RegistryDocument, problems: list[str] | None = None) -> RegistryDocument:
+    """`document` with each cluster's `measured:` overlay loaded, a relative path read from the folder of
+    the file that names it. Every overlay that cannot be attached is one RegistryError listing all of
+    them; with `problems` (validate's list) each is appended there instead, and the rest still loads."""
+    measured, failed = {}, []
     for name, cluster in document.registry.clusters.items():
         if cluster.measured is None:
             continue
-        location = ("clusters", name, "measured")
-        path = base / cluster.measured
-        if not path.is_file():
-            raise document.error(location, f"the measured overlay {path} is not a file")
-        overlay = load_measured(path)  # its own errors name its own file and line
-        if overlay.overlay.cluster not in (None, name):
-            measured_for = overlay.overlay.cluster
-            raise document.error(location, f"{overlay.path} was measured for cluster `{measured_for}`, not `{name}`")
-        measured[name] = overlay
+        try:
+            measured[name] = _overlay_of(document, name, cluster.measured)
+        except RegistryError as error:
+            failed.append(str(error))
+    if failed and problems is None:
+        raise RegistryError("\n".join(failed))
+    if problems is not None:
+        problems.extend(failed)
     return dataclasses.replace(document, measured=measured) if measured else document
+
+
+def _overlay_of(document: RegistryDocument, name: str, named: str) -> MeasuredDocument:
+    location = ("clusters", name, "measured")
+    folder = document.measured_dirs.get(name, Path(document.path).parent)
+    path = folder / named
+    if not path.is_file():
+        where = "an absolute path" if Path(named).is_absolute() else f"relative to {folder}, the folder of the file naming it"
+        raise document.error(
+            location,
+            f"the measured overlay `{cut(named)}` ({where}) is {path}, which is not a file; copy the overlay there, "
+            "name it by an absolute path, or start the file with `extends: default` to keep the packaged clusters "
+            "and their overlays",
+        )
+    overlay = load_measured(path)  # its own errors name its own file and line
+    if overlay.overlay.cluster not in (None, name):
+        raise document.error(location, f"{overlay.path} was measured for cluster `{overlay.overlay.cluster}`, not `{name}`")
+    return overlay
 
 
 def this_machine() -> str:

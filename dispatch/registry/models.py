@@ -202,6 +202,9 @@ ClusterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
 class Registry(Strict):
     # An editor's schema reference (`$schema: ./registry.schema.json`); not part of the meaning.
     schema_ref: str | None = Field(default=None, alias="$schema", exclude=True)
+    # `extends: default`: this file holds only what differs from the packaged registry
+    # (dispatch.registry.extends merges it before validation; a merged file means what a full copy means).
+    extends: Literal["default"] | None = Field(default=None, exclude=True)
     version: Literal[1]
     disabled: NameList = ()  # off unless a cluster enables them (experimental paths)
     ops: Annotated[dict[Op, OpTable], Field(json_schema_extra={"required": [op.value for op in Op]})]
