@@ -26,11 +26,14 @@ from dispatch.errors import IndexBoundsError
 BAD_PAGE = 1  # a page-table entry a visible key needs is outside [0, num_blocks)
 BAD_POSITION = 2  # a Q position is outside [0, rows of the cos/sin cache)
 LENGTH_PAST_BOUND = 4  # a visible length is longer than max_context_len (the logits' width)
+BAD_LENGTH = 8  # an extend batch's lengths on the device are negative or disagree with its host totals
 
 _MEANINGS = {
     BAD_PAGE: "a page-table entry outside [0, num_blocks) that a visible key needs (that token's logits row is NaN)",
     BAD_POSITION: "a Q position outside the cos/sin cache (that token's folded weights, so its logits row, are NaN)",
     LENGTH_PAST_BOUND: "a context length past max_context_len (that token's logits row is NaN)",
+    BAD_LENGTH: "an extend batch's lengths are negative or disagree with total_tokens / total_keys (every key "
+    "is poisoned: no row selects any)",
 }
 
 

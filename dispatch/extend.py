@@ -65,7 +65,9 @@ class ExtendPlan(DecidedPlan):
 
     def __post_init__(self) -> None:
         if self.error_flags is None:
-            object.__setattr__(self, "error_flags", new_error_flags(self.page_table.device))
+            flags = self.metadata.length_flags
+            flags = new_error_flags(self.page_table.device) if flags is None else flags.clone()
+            object.__setattr__(self, "error_flags", flags)
 
     kind = "extend plan"
 

@@ -48,6 +48,19 @@ def check_logits_inputs(
         )
     if kv_cache.dtype != torch.uint8:
         raise LayoutError(f"kv_cache has dtype {kv_cache.dtype}; expected torch.uint8 (fp8 values + fp32 scales)")
+    block_kv = max(kv_cache.shape[1], 1)
+    pages = -(-plan.max_context_len // block_kv)
+    if plan.block_table.shape[1] < pages:
+        raise LayoutError(
+            f"block_table has {plan.block_table.shape[1]} pages of {block_kv}, fewer than "
+            f"max_context_len={plan.max_context_len} needs ({pages}): the page table must cover max_seq_len"
+        )
+    pool = plan.num_kv_blocks
+    if pool is not None and kv_cache.shape[0] < pool:
+        raise LayoutError(
+            f"kv_cache has {kv_cache.shape[0]} blocks, fewer than the pool of {pool} the batch's page table "
+            "was checked against (ForwardBatch.num_kv_blocks): every layer's cache must hold the whole pool"
+        )
     expected_q = torch_dtype(plan.fp8_dtype)
     if q.dtype != expected_q:
         raise DtypeMismatchError(
@@ -141,3 +154,31 @@ def check_ragged_logits_inputs(
     for name, bound in (("ks", ks), ("ke", ke)):
         if bound.dtype != torch.int32 or tuple(bound.shape) != (rows,):
             raise LayoutError(f"layout `ragged` expects {name} int32 [M={rows}]; got {bound.dtype} {list(bound.shape)}")
+
+
+def check_q_quant_inputs(q, weights, positions, cos_sin_cache, error_flags=None) -> None:
+    """Raise LayoutError naming the tensor for anything the Q-quant contract (IndexerQQuantRun) refuses:
+    exact shapes (no broadcast of weights [1, H] or positions [1] over the tokens), dtypes, one device.
+    Shared by every Q-quant backend, so the reference refuses what the kernels refuse."""
+    if q.dim() != 3:
+        raise LayoutError(f"indexer_q_quant expects q [T, H, D]; got q {list(q.shape)}")
+    tokens, heads, head_dim = q.shape
+    if tuple(weights.shape) != (tokens, heads):
+        raise LayoutError(f"indexer_q_quant expects weights [{tokens}, {heads}]; got {list(weights.shape)}")
+    if tuple(positions.shape) != (tokens,):
+        raise LayoutError(f"indexer_q_quant expects positions [{tokens}]; got {list(positions.shape)}")
+    if cos_sin_cache.dim() != 2:
+        raise LayoutError(f"indexer_q_quant expects cos_sin_cache [max_pos, rot_dim]; got {list(cos_sin_cache.shape)}")
+    rot_dim = cos_sin_cache.shape[-1]
+    if rot_dim % 2 or not 0 < rot_dim <= head_dim:
+        raise LayoutError(f"cos_sin_cache rot_dim {rot_dim} must be even and in 2..{head_dim} (the head dim)")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise LayoutError(f"indexer_q_quant expects int32 or int64 positions; got {positions.dtype}")
+    if error_flags is not None and (error_flags.dtype != torch.int32 or error_flags.numel() < 1):
+        raise LayoutError(
+            f"error_flags must be an int32 tensor of one element; got {error_flags.dtype} {list(error_flags.shape)}"
+        )
+    named = [("weights", weights), ("positions", positions), ("cos_sin_cache", cos_sin_cache)]
+    for name, tensor in named + ([("error_flags", error_flags)] if error_flags is not None else []):
+        if tensor.device != q.device:
+            raise LayoutError(f"{name} is on {tensor.device} but q is on {q.device}")

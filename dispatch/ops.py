@@ -10,8 +10,10 @@ import torch
 
 from dispatch.calling import call_backend
 from dispatch.errors import LayoutError
+from dispatch.fp8 import torch_dtype
 from dispatch.key import Op
 from dispatch.kv_cache import BLOCK_KV
+from dispatch.output_checks import check_output, check_pair
 from dispatch.plan import IndexerPlan
 from dispatch.rope import RopeSpec
 
@@ -29,7 +31,7 @@ def indexer_q_quant(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise per-token q [B*N, H, D] through the plan's decided backend, into the plan's fp8 dtype."""
     decision = plan.decision(Op.INDEXER_Q_QUANT)
-    return call_backend(
+    out = call_backend(
         decision,
         q,
         weights,
@@ -41,6 +43,10 @@ def indexer_q_quant(
         head_scale=head_scale,
         error_flags=plan.error_flags,
     )
+    q_fp8, folded = check_pair(decision, out)
+    check_output(decision, "q", q_fp8, tuple(q.shape), torch_dtype(decision.key.fp8_dtype), q.device)
+    check_output(decision, "weights", folded, tuple(q.shape[:2]), torch.float32, q.device)
+    return q_fp8, folded
 
 
 def paged_mqa_logits(
@@ -54,10 +60,12 @@ def paged_mqa_logits(
     """Paged MQA logits through the plan's decided backend; q_tokens is per-token fp8 [B*N, H, D].
     Without clean_logits the positions past a token's length are unspecified (a reader of only the
     visible keys, as the top-k op is, saves the backend the -inf fill)."""
-    return call_backend(
-        plan.decision(Op.PAGED_MQA_LOGITS), plan, plan.q_in_layout(q_tokens), kv_cache, weights,
-        clean_logits=clean_logits,
-    )
+    decision = plan.decision(Op.PAGED_MQA_LOGITS)
+    out = call_backend(decision, plan, plan.q_in_layout(q_tokens), kv_cache, weights, clean_logits=clean_logits)
+    rows = plan.batch_size * plan.next_n
+    check_output(decision, "logits", out, (rows, plan.max_context_len), torch.float32, q_tokens.device,
+                 min_columns=True)
+    return out
 
 
 def topk(
@@ -96,7 +104,10 @@ def topk_rows(
                                                  ("page_rows", page_rows)) if value is not None}
     if page_table is not None:
         optional["block_size"] = block_size
-    return call_backend(plan.decision(Op.TOPK), logits, lengths, k, sorted=sorted, **optional)
+    decision = plan.decision(Op.TOPK)
+    out = call_backend(decision, logits, lengths, k, sorted=sorted, **optional)
+    check_output(decision, "indices", out, (logits.shape[0], k), torch.int32, logits.device)
+    return out
 
 
 def ragged_mqa_logits(
@@ -113,9 +124,11 @@ def ragged_mqa_logits(
     """fp32 [M, S] ragged MQA logits (dispatch.contract.RaggedMqaLogitsRun) through the plan's decided
     backend; q fp8 [M, H, D] and k fp8 [S, D] must be in the plan's fp8 dtype (the K cache's)."""
     decision = plan.decision(Op.RAGGED_MQA_LOGITS)
-    return call_backend(
+    out = call_backend(
         decision, q, k, scales, weights, ks, ke, fp8_dtype=decision.key.fp8_dtype, clean_logits=clean_logits
     )
+    check_output(decision, "logits", out, (q.shape[0], k.shape[0]), torch.float32, q.device)
+    return out
 
 
 def gather_keys(plan: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,4 +140,9 @@ def gather_keys(plan: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.
         raise LayoutError(
             f"backend `{decision.backend}` gave the plan no K gather (its prepare); a ragged logits backend must"
         )
-    return call_backend(decision, kv_cache, entry=gather)
+    keys, scales = check_pair(decision, call_backend(decision, kv_cache, entry=gather))
+    total, head_dim = plan.total_keys, kv_cache.shape[-1] - 4
+    check_output(decision, "gathered keys", keys, (total, head_dim), torch_dtype(decision.key.fp8_dtype),
+                 kv_cache.device)
+    check_output(decision, "gathered scales", scales, (total,), torch.float32, kv_cache.device)
+    return keys, scales

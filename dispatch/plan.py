@@ -46,6 +46,7 @@ class ForwardBatch:
 
 
 _LENGTH_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1  # the plan's lengths and the kernels' page entries are int32
 
 
 def check_batch(batch: ForwardBatch) -> None:
@@ -78,6 +79,14 @@ def check_batch(batch: ForwardBatch) -> None:
         raise InvalidBatchError(
             f"ForwardBatch `max_seq_len` is {bound!r}; expected a host int >= next_n ({next_n}): every request's "
             "length includes the tokens it scores"
+        )
+    if bound > INT32_MAX:
+        raise InvalidBatchError(f"ForwardBatch `max_seq_len` is {bound}; the plan's lengths are int32 (at most {INT32_MAX})")
+    blocks = batch.num_kv_blocks
+    if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= INT32_MAX):
+        raise InvalidBatchError(
+            f"ForwardBatch `num_kv_blocks` is {blocks!r}; expected None or a host int in [0, {INT32_MAX}] (the "
+            "pool's block count, every layer's kv_cache.shape[0])"
         )
 
 
@@ -246,7 +255,12 @@ class IndexerPlan(DecidedPlan):
 
 
 def visible_lengths(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
-    """Causal lengths [B, N]: token j of a request of total length L sees keys 0 .. L - N + j."""
+    """Causal lengths [B, N]: token j of a request of total length L sees keys 0 .. L - N + j.
+
+    int64 lengths are clamped into int32 before they narrow, so a length past 2^31 stays past every
+    bound (the kernels flag it LENGTH_PAST_BOUND) instead of wrapping to a small one."""
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.clamp(-1, INT32_MAX)
     return (seq_lens.to(torch.int32)[:, None] + _causal_offsets(next_n, seq_lens.device)).clamp_(min=0)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dispatch.bounds import BAD_LENGTH
 from dispatch.errors import LayoutError
 
 # vLLM's VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default: the fp32 logits of one chunk stay under 512 MiB.
@@ -38,13 +39,22 @@ class ExtendBatch:
     block_kv: int = 64
     host_prefix_lens: tuple[int, ...] | None = None
     host_extend_lens: tuple[int, ...] | None = None
+    # Blocks in the engine's KV pool (as ForwardBatch.num_kv_blocks): given, a page entry outside it
+    # becomes gather slot -1 (refused by the reference gather, poisoned and flagged BAD_PAGE on the GPU).
+    num_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _check_batch(self)
 
     @classmethod
     def from_lengths(
-        cls, prefix_lens: Sequence[int], extend_lens: Sequence[int], page_table: torch.Tensor, *, block_kv: int = 64
+        cls,
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        page_table: torch.Tensor,
+        *,
+        block_kv: int = 64,
+        num_kv_blocks: int | None = None,
     ) -> ExtendBatch:
         """A batch from host lengths (one copy to the page table's device); totals computed here."""
         prefix, extend = tuple(int(n) for n in prefix_lens), tuple(int(n) for n in extend_lens)
@@ -58,6 +68,7 @@ class ExtendBatch:
             block_kv=block_kv,
             host_prefix_lens=prefix,
             host_extend_lens=extend,
+            num_kv_blocks=num_kv_blocks,
         )
 
     @property
@@ -104,6 +115,9 @@ class RaggedMetadata:
     total_keys: int
     host_ks: tuple[int, ...] | None = None  # ks / ke on the host, where the batch had host lengths
     host_ke: tuple[int, ...] | None = None
+    # int32 [1]: BAD_LENGTH where lengths on the device were negative or disagreed with the host totals
+    # (every gather slot is then -1); None where the host checked the lengths (dispatch/bounds.py).
+    length_flags: torch.Tensor | None = None
 
     def chunk_ranges(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """ks / ke of the chunk's rows, relative to its first key (device ops, no sync)."""
@@ -132,32 +146,55 @@ class RaggedMetadata:
         return _tight_chunks(self.host_ks, self.host_ke, byte_budget)
 
 
-def build_ragged_metadata(batch: ExtendBatch) -> RaggedMetadata:
-    """ks / ke, gather slots, row requests and key offsets for `batch`; device ops only, no sync."""
+def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = None) -> RaggedMetadata:
+    """ks / ke, gather slots, row requests and key offsets for `batch`; device ops only, no sync.
+
+    Lengths on the CPU were checked where the batch was built. Lengths on a GPU are not read: a negative
+    one is taken as 0, rows and keys are assigned by searching the offsets (never by trusting a count),
+    and if the lengths disagree with the host totals every gather slot is -1 and BAD_LENGTH is flagged,
+    so nothing is read or written outside a tensor and nothing wrong is selected. Page entries are
+    checked in 64-bit, before the slots narrow to int32: one outside the pool (or past int32) is -1.
+
+    `host_checked` (default: whether the lengths are on the CPU, where _check_batch read them) False runs
+    the device path's guards on any device, which is how the CPU tests exercise them."""
     device = batch.prefix_lens.device
     requests = batch.num_requests
+    on_host = device.type == "cpu" if host_checked is None else host_checked
     prefix = batch.prefix_lens.long()
     extend = batch.extend_lens.long()
+    if not on_host:
+        prefix, extend = prefix.clamp(min=0), extend.clamp(min=0)
     totals = prefix + extend
     key_offsets = torch.zeros(requests + 1, dtype=torch.long, device=device)
-    key_offsets[1:] = torch.cumsum(totals, 0)
+    torch.cumsum(totals, 0, out=key_offsets[1:])
     row_offsets = torch.zeros(requests + 1, dtype=torch.long, device=device)
-    row_offsets[1:] = torch.cumsum(extend, 0)
-    index = torch.arange(requests, device=device)
+    torch.cumsum(extend, 0, out=row_offsets[1:])
+    last = max(requests - 1, 0)
 
-    # output_size keeps repeat_interleave from reading the lengths back to size its result.
-    row_request = torch.repeat_interleave(index, extend, output_size=batch.total_tokens)
-    token = torch.arange(batch.total_tokens, device=device) - row_offsets[row_request]
+    rows = torch.arange(batch.total_tokens, device=device)
+    row_request = torch.searchsorted(row_offsets[1:], rows, right=True).clamp_(max=last)
+    token = rows - row_offsets[row_request]
     ks = key_offsets[row_request]
     ke = ks + prefix[row_request] + token + 1
 
-    key_request = torch.repeat_interleave(index, totals, output_size=batch.total_keys)
-    position = torch.arange(batch.total_keys, device=device) - key_offsets[key_request]
+    keys = torch.arange(batch.total_keys, device=device)
+    key_request = torch.searchsorted(key_offsets[1:], keys, right=True).clamp_(max=last)
+    position = keys - key_offsets[key_request]
     page = position // batch.block_kv
     pages = batch.page_table.shape[1]
-    # A key past the page table's width has no page: slot -1, which the gather flags and poisons.
     block = batch.page_table[key_request, page.clamp(max=max(pages - 1, 0))].long()
-    slots = torch.where(page < pages, block * batch.block_kv + position % batch.block_kv, -1)
+    # A key past the table's width has no page; an entry outside the pool names none. Either is slot -1,
+    # which the gather refuses (reference) or poisons and flags (GPU). int32 slots hold at most 2^31.
+    pool = batch.num_kv_blocks if batch.num_kv_blocks is not None else (2**31 - 1) // batch.block_kv
+    valid = (page < pages) & (block >= 0) & (block < pool)
+    length_flags = None
+    if not on_host:
+        fault = (batch.prefix_lens < 0).any() | (batch.extend_lens < 0).any()
+        fault = fault | (row_offsets[-1] != batch.total_tokens) | (key_offsets[-1] != batch.total_keys)
+        valid = valid & ~fault
+        length_flags = (fault.to(torch.int32) * BAD_LENGTH).reshape(1)
+        ks, ke = ks.clamp(0, batch.total_keys), ke.clamp(0, batch.total_keys)
+    slots = torch.where(valid, block * batch.block_kv + position % batch.block_kv, -1)
 
     host_ks = host_ke = None
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
@@ -172,6 +209,7 @@ def build_ragged_metadata(batch: ExtendBatch) -> RaggedMetadata:
         total_keys=batch.total_keys,
         host_ks=host_ks,
         host_ke=host_ke,
+        length_flags=length_flags,
     )
 
 
@@ -241,9 +279,31 @@ def _check_batch(batch: ExtendBatch) -> None:
     if batch.total_keys < batch.total_tokens:
         raise LayoutError(f"total_keys={batch.total_keys} < total_tokens={batch.total_tokens}: every new token "
                           f"is a key too")
-    if host_prefix is None:
-        return
-    if sum(host_extend) != batch.total_tokens or sum(host_prefix) + sum(host_extend) != batch.total_keys:
+    if requests == 0 and batch.total_keys:
+        raise LayoutError(f"a batch of no requests has no keys; got total_keys={batch.total_keys}")
+    blocks = batch.num_kv_blocks
+    if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
+        raise LayoutError(f"num_kv_blocks must be a host int >= 0 (the pool's block count); got {blocks!r}")
+    if host_prefix is not None and (sum(host_extend) != batch.total_tokens
+                                    or sum(host_prefix) + sum(host_extend) != batch.total_keys):
         raise LayoutError(f"totals disagree with the lengths: total_tokens={batch.total_tokens} (lengths say "
                           f"{sum(host_extend)}), total_keys={batch.total_keys} (lengths say "
                           f"{sum(host_prefix) + sum(host_extend)})")
+    if prefix.device.type == "cpu":  # reading them costs no sync: check what the device path could only flag
+        _check_host_tensors(batch, prefix.tolist(), extend.tolist())
+
+
+def _check_host_tensors(batch: ExtendBatch, prefix: list[int], extend: list[int]) -> None:
+    """The CPU tensors' lengths: non-negative, equal to the host lengths when given, summing to the totals."""
+    for request, (cached, new) in enumerate(zip(prefix, extend)):
+        if cached < 0 or new < 0:
+            raise LayoutError(f"request {request}: prefix_lens[{request}]={cached}, extend_lens[{request}]={new}; "
+                              "lengths must be >= 0")
+    if batch.host_prefix_lens is not None and (
+        tuple(prefix) != tuple(batch.host_prefix_lens) or tuple(extend) != tuple(batch.host_extend_lens)
+    ):
+        raise LayoutError("the prefix_lens / extend_lens tensors disagree with host_prefix_lens / host_extend_lens")
+    if sum(extend) != batch.total_tokens or sum(prefix) + sum(extend) != batch.total_keys:
+        raise LayoutError(f"totals disagree with the length tensors: total_tokens={batch.total_tokens} (extend_lens "
+                          f"sum to {sum(extend)}), total_keys={batch.total_keys} (prefix_lens + extend_lens sum to "
+                          f"{sum(prefix) + sum(extend)})")

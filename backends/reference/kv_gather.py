@@ -39,10 +39,13 @@ def reference_gather_keys(
         if key_offsets is not None:
             request = int(torch.searchsorted(key_offsets.long().cpu(), position, right=True)) - 1
             where += f" (request {request}, its key {position - int(key_offsets[request])})"
-        raise LayoutError(
-            f"{where} maps to slot {int(slots_host[position])}, outside the cache's [0, {num_slots}) "
-            f"({num_blocks} blocks of {block_kv}); {bad.numel()} bad slot(s) in all"
-        )
+        slot = int(slots_host[position])
+        # -1 is what the plan's metadata writes for a key whose page entry is outside the pool (or past
+        # int32), past the table's width, or whose batch's lengths were inconsistent (dispatch/prefill.py).
+        why = "no valid page: its page-table entry is outside the pool or past the table" if slot == -1 \
+            else f"outside the cache's [0, {num_slots})"
+        raise LayoutError(f"{where} maps to slot {slot}, {why} ({num_blocks} blocks of {block_kv}); "
+                          f"{bad.numel()} bad slot(s) in all")
     index = slots.long()
     return keys.reshape(num_slots, head_dim)[index], scales.reshape(num_slots)[index]
 

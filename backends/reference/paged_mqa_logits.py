@@ -32,12 +32,17 @@ def reference_paged_mqa_logits(
     block_table: torch.Tensor,
     max_context_len: int,
     fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN,
+    *,
+    num_kv_blocks: int | None = None,
 ) -> torch.Tensor:
-    """fp32 logits [rows * N, max_context_len], -inf at every position past a token's length."""
+    """fp32 logits [rows * N, max_context_len], -inf at every position past a token's length.
+
+    `num_kv_blocks` (the engine's pool, ForwardBatch.num_kv_blocks) is what table entries are checked
+    against, as the page guard does; None: the cache's own block count."""
     rows, next_n, heads, head_dim = q.shape
     block_kv = kv_cache.shape[1]
     keys, scales = split_kv_cache(kv_cache, fp8_dtype)
-    num_blocks = keys.shape[0]
+    num_blocks = keys.shape[0] if num_kv_blocks is None else min(num_kv_blocks, keys.shape[0])
     check_pages(context_lens, block_table, num_blocks, max_context_len, block_kv)
     pages = math.ceil(max_context_len / block_kv)
     positions = torch.arange(max_context_len, device=q.device)

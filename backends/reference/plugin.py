@@ -17,7 +17,8 @@ def run_paged_mqa_logits(plan, q, kv_cache, weights, *, clean_logits=True):
     # writes the -inf tail whatever clean_logits says (the flag permits skipping it, never requires it).
     check_logits_inputs(plan, q, kv_cache, weights)
     return reference_paged_mqa_logits(
-        q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype
+        q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype,
+        num_kv_blocks=plan.num_kv_blocks,
     )
 
 

@@ -6,7 +6,8 @@
 q fp8 [M, H, D], k fp8 [S, D] (the batch's keys gathered into one contiguous buffer), scale fp32 [S],
 w fp32 [M, H], ks / ke int32 [M]. Prefill rows see their own request's keys: [ks, ke) is the request's
 slice of the buffer, causal inside it. fp8 values are decoded by torch, so e4m3fn and e4m3fnuz both
-mean what their dtype says; q and k must share one.
+mean what their dtype says; q and k must share one. NaN as in the paged reference: a NaN q, key byte or
+weight, or a non-finite key scale, makes the logits it touches NaN.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def reference_ragged_mqa_logits(
     rows, heads, head_dim = q.shape
     keys = k.shape[0]
     k_float = k.float()
+    # The paged path's NaN rule: a non-finite key scale makes its logits NaN (relu keeps a NaN q or key).
+    scales = scales.float()
+    scales = torch.where(torch.isfinite(scales), scales, float("nan"))
     positions = torch.arange(keys, device=q.device)
     out = torch.empty(rows, keys, dtype=torch.float32, device=q.device)
     for begin in range(0, rows, _ROWS_PER_STEP):
         end = min(begin + _ROWS_PER_STEP, rows)
         scores = (q[begin:end].float().reshape(-1, head_dim) @ k_float.T).view(end - begin, heads, keys)
-        logits = (scores.relu() * weights[begin:end, :, None].float()).sum(dim=1) * scales.float()[None, :]
+        logits = (scores.relu() * weights[begin:end, :, None].float()).sum(dim=1) * scales[None, :]
         visible = (positions[None, :] >= ks[begin:end, None]) & (positions[None, :] < ke[begin:end, None])
         out[begin:end] = torch.where(visible, logits, float("-inf"))
     return out

@@ -52,9 +52,14 @@ def topk_indices(
 
 
 def _to_slots(positions: torch.Tensor, page_table: torch.Tensor, page_rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """page_table[page_rows[r], p // block_size] * block_size + p % block_size; -1 stays -1."""
-    kept = positions >= 0
-    page = (positions.clamp(min=0) // block_size).clamp(max=page_table.shape[1] - 1)
-    table_rows = page_table.long()[page_rows.long()]  # [rows, M]
-    slots = table_rows.gather(1, page) * block_size + positions.clamp(min=0) % block_size
-    return torch.where(kept, slots, -1)
+    """page_table[page_rows[r], p // block_size] * block_size + p % block_size; -1 stays -1, and so is
+    every position the table cannot map (the Triton kernel's rule): a page row outside [0, P), a page
+    past the table's width, a negative entry. Nothing is clamped onto another row or page."""
+    rows_in_table, width = page_table.shape
+    row = page_rows.long()[:, None]
+    page = positions.clamp(min=0) // block_size
+    mapped = (positions >= 0) & (row >= 0) & (row < rows_in_table) & (page < width)
+    table_rows = page_table.long()[row.clamp(0, rows_in_table - 1).squeeze(1)]  # [rows, M]
+    entry = table_rows.gather(1, page.clamp(max=width - 1))
+    slots = entry * block_size + positions.clamp(min=0) % block_size
+    return torch.where(mapped & (entry >= 0), slots, -1)

@@ -30,6 +30,7 @@ from dispatch.bounds import BAD_POSITION, check_positions, debug_bounds_on, scra
 from dispatch.detect import triton_interpreter_on
 from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
+from dispatch.input_checks import check_q_quant_inputs
 from dispatch.key import FP8_MAX, Fp8Dtype
 from dispatch.rope import RopeSpec
 
@@ -325,27 +326,6 @@ _FP8_MAX_BITS = {dtype: _exponent_and_mantissa(value) for dtype, value in FP8_MA
 
 
 def _check(q, weights, positions, cos_sin_cache, error_flags) -> None:
-    if q.dim() != 3:
-        raise LayoutError(f"indexer_q_quant expects q [T, H, D]; got q {list(q.shape)}")
-    tokens, heads, head_dim = q.shape
-    if tuple(weights.shape) != (tokens, heads):
-        raise LayoutError(f"indexer_q_quant expects weights [{tokens}, {heads}]; got {list(weights.shape)}")
-    if tuple(positions.shape) != (tokens,):
-        raise LayoutError(f"indexer_q_quant expects positions [{tokens}]; got {list(positions.shape)}")
-    if cos_sin_cache.dim() != 2:
-        raise LayoutError(f"indexer_q_quant expects cos_sin_cache [max_pos, rot_dim]; got {list(cos_sin_cache.shape)}")
-    rot_dim = cos_sin_cache.shape[-1]
-    if rot_dim % 2 or not 0 < rot_dim <= head_dim:
-        raise LayoutError(f"cos_sin_cache rot_dim {rot_dim} must be even and in 2..{head_dim} (the head dim)")
-    if positions.dtype not in (torch.int32, torch.int64):
-        raise LayoutError(f"indexer_q_quant expects int32 or int64 positions; got {positions.dtype}")
-    if error_flags is not None and (error_flags.dtype != torch.int32 or error_flags.numel() < 1):
-        raise LayoutError(
-            f"error_flags must be an int32 tensor of one element; got {error_flags.dtype} {list(error_flags.shape)}"
-        )
-    named = [("weights", weights), ("positions", positions), ("cos_sin_cache", cos_sin_cache)]
-    for name, tensor in named + ([("error_flags", error_flags)] if error_flags is not None else []):
-        if tensor.device != q.device:
-            raise LayoutError(f"{name} is on {tensor.device} but q is on {q.device}")
+    check_q_quant_inputs(q, weights, positions, cos_sin_cache, error_flags)
     if debug_bounds_on():
         check_positions(positions, cos_sin_cache.shape[0])

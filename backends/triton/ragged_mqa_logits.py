@@ -9,7 +9,8 @@ A program scores the key blocks of [min ks, max ke) of its rows: keys [BLOCK_K, 
 q^T [D, BLOCK_Q * H] its N (rows x heads, as in the paged kernel), so the relu-weighted head sum stays
 inside a thread and its quad. Every other column of its rows gets -inf from wide stores that read
 nothing (unless clean_logits=False). K rows outside [min ks, max ke) are never read; NOTES.md has the
-design and the measurements.
+design and the measurements. NaN follows the paged kernel's rule (a NaN q or key byte, a NaN weight or a
+non-finite key scale makes the logits it touches NaN), so top-k never selects such a key.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
+from backends.triton.paged_mqa_logits import NAN_BY_HARDWARE, _is_nan_byte, nan_bytes_mode
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.fp8 import fp8_dtype_of
 
@@ -48,6 +50,7 @@ def _ragged_mqa_logits_kernel(
     FILL: tl.constexpr,
     PRODUCT_SCALE: tl.constexpr,
     CLEAN: tl.constexpr,  # write -inf in the columns no block of this tile scores
+    NAN_BYTES: tl.constexpr,  # the paged kernel's NaN-byte check (NAN_BY_HARDWARE: the dot sees NaN itself)
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     row = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -73,6 +76,8 @@ def _ragged_mqa_logits_kernel(
         other=0.0,
     )
     w = tl.load(w_ptr + q_row.to(tl.int64) * stride_w_row + q_head, mask=q_row < rows, other=0.0) * PRODUCT_SCALE
+    if NAN_BYTES != NAN_BY_HARDWARE:
+        w = tl.where(tl.max(_is_nan_byte(q, NAN_BYTES), axis=1) > 0, float("nan"), w)
     # Transposed once, outside the loop (inside it Triton re-stores the tile to shared memory each step).
     q_t = tl.trans(q)
 
@@ -83,9 +88,12 @@ def _ragged_mqa_logits_kernel(
         readable = (col >= lo) & (col < hi)
         k = tl.load(k_ptr + col[:, None].to(tl.int64) * stride_k_row + dim[None, :], mask=readable[:, None], other=0.0)
         scale = tl.load(s_ptr + col, mask=readable, other=0.0)
+        scale = tl.fma(scale, 0.0, scale)  # the paged kernel's NaN rule: a non-finite scale becomes NaN
         scores = tl.dot(k, q_t)  # [BLOCK_K, BLOCK_Q * H], fp32 accumulation
-        scores = tl.maximum(scores, 0.0) * w[None, :]
+        scores = tl.maximum(scores, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
         logits = tl.sum(tl.reshape(scores, (BLOCK_K, BLOCK_Q, H)), axis=2) * scale[:, None]
+        if NAN_BYTES != NAN_BY_HARDWARE:
+            logits = tl.where(tl.max(_is_nan_byte(k, NAN_BYTES), axis=1)[:, None] > 0, float("nan"), logits)
         # A select, not a multiply: a key outside one row's range may belong to another request and
         # hold anything, NaN included.
         visible = (col[:, None] >= ks[None, :]) & (col[:, None] < ke[None, :])
@@ -182,6 +190,7 @@ def triton_ragged_mqa_logits(
         FILL=cfg.fill,
         PRODUCT_SCALE=mode.product_scale,
         CLEAN=bool(clean_logits),
+        NAN_BYTES=nan_bytes_mode(mode),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
