@@ -142,3 +142,14 @@ def test_an_op_given_with_extends_replaces_the_packaged_table_and_is_validated(c
 def test_extends_names_only_the_packaged_registry(tmp_path):
     with pytest.raises(RegistryError, match=r"r.yaml:2: extends: `extends` takes only `default` \(the packaged registry"):
         parse_registry("version: 1\nextends: /etc/other.yaml\n", "r.yaml")
+
+
+def test_tune_leaves_a_packaged_clusters_overlay_alone(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    path = tmp_path / "registry.yaml"
+    path.write_text("extends: default\n")
+    before = (DEFAULT_REGISTRY.parent / "measured/h200-mtp.yaml").read_text()
+    assert main(["tune", "--registry", str(path), "--cluster", "h200-mtp", "--quick"]) == 2
+    assert "comes from the packaged registry (`extends: default`), whose overlay tune will not overwrite" in (
+        capsys.readouterr().err)
+    assert (DEFAULT_REGISTRY.parent / "measured/h200-mtp.yaml").read_text() == before
