@@ -100,6 +100,11 @@ def test_yaml_mistakes_are_said_in_words_with_their_line(text, line, words):
     assert f"\n    {line} | " in message  # the offending line, as written
 
 
+def test_an_unclosed_list_says_where_it_opens():
+    with pytest.raises(RegistryError, match=r"r.yaml:5: not valid YAML: a \[list\] not closed .*; it opens on line 4"):
+        parse_registry("version: 1\nops:\n  topk:\n    fallback: [a\n  x: 1\n", "r.yaml")
+
+
 def test_extends_default_holds_only_what_differs(capsys, tmp_path):
     code, out, err = validate(capsys, tmp_path, """\
         extends: default
