@@ -134,6 +134,7 @@ def backend_row(backend: Backend) -> dict:
         "available": availability.ok,
         "reason": availability.reason,
         "description": backend.description,
+        "verified": {arch.value: backend.verified_on(arch).value for arch in backend.supports.archs},
     }
 
 
@@ -153,4 +154,14 @@ def backends_text(rows: list[dict]) -> str:
         ]
         if row["description"]:
             out.append(f"  {row['description']}")
+        out.append(f"  verified: {_verified_text(row['verified'])}")
     return "\n".join(out)
+
+
+def _verified_text(verified: dict[str, str]) -> str:
+    """{"sm90": "measured on an H200", "cpu": "CPU tests"} as "sm90 measured on an H200; cpu CPU tests",
+    archs of one kind together."""
+    by_kind: dict[str, list[str]] = {}
+    for arch, kind in sorted(verified.items()):
+        by_kind.setdefault(kind, []).append(arch)
+    return "; ".join(f"{', '.join(archs)}: {kind}" for kind, archs in by_kind.items())

@@ -199,7 +199,7 @@ def test_an_unchanged_file_reloads_with_the_same_fingerprint_and_a_fresh_cache(l
 @pytest.mark.parametrize(
     "text, located",
     [
-        (registry_text("b").replace("use: [b]", "use: [b"), ":8: not valid YAML: expected ',' or ']'"),
+        (registry_text("b").replace("use: [b]", "use: [b"), ":8: not valid YAML: a [list] not closed with `]`"),
         (registry_text("zz"), ":7: ops.paged_mqa_logits.rules[0].use[0]: unknown backend `zz`"),
         (registry_text("b").replace("version: 1", "version: 2"), ":1: version: Input should be 1"),
     ],

@@ -132,3 +132,13 @@ def test_the_readme_table_is_the_commands_output(capsys):
     assert match.group(1).strip() == out.strip(), (
         "README.md's GPU table differs from `python -m dispatch gpus --format markdown`; paste its output in"
     )
+
+
+def test_backends_shows_how_each_backend_was_verified_per_arch(capsys):
+    code, out, err = run(capsys, "backends", "--json")
+    assert code == 0, err
+    rows = {(row["name"], row["op"]): row for row in json.loads(out)}
+    assert rows[("deepgemm.sm100", "paged_mqa_logits")]["verified"] == {"sm100": "argument contract only"}
+    assert rows[("rocm.fnuz", "paged_mqa_logits")]["verified"] == {"gfx942": "exact emulation", "cpu": "CPU tests"}
+    code, out, _ = run(capsys, "backends")
+    assert "  verified: sm100: argument contract only" in out

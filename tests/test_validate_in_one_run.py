@@ -100,6 +100,11 @@ def test_yaml_mistakes_are_said_in_words_with_their_line(text, line, words):
     assert f"\n    {line} | " in message  # the offending line, as written
 
 
+def test_an_unclosed_list_says_where_it_opens():
+    with pytest.raises(RegistryError, match=r"r.yaml:5: not valid YAML: a \[list\] not closed .*; it opens on line 4"):
+        parse_registry("version: 1\nops:\n  topk:\n    fallback: [a\n  x: 1\n", "r.yaml")
+
+
 def test_extends_default_holds_only_what_differs(capsys, tmp_path):
     code, out, err = validate(capsys, tmp_path, """\
         extends: default
@@ -142,3 +147,14 @@ def test_an_op_given_with_extends_replaces_the_packaged_table_and_is_validated(c
 def test_extends_names_only_the_packaged_registry(tmp_path):
     with pytest.raises(RegistryError, match=r"r.yaml:2: extends: `extends` takes only `default` \(the packaged registry"):
         parse_registry("version: 1\nextends: /etc/other.yaml\n", "r.yaml")
+
+
+def test_tune_leaves_a_packaged_clusters_overlay_alone(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    path = tmp_path / "registry.yaml"
+    path.write_text("extends: default\n")
+    before = (DEFAULT_REGISTRY.parent / "measured/h200-mtp.yaml").read_text()
+    assert main(["tune", "--registry", str(path), "--cluster", "h200-mtp", "--quick"]) == 2
+    assert "comes from the packaged registry (`extends: default`), whose overlay tune will not overwrite" in (
+        capsys.readouterr().err)
+    assert (DEFAULT_REGISTRY.parent / "measured/h200-mtp.yaml").read_text() == before

@@ -55,8 +55,12 @@ def run_tune(args: argparse.Namespace) -> int:
     if refusal:
         print(f"tune: {refusal}", file=sys.stderr)
         return 2  # the CLI's EXIT_INVALID: an option is missing
-    declared = _declared_overlay(dispatcher.document, dispatcher.cluster, cluster)
-    output = args.output or declared
+    if not args.output and dispatcher.cluster in dispatcher.document.measured_dirs and cluster.measured:
+        print(f"tune: cluster `{dispatcher.cluster}` comes from the packaged registry (`extends: default`), whose "
+              "overlay tune will not overwrite; declare the cluster in your file with its own `measured:` path, "
+              "or pass -o", file=sys.stderr)
+        return 2
+    output = args.output or _declared_overlay(dispatcher.document, cluster)
     text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
@@ -286,12 +290,12 @@ def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:
     )
 
 
-def _declared_overlay(document, name: str | None, cluster) -> str | None:
-    """Where the cluster's `measured:` path points, read as the loader reads it: from the folder of the
-    file naming it (the packaged registry's, for a cluster `extends: default` took from it)."""
+def _declared_overlay(document, cluster) -> str | None:
+    """Where the cluster's `measured:` path points, read from the registry file's folder as the loader
+    reads it (a cluster taken from the packaged registry is refused before this)."""
     if cluster is None or not cluster.measured:
         return None
-    return str(document.measured_dirs.get(name, Path(document.path).parent) / cluster.measured)
+    return str(Path(document.path).parent / cluster.measured)
 
 
 def _version(distribution: str) -> str | None:

@@ -36,6 +36,10 @@ _WORDS = (
 )
 
 
+# Problems found past where the list, mapping or quoted value they are about began (PyYAML's context mark).
+_OPENED_EARLIER = ("expected ',' or ']'", "expected ',' or '}'", "found unexpected end of stream")
+
+
 def in_words(error: yaml.YAMLError, text: str) -> tuple[int | None, str]:
     """(line, message) for a YAML error: the meaning where it is a common mistake, PyYAML's own
     words otherwise, and the offending line's text so the author sees what is meant."""
@@ -43,6 +47,9 @@ def in_words(error: yaml.YAMLError, text: str) -> tuple[int | None, str]:
     problem = str(getattr(error, "problem", None) or error)
     meaning = next((words for start, words in _WORDS if problem.startswith(start)), None)
     message = f"{meaning} (PyYAML: {problem})" if meaning else problem
+    opened = getattr(error, "context_mark", None)
+    if problem.startswith(_OPENED_EARLIER) and opened is not None and mark is not None and opened.line != mark.line:
+        message += f"; it opens on line {opened.line + 1}"
     if mark is None:
         return None, message
     lines = text.splitlines()
