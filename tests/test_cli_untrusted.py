@@ -4,7 +4,6 @@ found before any measurement starts; what the CLI prints stays bounded (issue 24
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
