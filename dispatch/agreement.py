@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from dispatch.dispatcher import Dispatcher
-from dispatch.errors import RankDisagreementError
+from dispatch.errors import DispatchError, RankDisagreementError
+from dispatch.limits import MAX_MESSAGE_CHARS
 from dispatch.key import DispatchKey
 from dispatch.plan import ops_for
 
@@ -22,13 +23,30 @@ def summary(dispatcher: Dispatcher, keys: Iterable[DispatchKey]) -> dict[str, st
     return fields
 
 
+# The field a rank sends in place of its summary when it could not build one.
+_FAILED = "<error>"
+
+
 def check_ranks_agree(dispatcher: Dispatcher, keys: Iterable[DispatchKey], group=None) -> None:
-    """Gather every rank's summary; raise RankDisagreementError naming the ranks and fields that differ."""
+    """Gather every rank's summary; raise RankDisagreementError naming the ranks and fields that differ.
+
+    A rank that cannot decide a key (NoBackendError, a plugin's error, ...) still reaches the gather,
+    carrying its error instead of a summary, so no rank waits for it until the process group times out:
+    every rank then raises RankDisagreementError naming the failed ranks and their reasons."""
     import torch.distributed as dist
 
-    mine = summary(dispatcher, list(keys))
+    try:
+        mine = summary(dispatcher, list(keys))
+    except DispatchError as error:
+        mine = {_FAILED: f"{type(error).__name__}: {str(error)[:MAX_MESSAGE_CHARS]}"}
     gathered: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
+    failed = [f"rank {rank}: {g[_FAILED]}" for rank, g in enumerate(gathered) if _FAILED in g]
+    if failed:
+        raise RankDisagreementError(
+            f"{len(failed)} of {len(gathered)} ranks could not decide: " + "; ".join(failed[:8])
+            + (f"; and {len(failed) - 8} more" if len(failed) > 8 else "")
+        )
     found = differences(gathered)
     if found:
         raise RankDisagreementError("ranks disagree:\n  " + "\n  ".join(found))

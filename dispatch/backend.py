@@ -113,6 +113,25 @@ class Backend:
     def verified_on(self, arch: Arch) -> Verified:
         return self.verified.get(arch, Verified.UNDECLARED)
 
+    def why_unsupported(self, key: DispatchKey) -> str | None:
+        """supports.why_not(key), where a plugin's `extra` that raises or returns neither None nor a str is a
+        PluginError naming plugin, distribution and backend (the CLI's exit 2), never a traceback."""
+        try:
+            reason = self.supports.why_not(key)
+        except KeyboardInterrupt:
+            raise
+        except Exception as error:
+            raise PluginError(
+                f"plugin `{self.plugin}` (distribution `{self.distribution}`): backend `{self.name}`'s supports.extra "
+                f"raised {type(error).__name__} for {key}: {str(error)[:80]}"
+            ) from error
+        if reason is not None and not isinstance(reason, str):
+            raise PluginError(
+                f"plugin `{self.plugin}` (distribution `{self.distribution}`): backend `{self.name}`'s supports.extra "
+                f"returned {type(reason).__name__} {str(reason)[:80]!r} for {key}; expected None or a reason (str)"
+            )
+        return reason
+
     def availability(self) -> Availability:
         result = _probe_once(self.probe)
         if not isinstance(result, Availability):  # checked where it is first known: when the probe runs

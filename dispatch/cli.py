@@ -10,7 +10,14 @@ import sys
 
 from dispatch.errors import BackendError, DispatchError, InvalidKeyError, NoBackendError
 from dispatch.key import Arch, Fp8Dtype, ForwardMode, Op
-from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
+from dispatch.limits import (
+    MAX_CLI_BATCH,
+    MAX_CLI_NEXT_N,
+    MAX_CLI_PLAN_TOKENS,
+    MAX_CLI_SEQ_LEN,
+    MAX_ERRORS_LISTED,
+    clipped,
+)
 from dispatch.version import dispatch_version
 
 EXIT_OK, EXIT_NO_BACKEND, EXIT_INVALID, EXIT_BACKEND = 0, 1, 2, 3
@@ -71,10 +78,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def _fail(args: argparse.Namespace, error: DispatchError, code: int) -> int:
-    print(f"dispatch: {error}", file=sys.stderr)
+    message = _bounded_lines(str(error))
+    print(f"dispatch: {message}", file=sys.stderr)
     if getattr(args, "json", False):
-        _print_json_error(type(error).__name__, code, str(error))
+        _print_json_error(type(error).__name__, code, message)
     return code
+
+
+def _bounded_lines(text: str) -> str:
+    """At most MAX_ERRORS_LISTED lines of at most MAX_MESSAGE_CHARS each: what the CLI prints stays bounded
+    whatever an error carries (the README's promise, for every command)."""
+    lines = [clipped(line) for line in text.splitlines() or [""]]
+    if len(lines) > MAX_ERRORS_LISTED:
+        lines = lines[:MAX_ERRORS_LISTED] + [f"... and {len(lines) - MAX_ERRORS_LISTED} more lines"]
+    return "\n".join(lines)
 
 
 def _print_json_error(kind: str, code: int, message: str) -> None:
@@ -353,10 +370,10 @@ def _validate(args: argparse.Namespace) -> int:
         key=lambda pair: pair[1].line or 0,
     )
     # Warned, not failed (the choice still stands), and only for overlays measured on this kind of machine.
-    for warning in stale_evidence(document, catalog, machine=this_machine()):
-        print(f"warning: {warning}", file=sys.stderr)
-    for label, finding in found:
-        print(f"{label}: {finding}", file=sys.stderr)
+    warnings = [f"warning: {w}" for w in stale_evidence(document, catalog, machine=this_machine())]
+    problems = [f"{label}: {finding}" for label, finding in found]
+    for line in _listed_at_most(warnings) + _listed_at_most(problems):
+        print(clipped(line), file=sys.stderr)
     if found:
         return EXIT_INVALID
     tables = document.registry.ops
@@ -368,6 +385,13 @@ def _validate(args: argparse.Namespace) -> int:
         f"(fingerprint {document.fingerprint})"
     )
     return EXIT_OK
+
+
+def _listed_at_most(lines: list[str]) -> list[str]:
+    """The first MAX_ERRORS_LISTED lines and a count of the rest, as a registry's own errors are listed."""
+    if len(lines) <= MAX_ERRORS_LISTED:
+        return lines
+    return lines[:MAX_ERRORS_LISTED] + [f"... and {len(lines) - MAX_ERRORS_LISTED} more"]
 
 
 def _backends(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import socket
 from dispatch.detect import gpu_name
 from dispatch.errors import RegistryError
 from dispatch.key import Arch
+from dispatch.limits import cut, listed
 from dispatch.registry.document import RegistryDocument
 from dispatch.registry.models import ClusterMatch
 
@@ -23,13 +24,13 @@ def resolve_cluster(
     clusters = document.registry.clusters
     if name is not None:
         if name not in clusters:
-            declared = ", ".join(sorted(clusters)) or "none"
-            raise RegistryError(f"{document.path}: unknown cluster `{name}` (declared: {declared})")
+            declared = listed(sorted(f"`{n}`" for n in clusters)) or "none"
+            raise RegistryError(f"{document.path}: unknown cluster `{cut(name)}` (declared: {declared})")
         return name
     matching = matching_clusters(document, arch, device_name)
     if len(matching) > 1:
         raise RegistryError(
-            f"{document.path}: clusters {', '.join(f'`{n}`' for n in matching)} all match this machine; "
+            f"{document.path}: clusters {listed([f'`{n}`' for n in matching])} all match this machine; "
             "pick one with --cluster or DISPATCH_CLUSTER"
         )
     return matching[0] if matching else None

@@ -225,7 +225,7 @@ class Dispatcher:
     def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:
         if respect_disabled and backend.name in self._disabled:
             return self._disabled[backend.name]
-        unsupported = backend.supports.why_not(key)
+        unsupported = backend.why_unsupported(key)
         if unsupported:
             return unsupported
         if self.check_availability:

@@ -47,3 +47,7 @@ class BackendError(DispatchError):
 
 class IndexBoundsError(DispatchError, IndexError):
     """An engine passed a page, position or length outside the tensor it indexes; names request, token and bound."""
+
+
+class OptionError(DispatchError, ValueError):
+    """A command-line option's value cannot be used (a path that cannot be written, a number out of range); names it."""

@@ -51,16 +51,33 @@ class CapturedIndexerStep:
         return self.step.select(self.plan, i.q, i.weights, i.positions, i.cos_sin_cache, i.kv_cache)
 
     def update(self, batch: ForwardBatch) -> None:
-        """Write a new batch's lengths and pages into the captured plan's tensors, in place."""
+        """Write a new batch's lengths and pages into the captured plan's tensors, in place; all or
+        nothing: a refused batch (GraphMismatchError, or any error of a backend's refresh) leaves the
+        captured plan as it was, so the next replay answers for the previous batch, not a mix."""
         plan = self.plan
         # Shapes first: a batch past the captured bounds is a graph mismatch, whatever planning it
         # afresh would say about it.
         check_fits_capture(plan, batch)
         fresh = build_plan(self.step.dispatcher, batch, kv_fp8_dtype=plan.fp8_dtype, arch=plan.key.arch)
         check_replayable(plan, batch, fresh)
+        width = fresh.block_table.shape[1]
+        before = plan.context_lens.clone(), plan.block_table[:, :width].clone()
+        try:
+            self._write(fresh, width)
+        except BaseException:
+            # A backend refused while refreshing (its pool check comes before it writes anything):
+            # put the old batch back and rebuild every state from it, so guard and schedule match again.
+            plan.context_lens.copy_(before[0])
+            plan.block_table[:, :width].copy_(before[1])
+            for op, state in plan.states.items():
+                plan.decision(op).impl.refresh_state(state, state)
+            raise
+
+    def _write(self, fresh: IndexerPlan, width: int) -> None:
+        plan = self.plan
         # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
         plan.context_lens.copy_(fresh.context_lens)
-        plan.block_table[:, : fresh.block_table.shape[1]].copy_(fresh.block_table)
+        plan.block_table[:, :width].copy_(fresh.block_table)
         # Each backend with per-batch state rewrites its captured state in place (check_replayable
         # has refused a backend that has state but no way to refresh it).
         for op, state in plan.states.items():
@@ -88,6 +105,11 @@ def check_fits_capture(captured: IndexerPlan, batch: ForwardBatch) -> None:
     if batch.max_seq_len > captured.max_context_len:
         raise GraphMismatchError(
             f"batch max_seq_len {batch.max_seq_len} exceeds the captured bound {captured.max_context_len}"
+        )
+    if batch.num_kv_blocks is not None and captured.num_kv_blocks not in (None, batch.num_kv_blocks):
+        raise GraphMismatchError(
+            f"the batch's pool has num_kv_blocks={batch.num_kv_blocks}; the graph's cache was checked against "
+            f"{captured.num_kv_blocks}"
         )
     if batch.page_table.shape[1] > captured.block_table.shape[1]:
         raise GraphMismatchError(

@@ -45,3 +45,12 @@ def clipped(message: str) -> str:
     if len(message) <= MAX_MESSAGE_CHARS:
         return message
     return f"{message[:MAX_MESSAGE_CHARS]}... (message cut at {MAX_MESSAGE_CHARS} characters)"
+
+
+MAX_NAMES_LISTED = 8  # names an error lists (clusters, ranks) before "and N more"
+
+
+def listed(names: list[str]) -> str:
+    """`names` joined, each cut to MAX_QUOTED_CHARS, at most MAX_NAMES_LISTED of them, the rest counted."""
+    shown = ", ".join(cut(name) for name in names[:MAX_NAMES_LISTED])
+    return shown + (f", and {len(names) - MAX_NAMES_LISTED} more" if len(names) > MAX_NAMES_LISTED else "")

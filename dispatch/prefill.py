@@ -113,8 +113,9 @@ class RaggedMetadata:
     key_offsets: torch.Tensor  # int32 [B + 1]: request r owns gathered keys [key_offsets[r], key_offsets[r + 1])
     total_tokens: int
     total_keys: int
-    host_ks: tuple[int, ...] | None = None  # ks / ke on the host, where the batch had host lengths
-    host_ke: tuple[int, ...] | None = None
+    # Where the batch had host lengths: its per-request offsets, from which any row's ks / ke is computed
+    # on the host without a per-row list (the plan is on the engine's critical path every batch).
+    host_ranges: HostRanges | None = None
     # int32 [1]: BAD_LENGTH where lengths on the device were negative or disagreed with the host totals
     # (every gather slot is then -1); None where the host checked the lengths (dispatch/bounds.py).
     length_flags: torch.Tensor | None = None
@@ -135,7 +136,7 @@ class RaggedMetadata:
         rows, keys = self.total_tokens, self.total_keys
         if rows == 0:
             return []
-        if self.host_ks is None or self.host_ke is None:
+        if self.host_ranges is None:
             per_chunk = byte_budget // (max(keys, 1) * _FP32)
             if per_chunk == 0:
                 raise LayoutError(
@@ -143,7 +144,16 @@ class RaggedMetadata:
                     f"the budget of {byte_budget}; pass host lengths for tighter chunks or raise the budget"
                 )
             return [Chunk(begin, min(begin + per_chunk, rows), 0, keys) for begin in range(0, rows, per_chunk)]
-        return _tight_chunks(self.host_ks, self.host_ke, byte_budget)
+        return _tight_chunks(self.host_ranges, rows, byte_budget)
+
+    @property
+    def host_ks(self) -> tuple[int, ...] | None:
+        """Every row's ks on the host (built on request: O(M) Python, for tests and tools)."""
+        return None if self.host_ranges is None else tuple(self.host_ranges.at(r)[0] for r in range(self.total_tokens))
+
+    @property
+    def host_ke(self) -> tuple[int, ...] | None:
+        return None if self.host_ranges is None else tuple(self.host_ranges.at(r)[1] for r in range(self.total_tokens))
 
 
 def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = None) -> RaggedMetadata:
@@ -196,9 +206,9 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
         ks, ke = ks.clamp(0, batch.total_keys), ke.clamp(0, batch.total_keys)
     slots = torch.where(valid, block * batch.block_kv + position % batch.block_kv, -1)
 
-    host_ks = host_ke = None
+    host_ranges = None
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
-        host_ks, host_ke = _host_ranges(batch.host_prefix_lens, batch.host_extend_lens)
+        host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
     return RaggedMetadata(
         ks=ks.to(torch.int32),
         ke=ke.to(torch.int32),
@@ -207,39 +217,53 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
         key_offsets=key_offsets.to(torch.int32),
         total_tokens=batch.total_tokens,
         total_keys=batch.total_keys,
-        host_ks=host_ks,
-        host_ke=host_ke,
+        host_ranges=host_ranges,
         length_flags=length_flags,
     )
 
 
-def _host_ranges(prefix: Sequence[int], extend: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    ks, ke, offset = [], [], 0
-    for cached, new in zip(prefix, extend):
-        ks.extend([offset] * new)
-        ke.extend(range(offset + cached + 1, offset + cached + new + 1))
-        offset += cached + new
-    return tuple(ks), tuple(ke)
+@dataclasses.dataclass(frozen=True)
+class HostRanges:
+    """A batch's host lengths as offsets: row r's ks / ke in O(log B), with no per-row list."""
+
+    row_offsets: tuple[int, ...]  # B + 1: request q owns rows [row_offsets[q], row_offsets[q + 1])
+    key_offsets: tuple[int, ...]  # B + 1: and gathered keys [key_offsets[q], key_offsets[q + 1])
+    prefix: tuple[int, ...]
+
+    @classmethod
+    def of(cls, prefix: Sequence[int], extend: Sequence[int]) -> HostRanges:
+        rows, keys = [0], [0]
+        for cached, new in zip(prefix, extend):
+            rows.append(rows[-1] + new)
+            keys.append(keys[-1] + cached + new)
+        return cls(tuple(rows), tuple(keys), tuple(prefix))
+
+    def at(self, row: int) -> tuple[int, int]:
+        """(ks, ke) of query row `row`: its request's first key, and one past its own position."""
+        # The last request starting at or before `row`: requests with no new tokens share the next one's start.
+        request = bisect.bisect_right(self.row_offsets, row) - 1
+        first = self.key_offsets[request]
+        return first, first + self.prefix[request] + row - self.row_offsets[request] + 1
 
 
-def _tight_chunks(ks: Sequence[int], ke: Sequence[int], budget: int) -> list[Chunk]:
+def _tight_chunks(ranges: HostRanges, rows: int, budget: int) -> list[Chunk]:
     """Greedy: each chunk takes as many rows as fit. ks and ke never decrease along the rows, so a
     chunk's cost (rows x (ke[last] - ks[first])) only grows with its last row and bisect finds it."""
-    chunks, begin, rows = [], 0, len(ks)
+    chunks, begin = [], 0
     while begin < rows:
-        first = ks[begin]
-        if (ke[begin] - first) * _FP32 > budget:
+        first, own_end = ranges.at(begin)
+        if (own_end - first) * _FP32 > budget:
             raise LayoutError(
-                f"query row {begin} sees {ke[begin] - first} keys: its logits alone take "
-                f"{(ke[begin] - first) * _FP32} bytes, more than the budget of {budget}"
+                f"query row {begin} sees {own_end - first} keys: its logits alone take "
+                f"{(own_end - first) * _FP32} bytes, more than the budget of {budget}"
             )
 
         def fits(end: int) -> bool:
-            return (end - begin) * (ke[end - 1] - first) * _FP32 <= budget
+            return (end - begin) * (ranges.at(end - 1)[1] - first) * _FP32 <= budget
 
         # The largest end in (begin, rows] that fits: bisect over a monotone predicate.
         end = begin + bisect.bisect_left(range(begin + 1, rows + 1), True, key=lambda e: not fits(e))
-        chunks.append(Chunk(begin, end, first, ke[end - 1]))
+        chunks.append(Chunk(begin, end, first, ranges.at(end - 1)[1]))
         begin = end
     return chunks
 

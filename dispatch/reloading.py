@@ -12,7 +12,8 @@ made are frozen values and stay valid; decisions after a swap come from the new 
 A reload never loses coverage silently: a new registry under which a key that decided before (one the
 old dispatcher decided, or any kind of key it would decide, every arch, next_n taken span by span)
 would have no backend is refused, naming the keys, unless `reload(force=True)`. A file caught half-written fails
-here too: it either does not parse, lacks an op (every op is required), or serves fewer keys.
+here too: once the loaded registry ends with END_MARKER (`# end`, as the shipped one does) a file without it
+is refused, and otherwise it does not parse, lacks an op (every op is required), or serves fewer keys.
 A model on many ranks reloads every rank, then checks them again (dispatch.agreement.check_ranks_agree).
 """
 
@@ -29,7 +30,7 @@ from dispatch.errors import RegistryError
 from dispatch.key import Arch, Op
 from dispatch.plugins import collect_backends
 from dispatch.registry.checks import Cell, NextNSpan, keys_at, merged, next_n_spans
-from dispatch.registry.document import load_registry
+from dispatch.registry.document import END_MARKER, load_registry
 from dispatch.runtime import build_dispatcher, load_plugins, registry_path
 
 
@@ -76,6 +77,8 @@ class LiveDispatcher:
                 fresh = self._load()
             except RegistryError as error:
                 return ReloadResult(False, before, before, str(error))
+            if self.current.document.sealed and not fresh.document.sealed:
+                return ReloadResult(False, before, before, _unsealed_message(self.path))
             lost = [] if force else lost_keys(self.current, fresh)
             if lost:
                 return ReloadResult(False, before, before, _lost_message(self.path, lost))
@@ -111,6 +114,13 @@ def _span_from(bounds: list[int], next_n: int) -> NextNSpan:
     low = max(b for b in bounds if b <= next_n)
     later = [b for b in bounds if b > low]
     return NextNSpan(low, later[0] - 1 if later else None)
+
+
+def _unsealed_message(path: Path) -> str:
+    return (
+        f"{path}: refused: the registry loaded before ends with `{END_MARKER}` and this file does not: a file "
+        f"caught half-written loses its last line first (if the edit is complete, end it with `{END_MARKER}`)"
+    )
 
 
 def _lost_message(path: Path, lost: list[tuple[Op, Cell]]) -> str:

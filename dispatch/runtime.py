@@ -11,6 +11,7 @@ from dispatch.detect import detect_arch
 from dispatch.dispatcher import Dispatcher
 from dispatch.errors import RegistryError
 from dispatch.key import Arch, parse_enum
+from dispatch.limits import cut
 from dispatch.plugins import LoadedPlugin, allowlist_from_env, builtin_plugins, collect_backends, entry_point_plugins
 from dispatch.registry.checks import check_backend_names
 from dispatch.registry.document import RegistryDocument, load_registry
@@ -28,8 +29,11 @@ def registry_path(explicit: str | os.PathLike | None = None) -> Path:
         path, source = Path(os.environ["DISPATCH_REGISTRY"]), "DISPATCH_REGISTRY"
     else:
         path, source = DEFAULT_REGISTRY, ""
-    if path.is_file():
-        return path
+    try:
+        if path.is_file():
+            return path
+    except OSError as error:  # a name longer than the filesystem allows, a loop of links
+        raise RegistryError(f"{cut(str(path))}: cannot read the registry: {error.strerror or error}") from None
     if source:
         raise RegistryError(
             f"{path}: no registry file there ({source}); the packaged default is {DEFAULT_REGISTRY}"

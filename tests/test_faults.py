@@ -232,7 +232,7 @@ def test_a_cluster_the_new_file_no_longer_declares_keeps_the_old_registry(tmp_pa
     path.write_text(registry_text().replace("ops-team", "renamed"))
     result = live.reload()
     assert not result.ok and live.current is old and old.cluster == "ops-team"
-    assert result.error == f"{path}: unknown cluster `ops-team` (declared: renamed)"
+    assert result.error == f"{path}: unknown cluster `ops-team` (declared: `renamed`)"
 
 
 def test_the_first_load_has_nothing_to_keep_and_raises(tmp_path):

@@ -92,3 +92,41 @@ def test_two_gpus_over_nccl(tmp_path):
     outcomes = _run(tmp_path, [None, "reference-only"], "nccl")
     assert [o["same"] for o in outcomes] == ["agree", "agree"]
     assert all("ranks [1] -> reference-only" in o["overlay"] for o in outcomes)
+
+
+NO_TOPK_ON_CPU = """\
+version: 1
+ops:
+  paged_mqa_logits: {fallback: [torch.reference]}
+  indexer_q_quant: {fallback: [torch.reference]}
+  topk:
+    rules:
+      - {id: gpu-only, when: {arch: sm90}, use: [torch.reference]}
+  ragged_mqa_logits: {fallback: [torch.reference]}
+"""
+
+
+def _failing_rank(rank: int, world: int, folder: str) -> None:
+    import datetime
+
+    from dispatch.runtime import load_dispatcher
+
+    # A short timeout: if a rank's failure left the others waiting, the test fails in a minute, not 30.
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        registry = os.path.join(folder, "no-topk.yaml") if rank == 1 else None
+        outcome = _outcome(load_dispatcher(registry, cluster=None, arch="cpu"))
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
+        json.dump({"outcome": outcome}, out)
+
+
+def test_a_rank_that_cannot_decide_makes_every_rank_raise_instead_of_hanging(tmp_path):
+    (tmp_path / "no-topk.yaml").write_text(NO_TOPK_ON_CPU)
+    mp.start_processes(_failing_rank, args=(2, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    for rank in range(2):
+        message = json.loads((tmp_path / f"rank{rank}.json").read_text())["outcome"]
+        assert message.startswith("1 of 2 ranks could not decide: rank 1: NoBackendError: "), message
+        assert "topk" in message

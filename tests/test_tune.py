@@ -173,7 +173,7 @@ def test_the_fingerprint_covers_the_overlay(tuned, tmp_path):
     slowest = data["ops"]["paged_mqa_logits"]["preferences"][0]["order"][-1]
     shape[slowest] *= 2  # the order still holds; only the evidence differs
     (tmp_path / "measured").mkdir()
-    (tmp_path / "measured" / "ci-cpu.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "measured" / "ci-cpu.yaml").write_text(yaml.safe_dump(data) + "# end\n")
     (tmp_path / "registry.yaml").write_text(INCLUDED)
     assert load_registry(tmp_path / "registry.yaml").fingerprint != with_overlay
     (tmp_path / "registry.yaml").write_text(REGISTRY)
@@ -187,7 +187,7 @@ def test_validate_warns_when_the_evidence_is_stale(tuned, tmp_path, capsys):
     versions["triton"] = "0.0.1"
     versions["gone.backend"] = "1.0"
     (tmp_path / "measured").mkdir()
-    (tmp_path / "measured" / "ci-cpu.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "measured" / "ci-cpu.yaml").write_text(yaml.safe_dump(data) + "# end\n")
     (tmp_path / "registry.yaml").write_text(INCLUDED)
     assert main(["validate", str(tmp_path / "registry.yaml")]) == 0  # a warning, not a failure
     err = capsys.readouterr().err.splitlines()
@@ -281,6 +281,7 @@ ops:
         shapes:
           - shape: B=128 N=1 L~32K H=64 D=128
             median_us: {triton: 161.9, deepgemm.sm90: 202.6}
+# end
 """
 
 
@@ -339,7 +340,7 @@ def test_overlay_errors_name_file_line_and_key(old, new, line, key, message):
 
 
 def test_a_key_measured_twice_is_refused():
-    entry = OVERLAY[OVERLAY.index("      - key:"):]
+    entry = OVERLAY[OVERLAY.index("      - key:"):OVERLAY.index("# end")]
     error = overlay_error(entry, entry + entry)
     assert error.startswith("h200.yaml:18: ops.paged_mqa_logits.preferences[1].key: "), error
     assert "measures arch=sm90 forward_mode=decode next_n=1 fp8_dtype=e4m3fn again (also preferences[0])" in error

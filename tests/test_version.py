@@ -100,6 +100,7 @@ dispatch: {measured}
 torch: "2"
 workload: {{}}
 ops: {{}}
+# end
 """
 REGISTRY = """\
 version: 1

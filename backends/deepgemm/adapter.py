@@ -200,8 +200,10 @@ class DeepGemmPagedLogits:
     def refresh_state(captured: DeepGemmState, fresh: DeepGemmState) -> None:
         """Write a fresh batch's schedule into the captured plan's (same shape: [num_sms + 1, 2]) and guard
         the captured plan's lens and table, already refreshed by dispatch.graphs, in place."""
-        captured.schedule.copy_(fresh.schedule)
+        # The guard first: it refuses another pool before anything is written, so a refused update
+        # leaves the schedule as it was (dispatch.graphs restores the rest).
         captured.guard.refresh(fresh.guard.num_blocks)
+        captured.schedule.copy_(fresh.schedule)
 
     def run(
         self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True

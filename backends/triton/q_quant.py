@@ -28,7 +28,6 @@ import triton.language as tl
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from dispatch.bounds import BAD_POSITION, check_positions, debug_bounds_on, scratch_error_flags
 from dispatch.detect import triton_interpreter_on
-from dispatch.errors import LayoutError
 from dispatch.fp8 import torch_dtype
 from dispatch.input_checks import check_q_quant_inputs
 from dispatch.key import FP8_MAX, Fp8Dtype

@@ -8,6 +8,7 @@ import json
 import platform
 import sys
 
+from dispatch.bench.arguments import BATCH_SIZES, K, LENGTHS, NEXT_N, TOKENS, positive_int, prefill_shapes
 from dispatch.key import Fp8Dtype, Op
 
 
@@ -16,37 +17,36 @@ PREFILL_SHAPES = ["4x1024+0", "2x2048+14336", "4x4096+0", "4x4096+12288"]
 QUICK_PREFILL_SHAPES = ["2x24+40"]
 
 
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", choices=[o.value for o in Op] + ["step", "all"], default="all",
                         help="one op, `step` (the whole indexer step per backend combination), or all (default: all)")
-    parser.add_argument("--batch-sizes", type=_ints, default=[32, 128], metavar="B,B,...", help="requests per batch (default: 32,128)")
-    parser.add_argument("--next-n", type=_ints, default=[1, 2, 4], metavar="N,N,...", help="tokens scored per request (default: 1,2,4)")
-    parser.add_argument("--lengths", type=_ints, default=[8192, 32768], metavar="L,L,...",
+    parser.add_argument("--batch-sizes", type=BATCH_SIZES, default=[32, 128], metavar="B,B,...", help="requests per batch (default: 32,128)")
+    parser.add_argument("--next-n", type=NEXT_N, default=[1, 2, 4], metavar="N,N,...", help="tokens scored per request (default: 1,2,4)")
+    parser.add_argument("--lengths", type=LENGTHS, default=[8192, 32768], metavar="L,L,...",
                         help="mean lengths; each batch is uniform in [L/2, 3L/2] (default: 8192,32768)")
-    parser.add_argument("--k", type=_ints, default=[2048], metavar="K,K,...", help="keys kept per token, for topk (default: 2048)")
-    parser.add_argument("--tokens", type=_ints, default=[64, 512, 16384], metavar="T,T,...",
+    parser.add_argument("--k", type=K, default=[2048], metavar="K,K,...", help="keys kept per token, for topk (default: 2048)")
+    parser.add_argument("--tokens", type=TOKENS, default=[64, 512, 16384], metavar="T,T,...",
                         help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost; "
                              "default: 64,512,16384)")
     parser.add_argument(
         "--prefill-shapes",
-        type=lambda text: [part for part in text.split(",") if part],
+        type=prefill_shapes,
         default=None,
         metavar="RxE+P,...",
         help="extend batches for ragged_mqa_logits and the prefill step: RxE+P is R requests of E new tokens "
         "after P cached keys (M = R*E query rows, S = R*(P+E) keys); default " + ",".join(PREFILL_SHAPES)
         + " (--quick: " + ",".join(QUICK_PREFILL_SHAPES) + ")",
     )
-    parser.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
+    parser.add_argument("--logits-budget", type=positive_int(1 << 40), default=None, metavar="BYTES",
                         help="the prefill step's logits byte budget (default: dispatch.prefill's, 512 MiB)")
-    parser.add_argument("--heads", type=int, default=64, help="indexer heads H (default: %(default)s)")
-    parser.add_argument("--head-dim", type=int, default=128, help="indexer head dim D (default: %(default)s)")
+    parser.add_argument("--heads", type=positive_int(1024), default=64,
+                        help="indexer heads H, 1 to 1024 (default: %(default)s)")
+    parser.add_argument("--head-dim", type=positive_int(1024), default=128,
+                        help="indexer head dim D, 1 to 1024 (default: %(default)s)")
     parser.add_argument("--fp8-dtype", choices=[d.value for d in Fp8Dtype], help="default: the platform's")
     parser.add_argument("--backends", help="comma-separated backend names (default: every available one but the reference)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per backend and shape (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int(1000), default=30,
+                        help="timed calls per backend and shape, 1 to 1000 (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
     parser.add_argument("--cluster", help="cluster overlay (default: DISPATCH_CLUSTER, else a declared match)")
     parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")

@@ -22,7 +22,10 @@ from pathlib import Path
 
 import yaml
 
+from dispatch.bench.arguments import positive_int
+from dispatch.bench.overlay_file import check_writable, write_atomically
 from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.registry.document import END_MARKER
 from dispatch.registry.measured import MEASURED_TIE as TIE, geometric_mean
 from dispatch.registry.models import Workload
 from dispatch.version import dispatch_version
@@ -38,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-o", "--output", help="overlay file to write (default: the cluster's `measured` path, else stdout)"
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes and next_n <= 2, for a CPU run")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per backend and shape, at most")
+    parser.add_argument("--repeats", type=positive_int(1000), default=20,
+                        help="timed calls per backend and shape, at most (1 to 1000)")
     parser.add_argument("--on-cpu", action="store_true",
                         help="measure the cluster's whole workload even with no GPU (without it, a CPU run is "
                              "refused unless --quick: the default workload is dozens of shapes of up to 128K keys, "
@@ -61,10 +65,11 @@ def run_tune(args: argparse.Namespace) -> int:
               "or pass -o", file=sys.stderr)
         return 2
     output = args.output or _declared_overlay(dispatcher.document, cluster)
+    if output:
+        check_writable(output)  # before minutes of measuring, not after
     text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
     if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(text)
+        write_atomically(output, text)
         print(f"tune: wrote {output} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     else:
         print(text, end="")
@@ -126,7 +131,8 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
         "ops": {op.value: table for op, table in ops.items()},
     }
     relative = os.path.relpath(output, Path(dispatcher.document.path).parent) if output else None
-    text = _header(name, overlay, relative) + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None, width=120)
+    text = (_header(name, overlay, relative) + yaml.safe_dump(overlay, sort_keys=False, default_flow_style=None, width=120)
+            + f"{END_MARKER}\n")
     parse_measured(text, output or "<tune output>")  # what validate will read: refuse here, not there
     return text, tuner.failures
 
@@ -262,17 +268,19 @@ class Tuner:
 
 
 def _ties_in_rule_order(order: list[str], means: list[float], rule_order: list[str]) -> list[str]:
-    """`order` (fastest first, with its geometric means), where a backend within TIE of the one before it
-    and earlier in `rule_order` moves ahead of it (an insertion sort on that relation)."""
+    """`order` (fastest first, with its geometric means) where, at each place, the backend earliest in
+    `rule_order` among those within TIE of the fastest still unplaced goes first. The band is against
+    that fastest, never a neighbour, so ties do not chain (what the loader checks)."""
     rank = {name: i for i, name in enumerate(rule_order)}
-    pairs = list(zip(order, means))
-    for i in range(1, len(pairs)):
-        j = i
-        while (j > 0 and pairs[j][1] <= pairs[j - 1][1] * (1 + TIE)
-               and rank.get(pairs[j][0], len(rank)) < rank.get(pairs[j - 1][0], len(rank))):
-            pairs[j - 1], pairs[j] = pairs[j], pairs[j - 1]
-            j -= 1
-    return [name for name, _ in pairs]
+    left = list(zip(order, means))
+    placed = []
+    while left:
+        fastest = min(mean for _, mean in left)
+        tied = [pair for pair in left if pair[1] <= fastest * (1 + TIE)]
+        first = min(tied, key=lambda pair: (rank.get(pair[0], len(rank)), pair[1]))
+        placed.append(first[0])
+        left.remove(first)
+    return placed
 
 
 def _geomean(times: dict[str, dict[str, float]], name: str) -> float:

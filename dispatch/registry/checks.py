@@ -167,14 +167,14 @@ def lint(document: RegistryDocument, catalog: Catalog) -> list[Finding]:
                 )
             for position, name in enumerate(rule.use):
                 backend = catalog.get(op, name)
-                if backend and matched and all(backend.supports.why_not(cell.key) for cell in matched):
+                if backend and matched and all(backend.why_unsupported(cell.key) for cell in matched):
                     sample = min(matched, key=lambda cell: str(cell.key)).key
                     findings.append(
                         _finding(
                             document,
                             location + ("use", position),
                             f"backend `{name}` supports none of the keys rule `{rule.id}` matches "
-                            f"(e.g. {sample}: {backend.supports.why_not(sample)})",
+                            f"(e.g. {sample}: {backend.why_unsupported(sample)})",
                         )
                     )
             earlier.append((rule.id, matched))
@@ -202,7 +202,7 @@ def coverage(document: RegistryDocument, catalog: Catalog) -> list[Finding]:
             for cell in all_cells
             if cell.key.arch in in_scope
             and cell not in served[op]
-            and any(b.supports.why_not(cell.key) is None for b in catalog.for_op(op))
+            and any(b.why_unsupported(cell.key) is None for b in catalog.for_op(op))
         ]
         if not lost:
             continue
@@ -237,7 +237,7 @@ def merged(lost: list[Cell]) -> list[str]:
 
 def _serves(catalog: Catalog, op: Op, name: str, key: DispatchKey, disabled: tuple[str, ...]) -> bool:
     backend = catalog.get(op, name)
-    return backend is not None and name not in disabled and backend.supports.why_not(key) is None
+    return backend is not None and name not in disabled and backend.why_unsupported(key) is None
 
 
 def mentioned_archs(document: RegistryDocument) -> set[Arch]:

@@ -36,6 +36,9 @@ class RegistryDocument:
     # under them), and where that file is and its lines, so a message names the file that holds a part.
     inherited: tuple[Location, ...] = field(default=(), repr=False)
     inherited_from: tuple[str, dict[Location, int]] | None = field(default=None, repr=False)
+    # Whether the text ends with END_MARKER: once a loaded registry has it, a reload refuses a file
+    # without it (dispatch/reloading.py), since a file cut short loses its last line first.
+    sealed: bool = False
 
     @property
     def fingerprint(self) -> str:
@@ -102,6 +105,18 @@ def load_registry(path: str | Path, overlay_problems: list[str] | None = None) -
     return parse_registry(text, str(path), overlay_problems)
 
 
+# The last line of a complete file. A YAML prefix of a file is often valid YAML that means less (a
+# cluster's `prefer` lost, an overlay cut before `ops:`), so completeness is said by the writer: tune
+# ends every overlay with it, and the shipped registry.yaml ends with it (a human keeps it last).
+END_MARKER = "# end"
+
+
+def is_sealed(text: str) -> bool:
+    """Whether `text`'s last non-blank line is END_MARKER."""
+    lines = text.rstrip().splitlines()
+    return bool(lines) and lines[-1].strip() == END_MARKER
+
+
 def _read_bounded(path: Path) -> bytes:
     """The file's bytes, read only from a regular file and only up to MAX_REGISTRY_BYTES: a FIFO would
     block forever and /dev/zero never ends. O_NONBLOCK lets the open of a FIFO return so fstat can see it."""
@@ -157,7 +172,7 @@ def parse_registry(text: str, path: str = "<registry>", overlay_problems: list[s
         raise errors_in_file_order(path, duplicates)
     from dispatch.registry.measured import attach_measured  # it reads files with this module's loader
 
-    document = RegistryDocument(registry=registry, path=path, lines=lines, **inheriting)
+    document = RegistryDocument(registry=registry, path=path, lines=lines, sealed=is_sealed(text), **inheriting)
     return attach_measured(document, overlay_problems)
 
 

@@ -27,10 +27,12 @@ from dispatch.errors import RegistryError
 from dispatch.key import Arch, DispatchKey, Fp8Dtype, Op
 from dispatch.limits import cut
 from dispatch.registry.document import (
+    END_MARKER,
     Location,
     RegistryDocument,
     _deepest_line,
     _read_bounded,
+    is_sealed,
     _safe_load_with_lines,
     dotted,
     errors_in_file_order,
@@ -91,12 +93,15 @@ class Preference(Strict):
         both = sorted(set(self.failed) & set(self.order))
         if both:
             raise ValueError(f"{_ticks(both)} failed the check and cannot be in `order`")
-        for faster, slower in zip(self.order, self.order[1:]):
-            if self.mean_us(faster) > self.mean_us(slower) * (1 + MEASURED_TIE):
+        # The tie band is against the fastest of those that follow, not the neighbour: each backend may
+        # come before a faster one only within MEASURED_TIE of it, so ties cannot chain (1% + 1% + ...).
+        for index, ahead in enumerate(self.order[:-1]):
+            fastest = min(self.order[index + 1:], key=self.mean_us)
+            if self.mean_us(ahead) > self.mean_us(fastest) * (1 + MEASURED_TIE):
                 raise ValueError(
-                    f"`order` puts `{faster}` ({self.mean_us(faster):.1f} us) before `{slower}` "
-                    f"({self.mean_us(slower):.1f} us); the measured order is fastest first "
-                    "(to override a measurement, use the cluster's `prefer`)"
+                    f"`order` puts `{ahead}` ({self.mean_us(ahead):.1f} us) before `{fastest}` "
+                    f"({self.mean_us(fastest):.1f} us); the measured order is fastest first, ties within "
+                    f"{MEASURED_TIE:.0%} of the fastest (to override a measurement, use the cluster's `prefer`)"
                 )
         return self
 
@@ -155,6 +160,14 @@ class MeasuredDocument:
 
 
 def parse_measured(text: str, path: str = "<measured>") -> MeasuredDocument:
+    """An overlay must end with END_MARKER, as tune writes it: a file cut short is refused, not read as
+    the valid YAML prefix it may be (which would silently hand the measured keys back to the rules)."""
+    if not is_sealed(text):
+        line = text.count("\n") + 1
+        raise RegistryError(
+            f"{path}:{line}: incomplete: a measured overlay's last line is `{END_MARKER}` (tune writes it); this "
+            "file ends without it, so it was cut short (caught mid-write?): re-run tune"
+        )
     data, lines = _safe_load_with_lines(text, path)
     try:
         overlay = MeasuredOverlay.model_validate(data)
@@ -218,7 +231,12 @@ def _overlay_of(document: RegistryDocument, name: str, named: str) -> MeasuredDo
     location = ("clusters", name, "measured")
     folder = document.measured_dirs.get(name, Path(document.path).parent)
     path = folder / named
-    if not path.is_file():
+    try:
+        present = path.is_file()
+    except OSError as error:  # a name longer than the filesystem allows
+        raise document.error(location, f"the measured overlay {cut(str(path))} cannot be read: "
+                                       f"{error.strerror or error}") from None
+    if not present:
         where = "an absolute path" if Path(named).is_absolute() else f"relative to {folder}, the folder of the file naming it"
         raise document.error(
             location,
