@@ -9,17 +9,22 @@ from __future__ import annotations
 OP_NAME = "dispatch_sparse_attn_indexer"  # torch.ops.vllm.<this>, beside vLLM's own op
 
 
-def register_op(indexer) -> None:
-    """`indexer` as a torch custom op with vLLM's op's schema and fake, through vLLM's own
-    direct_register_custom_op: opaque to torch.compile, as vLLM's forward_cuda keeps its op."""
+def register_op(get_indexer) -> None:
+    """The process's DispatchIndexer (`get_indexer()`) as a torch custom op with the schema and fake of
+    vLLM's op, through vLLM's own direct_register_custom_op: opaque to torch.compile, as vLLM's
+    forward_cuda keeps its op."""
     import inspect
 
+    import torch
     from vllm.model_executor.layers import sparse_attn_indexer as vllm_layer
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import direct_register_custom_op
 
+    if hasattr(torch.ops.vllm, OP_NAME):  # a process registers the op once
+        return
+
     def dispatch_sparse_attn_indexer(*args, **kwargs):
-        return indexer(*args, **kwargs)
+        return get_indexer()(*args, **kwargs)
 
     dispatch_sparse_attn_indexer.__signature__ = inspect.signature(vllm_layer.sparse_attn_indexer)
     direct_register_custom_op(
@@ -31,13 +36,13 @@ def register_op(indexer) -> None:
     )
 
 
-def dispatch_layer_class(indexer):
+def dispatch_layer_class(get_indexer):
     """Register the op, then define and register the layer class calling it; returns the class."""
     import torch
     from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
     from vllm.utils.torch_utils import _encode_layer_name
 
-    register_op(indexer)
+    register_op(get_indexer)
 
     @SparseAttnIndexer.register_oot
     class DispatchSparseAttnIndexer(SparseAttnIndexer):

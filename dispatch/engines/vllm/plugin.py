@@ -42,7 +42,7 @@ def register() -> None:
 
     version = check_vllm_version()
     indexer = _dispatch_indexer()
-    _register_layer(indexer)
+    _register_layer()
     _rebind_direct_call(indexer)
     from dispatch.runtime import registry_path
 
@@ -68,7 +68,7 @@ def _dispatch_indexer():
     return _INDEXER
 
 
-def _register_layer(indexer) -> None:
+def _register_layer() -> None:
     from vllm.model_executor.custom_op import op_registry_oot
 
     from dispatch.engines.vllm.layer import dispatch_layer_class
@@ -81,7 +81,7 @@ def _register_layer(indexer) -> None:
             f"another plugin already replaced vLLM's `{OOT_LAYER}` ({registered.__module__}.{registered.__qualname__}); "
             "dispatch will not override it silently: load one of the two"
         )
-    dispatch_layer_class(indexer)
+    dispatch_layer_class(_dispatch_indexer)
 
 
 def _rebind_direct_call(indexer) -> None:
