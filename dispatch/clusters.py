@@ -13,8 +13,13 @@ from dispatch.registry.document import RegistryDocument
 from dispatch.registry.models import ClusterMatch
 
 
+def requested_cluster(requested: str | None = None) -> str | None:
+    """The cluster asked for by name (the caller's, else DISPATCH_CLUSTER), before any match."""
+    return requested or os.environ.get("DISPATCH_CLUSTER") or None
+
+
 def resolve_cluster(document: RegistryDocument, requested: str | None, arch: Arch) -> str | None:
-    name = requested or os.environ.get("DISPATCH_CLUSTER") or None
+    name = requested_cluster(requested)
     clusters = document.registry.clusters
     if name is not None:
         if name not in clusters:

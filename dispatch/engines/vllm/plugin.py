@@ -44,11 +44,12 @@ def register() -> None:
     indexer = _dispatch_indexer()
     _register_layer()
     _rebind_direct_call(indexer)
+    from dispatch.clusters import requested_cluster
     from dispatch.runtime import registry_path
 
     logger.info(
         "dispatch plugin `%s` active for vllm %s: registry %s, cluster %s; serving %s (register_oot) and %s.%s",
-        PLUGIN_NAME, version, registry_path(), os.environ.get("DISPATCH_CLUSTER") or "matched at first use",
+        PLUGIN_NAME, version, registry_path(), requested_cluster() or "by the registry's match, at first use",
         OOT_LAYER, DIRECT_CALL_MODULE, DIRECT_CALL_NAME,
     )
 
