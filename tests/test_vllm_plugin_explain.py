@@ -40,3 +40,14 @@ def test_explain_json_carries_the_engines_choice(capsys):
                  "--engine", "vllm", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["engine"]["layout"] == "native" and document["decisions"]
+
+
+def test_the_plugin_modules_import_no_vllm():
+    """vLLM stays optional: the plugin's modules (and so the entry point's import) load without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dispatch.engines.vllm.plugin, dispatch.engines.vllm.op, dispatch.engines.vllm.rules, "
+            "dispatch.engines.vllm.forward_plan, dispatch.engines.vllm.topk_writer, dispatch.engines.vllm.version; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'vllm'], 'vllm was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
