@@ -86,3 +86,42 @@ def test_a_request_split_over_query_chunks(vllm_indexer):
 
     rows = visible_keys(seq_lens, query_lens)
     assert_topk_matches(buffer, reference_logits(q, weights, cache, table, rows), TOPK)
+
+
+@pytest.mark.parametrize("static", [
+    {"use_fp4_cache": True}, {"dcp_world_size": 2}, {"candidate_blocks": torch.zeros(1, 1, dtype=torch.int32)},
+])
+def test_what_dispatch_does_not_serve_goes_to_vllms_own_function_whole(vllm_indexer, static, caplog):
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from dispatch import load_dispatcher
+    from dispatch.engines.vllm.op import DispatchIndexer
+
+    calls = []
+    indexer = DispatchIndexer(lambda *args, **kwargs: calls.append((args, kwargs)) or args[13], load_dispatcher)
+    buffer = torch.full((2, TOPK), 7, dtype=torch.int32)
+    metadata = vllm_metadata(vllm_indexer, [70, 80], [1, 1], 2, torch.zeros(2, 2, dtype=torch.int32))
+    q = torch.zeros(2, HEADS, 128).to(torch.float8_e4m3fn)
+    with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={PREFIX: metadata},
+                                                 slot_mapping={})), caplog.at_level("INFO", "vllm.plugins.dispatch"):
+        for _ in range(2):
+            result = indexer(torch.empty(2, 16), PREFIX, kv_cache_and_keys(2, torch.float8_e4m3fn, torch.Generator()),
+                             q, None, None, torch.zeros(2, HEADS), 128, "ue8m0", TOPK, 128, 4096, 4096, buffer, True,
+                             False, False, "", **static)
+    assert len(calls) == 2 and result is buffer and (buffer == 7).all() and not indexer._plans
+    assert calls[0][1] | static == calls[0][1], "vLLM's function gets the call as it came"
+    assert sum("hands vLLM's own" in r.getMessage() for r in caplog.records) == 1, "logged once per reason"
+
+
+def test_a_profiling_run_goes_to_vllm(vllm_indexer):
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from dispatch.engines.vllm.op import DispatchIndexer
+
+    calls = []
+    indexer = DispatchIndexer(lambda *args, **kwargs: calls.append(args) or args[13], lambda: pytest.fail("loaded"))
+    buffer = torch.zeros(1, TOPK, dtype=torch.int32)
+    with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata=None, slot_mapping={})):
+        indexer(torch.empty(1, 16), PREFIX, torch.zeros(1, 64, 132, dtype=torch.uint8), torch.zeros(1, 8, 128),
+                None, None, torch.zeros(1, 8), 128, "ue8m0", TOPK, 128, 4096, 4096, buffer, True, False, False, "")
+    assert len(calls) == 1
