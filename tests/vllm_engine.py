@@ -14,7 +14,7 @@ import torch
 
 STUBS = Path(__file__).parent / "engine_stubs"
 INSTALL = ("python3 -m pip install --no-deps -r tests/engines/vllm-nodeps.txt && "
-           "python3 -m pip install -r tests/engines/vllm-deps.txt")
+           "python3 -m pip install --no-deps -r tests/engines/vllm-deps.txt")
 BLOCK = 64
 HEAD_DIM = 128
 
