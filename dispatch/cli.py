@@ -149,6 +149,8 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     explain.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
                          help="with --extend-lens: each chunk's fp32 logits budget "
                               "(default: 512 MiB)")
+    explain.add_argument("--engine", choices=["vllm"], default=None,
+                         help="also say what this engine would have chosen for the key by its own rules")
     _common(explain)
 
     validate = command("validate", "validate and lint a registry file", _validate)
@@ -279,14 +281,20 @@ def _explain(args: argparse.Namespace) -> int:
         args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
     explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens)
+    engine = _engine_choice(args.engine, key) if args.engine else None
     if args.json:
-        print(json.dumps(explanation.as_dict(), indent=2))
+        print(json.dumps(explanation.as_dict() | ({"engine": engine.as_dict()} if engine else {}), indent=2))
         return EXIT_OK
     if not dispatcher.check_availability:
         from dispatch.gpu_table import what_if_note
 
         print(what_if_note(dispatcher, detect_arch(), gpu, cluster_named=bool(args.cluster)))
     print(explanation.text())
+    if engine:
+        logits = [d for d in explanation.decisions if d.op in (Op.PAGED_MQA_LOGITS, Op.RAGGED_MQA_LOGITS)]
+        print(f"\n{engine.text()}")
+        for decision in logits:
+            print(f"dispatch runs: {decision.backend} ({decision.layout.value}, rule {decision.rule})")
     return EXIT_OK
 
 
@@ -305,6 +313,13 @@ def _explained_mode(args: argparse.Namespace) -> ForwardMode:
     if (args.prefix_lens is not None or args.logits_budget is not None) and not args.extend_lens:
         raise InvalidKeyError("--prefix-lens and --logits-budget go with --extend-lens (an extend batch)")
     return mode
+
+
+def _engine_choice(engine: str, key):
+    """What `engine` would choose for `key` by its own rules (dispatch/engines/<engine>/rules.py)."""
+    from dispatch.engines.vllm.rules import vllm_choice
+
+    return {"vllm": vllm_choice}[engine](key)
 
 
 def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: list[int] | None,

@@ -14,13 +14,18 @@ from dispatch.registry.document import RegistryDocument
 from dispatch.registry.models import ClusterMatch
 
 
+def requested_cluster(requested: str | None = None) -> str | None:
+    """The cluster asked for by name (the caller's, else DISPATCH_CLUSTER), before any match."""
+    return requested or os.environ.get("DISPATCH_CLUSTER") or None
+
+
 def resolve_cluster(
     document: RegistryDocument, requested: str | None, arch: Arch, device_name: str | None = None
 ) -> str | None:
     """The cluster named, else the one whose `match` fits. `device_name` (a what-if for another GPU,
     e.g. "NVIDIA H200") is matched instead of this machine's GPU; its hostname is then unknown, so a
     match on `hostname` does not fit."""
-    name = requested or os.environ.get("DISPATCH_CLUSTER") or None
+    name = requested_cluster(requested)
     clusters = document.registry.clusters
     if name is not None:
         if name not in clusters:

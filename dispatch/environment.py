@@ -19,6 +19,9 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
      "(one sync a call) and raise `IndexBoundsError` at once"),
     ("TRITON_INTERPRET", "`dispatch/detect.py` (and Triton)",
      "`1` runs the Triton kernels on the CPU under Triton's interpreter; the Triton backends are then available without a GPU"),
+    ("VLLM_PLUGINS", "`dispatch/engines/vllm/plugin.py` (and vLLM)",
+     "vLLM's plugin allowlist, comma-separated: dispatch's vLLM plugin is on only when it names `dispatch` "
+     "(unset: vLLM loads every plugin, and this one stays off); docs/engines/vllm.md"),
     ("OUT", "`tools/tune_*.py`, `tools/probe_prefill.py`",
      "where the tuners write their results (default: the current folder; the probe writes nothing without it)"),
 )

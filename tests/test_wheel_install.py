@@ -55,6 +55,9 @@ def test_the_wheel_holds_the_runtime_and_the_registry(wheel):
     assert not [name for name in names if "/tune_" in name or name.startswith("tests/")]
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
+    assert "dispatch/engines/vllm/plugin.py" in names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "[vllm.general_plugins]\ndispatch = dispatch.engines.vllm.plugin:register" in entry_points
 
 
 def fresh_venv(folder: Path) -> Path:
