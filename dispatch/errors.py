@@ -47,3 +47,7 @@ class BackendError(DispatchError):
 
 class IndexBoundsError(DispatchError, IndexError):
     """An engine passed a page, position or length outside the tensor it indexes; names request, token and bound."""
+
+
+class EngineVersionError(DispatchError):
+    """An engine plugin was loaded into an engine release it was not written and tested against."""
