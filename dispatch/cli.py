@@ -123,6 +123,8 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     explain.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
                          help="with --forward-mode extend and --seq-lens: each chunk's fp32 logits budget "
                               "(default: 512 MiB)")
+    explain.add_argument("--engine", choices=["sglang"], default=None,
+                         help="also say what this engine would choose by its own rules, beside dispatch's decision")
     _common(explain)
 
     validate = command("validate", "validate and lint a registry file", _validate)
@@ -218,13 +220,27 @@ def _explain(args: argparse.Namespace) -> int:
         args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
     explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens)
+    engine = _engine_choices(args.engine, key, ops)
     if args.json:
-        print(json.dumps(explanation.as_dict(), indent=2))
+        print(json.dumps({**explanation.as_dict(), **({"engine": [c.as_dict() for c in engine]} if engine else {})}, indent=2))
         return EXIT_OK
     if not dispatcher.check_availability:
         print(f"(this machine is {detect_arch().value}; explaining {arch.value} as a what-if)")
     print(explanation.text())
+    if engine:
+        from dispatch.engines.sglang.rules import choices_text
+
+        print("\n" + choices_text(engine))
     return EXIT_OK
+
+
+def _engine_choices(engine: str | None, key, ops) -> list:
+    """What `engine` would run for each op by its own rules (dispatch/engines/<engine>/rules.py)."""
+    if engine is None:
+        return []
+    from dispatch.engines.sglang.rules import sglang_choices
+
+    return sglang_choices(key, ops)
 
 
 def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: list[int] | None,
