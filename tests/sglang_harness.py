@@ -169,3 +169,24 @@ def quantised_q(tokens: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
     q = (torch.randn(tokens, HEADS, HEAD_DIM, generator=generator) * 4).clamp(-448, 448).to(torch.float8_e4m3fn)
     weights = torch.randn(tokens, HEADS, 1, generator=generator) * HEADS**-0.5
     return q, weights
+
+
+def make_extend_batch(pool, req_to_token, prefix: list[int], extend: list[int], requests: list[int], *, ragged: bool = False) -> Batch:
+    """init_forward_metadata as SGLang runs it for an extend (prefill) batch. `ragged` picks SGLang's
+    RAGGED top-k transform (an fp8 KV cache with flashmla_sparse prefill), else PAGED."""
+    backend = make_backend(pool, req_to_token, 0, fused_topk=True)
+    backend.supports_mha_one_shot = False
+    if ragged:
+        backend.dsa_kv_cache_store_fp8 = True
+        backend.dsa_prefill_impl = "flashmla_sparse"
+    seq = torch.tensor([p + e for p, e in zip(prefix, extend)], dtype=torch.int64)
+    forward_batch = SimpleNamespace(
+        batch_size=len(prefix), forward_mode=ForwardMode.EXTEND, seq_lens=seq, seq_lens_cpu=seq,
+        req_pool_indices=torch.tensor(requests, dtype=torch.int64), seq_lens_sum=int(seq.sum()),
+        global_num_tokens_cpu=None, attn_cp_metadata=None, extend_seq_lens_cpu=list(extend),
+        extend_seq_lens=torch.tensor(extend), extend_prefix_lens_cpu=list(prefix),
+        extend_prefix_lens=torch.tensor(prefix), extend_num_tokens=sum(extend),
+    )
+    with single_rank():
+        backend.init_forward_metadata(forward_batch)
+    return Batch(backend, forward_batch, backend.get_indexer_metadata(0, forward_batch))
