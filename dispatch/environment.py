@@ -21,6 +21,9 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
      "`1` runs the Triton kernels on the CPU under Triton's interpreter; the Triton backends are then available without a GPU"),
     ("OUT", "`tools/tune_*.py`, `tools/probe_prefill.py`",
      "where the tuners write their results (default: the current folder; the probe writes nothing without it)"),
+    ("SGLANG_PLUGINS", "`dispatch/engines/sglang/__init__.py` (and SGLang)",
+     "SGLang's plugin allowlist: naming `dispatch` routes SGLang's DSA indexer through dispatch; unset or "
+     "without it, the installed plugin stays inert (docs/engines/sglang.md)"),
 )
 
 

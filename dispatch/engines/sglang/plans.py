@@ -34,10 +34,20 @@ def dispatch_mode(sglang_mode) -> ForwardMode:
     raise LayoutError(f"SGLang forward mode {sglang_mode.name} has no dispatch indexer step")
 
 
+def check_served(metadata) -> None:
+    """The plugin serves SGLang's plain index cache; KPool (pooled index keys) has another layout."""
+    if getattr(metadata, "pooled_index_kpool", 1) > 1:
+        raise LayoutError(
+            f"SGLang's metadata pools index keys (pooled_index_kpool={metadata.pooled_index_kpool}); the dispatch "
+            "plugin serves --dsa-index-kpool 1 only: leave `dispatch` out of SGLANG_PLUGINS for this model"
+        )
+
+
 def paged_batch(metadata, mode: ForwardMode, next_n: int) -> ForwardBatch:
     """The paged batch SGLang's DSAMetadata describes. cache_seqlens_int32 [B] is each request's total
     length (drafts included), and real_page_table its 64-token pages: one row per request in decode,
     repeated next_n times per request (SGLang expands it per token) in target_verify / draft_extend."""
+    check_served(metadata)
     seq_lens = metadata.cache_seqlens_int32
     table = metadata.real_page_table
     batch_size = seq_lens.shape[0]
@@ -62,6 +72,7 @@ def paged_batch(metadata, mode: ForwardMode, next_n: int) -> ForwardBatch:
 def extend_batch(metadata, forward_batch) -> ExtendBatch:
     """The extend batch: host prefix and new-token counts (SGLang keeps both on the host) and the
     logical 64-token page table."""
+    check_served(metadata)
     prefix = forward_batch.extend_prefix_lens_cpu
     extend = forward_batch.extend_seq_lens_cpu
     table = metadata.indexer_logical_page_table
