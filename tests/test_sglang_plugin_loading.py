@@ -4,6 +4,7 @@ init_forward_metadata and Indexer._get_topk_paged run dispatch's plan and select
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -62,3 +63,39 @@ def test_unknown_release_is_refused(sglang_env):
     assert check_release() == "0.5.23"
     with pytest.raises(EngineVersionError, match=r"sglang 0\.5\.24 is not a release the dispatch plugin knows"):
         check_release("0.5.24")
+
+
+def test_metadata_refilled_in_place_refills_its_plan_in_place(sglang_env):
+    """A CUDA graph's static DSAMetadata is refilled in place on each replay (SGLang's
+    _apply_cuda_graph_metadata); the plan captured with it is refilled in place too, so the tensors
+    the captured kernels read hold the new batch, and a batch that cannot replay is refused."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from dispatch.engines.sglang import plans
+    from dispatch.engines.sglang.session import session
+    from dispatch.errors import GraphMismatchError, LayoutError
+
+    def fresh_at(attn):
+        return plans.paged_batch(attn, plans.ForwardMode.TARGET_VERIFY, 3)
+
+    harness = sglang_env
+    generator = torch.Generator().manual_seed(5)
+    pool = harness.make_pool(100)
+    req_to_token = harness.page_aligned_req_to_token(3, 30, 100, generator)
+    batch = harness.make_batch(pool, req_to_token, [500, 900, 70], [0, 1, 2], ForwardMode.TARGET_VERIFY, 3)
+    attn = batch.metadata.attn_metadata
+    step = session().step(harness.TOPK, to_slots=False)
+    captured = plans.plan_paged(step, attn, ForwardMode.TARGET_VERIFY, 3)
+    context_lens = captured.context_lens
+    attn.cache_seqlens_int32.copy_(torch.tensor([100, 800, 80], dtype=torch.int32))  # the replay's refill
+    assert plans.plan_paged(step, attn, ForwardMode.TARGET_VERIFY, 3) is captured
+    assert captured.context_lens is context_lens
+    fresh = plans.paged_batch(attn, plans.ForwardMode.TARGET_VERIFY, 3)
+    assert torch.equal(captured.token_lengths, step.plan(fresh).token_lengths)
+    assert captured.token_lengths.tolist()[:3] == [98, 99, 100]  # L - N + j + 1
+    with pytest.raises(LayoutError, match="at next_n 2"):
+        plans.plan_paged(step, attn, ForwardMode.TARGET_VERIFY, 2)  # not what SGLang's metadata holds
+    attn.cache_seqlens_int32.copy_(torch.tensor([100, 960, 80], dtype=torch.int32))
+    with pytest.raises(GraphMismatchError):  # longer than a (narrower) captured logits width
+        captured_bound = dataclasses.replace(captured, max_context_len=900)
+        plans.refresh_captured_plan(captured_bound, fresh_at(attn), step.plan(fresh_at(attn)))

@@ -61,7 +61,7 @@ def paged_batch(metadata, mode: ForwardMode, next_n: int) -> ForwardBatch:
         table = table[::rows_per_request]
     return ForwardBatch(
         seq_lens=seq_lens,
-        page_table=table.to(torch.int32),
+        page_table=table.to(torch.int32).contiguous(),  # a per-batch copy of [B, pages] when strided
         # The logits' width, as SGLang's own _get_topk_paged sets it (a host int: no sync).
         max_seq_len=max(table.shape[1] * PAGE_SIZE, next_n),
         forward_mode=mode,
