@@ -8,7 +8,6 @@ import contextlib
 import importlib
 import importlib.metadata
 import pkgutil
-import sys
 
 ENTRY_POINTS = "[sglang.srt.plugins]\ndispatch = dispatch.engines.sglang:register\n"
 

@@ -10,6 +10,7 @@ import logging
 from dispatch.engines.sglang import indexer, plans
 from dispatch.engines.sglang.release import check_release
 from dispatch.engines.sglang.session import session
+from dispatch.key import ForwardMode
 
 logger = logging.getLogger("dispatch.engines.sglang")
 
@@ -36,11 +37,11 @@ def _plan_for(backend, mode, forward_batch) -> None:
         return
     step = session().step(backend.dsa_index_topk, to_slots=False)  # planning does not depend on either
     dispatch_mode = plans.dispatch_mode(mode)
-    if dispatch_mode is plans.ForwardMode.EXTEND:
+    if dispatch_mode is ForwardMode.EXTEND:
         if forward_batch is not None and metadata.real_page_table.shape[0] > 0:
             plans.plan_extend(step, metadata, forward_batch)
         return
-    next_n = 1 if dispatch_mode is plans.ForwardMode.DECODE else backend.speculative_num_draft_tokens
+    next_n = 1 if dispatch_mode is ForwardMode.DECODE else backend.speculative_num_draft_tokens
     plans.plan_paged(step, metadata, mode, next_n)
 
 

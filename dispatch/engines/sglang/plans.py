@@ -15,7 +15,7 @@ from dispatch.errors import LayoutError
 from dispatch.extend import ExtendPlan
 from dispatch.graphs import refresh_captured_plan
 from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch, IndexerPlan, build_plan
+from dispatch.plan import ForwardBatch, IndexerPlan
 from dispatch.prefill import ExtendBatch
 
 PAGE_SIZE = 64  # SGLang's DSA pages (its indexer asserts it on CUDA), dispatch's BLOCK_KV

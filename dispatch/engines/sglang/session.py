@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 from dispatch.indexer import IndexerStep
 from dispatch.rope import RopeSpec
 from dispatch.runtime import load_dispatcher, registry_path
-
-logger = logging.getLogger("dispatch.engines.sglang")
 
 
 @functools.lru_cache(maxsize=1)
