@@ -131,17 +131,24 @@ def page_aligned_req_to_token(requests: int, pages_per_request: int, num_pages: 
 def make_batch(
     pool, req_to_token, seq_lens: list[int], requests: list[int], mode: ForwardMode, next_n: int, *, fused_topk: bool = False
 ) -> Batch:
-    """init_forward_metadata as SGLang runs it, for a decode or target_verify batch. seq_lens are the
-    requests' committed lengths (SGLang adds next_n drafts in target_verify)."""
+    """init_forward_metadata as SGLang runs it, for a decode, target_verify or draft_extend_v2 batch.
+    seq_lens are the requests' lengths as SGLang's batch holds them: committed ones in target_verify
+    (SGLang adds the next_n drafts), drafts included in draft_extend_v2 (each extends by next_n)."""
     import sglang.srt.layers.attention.dsa_backend as dsa_backend
 
-    backend = make_backend(pool, req_to_token, next_n if mode.is_target_verify() else 0, fused_topk=fused_topk)
+    backend = make_backend(pool, req_to_token, 0 if mode.is_decode() else next_n, fused_topk=fused_topk)
     seq = torch.tensor(seq_lens, dtype=torch.int64)
     forward_batch = SimpleNamespace(
         batch_size=len(seq_lens), forward_mode=mode, seq_lens=seq, seq_lens_cpu=seq,
         req_pool_indices=torch.tensor(requests, dtype=torch.int64), seq_lens_sum=int(seq.sum()),
         global_num_tokens_cpu=None, attn_cp_metadata=None, extend_seq_lens_cpu=None,
     )
+    if mode.is_draft_extend_v2():
+        extend = [next_n] * len(seq_lens)
+        forward_batch.extend_seq_lens_cpu = extend
+        forward_batch.extend_seq_lens = torch.tensor(extend, dtype=torch.int32)
+        forward_batch.extend_prefix_lens_cpu = [length - next_n for length in seq_lens]
+        forward_batch.extend_num_tokens = sum(extend)
     real_expand = dsa_backend.seqlens_expand_triton
     dsa_backend.seqlens_expand_triton = cpu_seqlens_expand
     try:

@@ -57,17 +57,18 @@ def assert_same_selection(sglang_out, plugin_out, logits, lengths, topk):
 
 
 BATCHES = [
-    # (committed lengths per request, request slots in req_to_token, next_n)
-    ([100, 2100, 65, 3000], [2, 0, 3, 1], 1),
-    ([1, 64, 4097], [1, 2, 0], 1),
-    ([2200, 130, 700], [0, 3, 1], 2),
-    ([90, 2500], [3, 2], 3),
-    ([2049, 5, 1500, 64], [1, 0, 2, 3], 4),
+    # (mode, lengths per request as SGLang's batch holds them, request slots in req_to_token, next_n)
+    ("DECODE", [100, 2100, 65, 3000], [2, 0, 3, 1], 1),
+    ("DECODE", [1, 64, 4097], [1, 2, 0], 1),
+    ("TARGET_VERIFY", [2200, 130, 700], [0, 3, 1], 2),
+    ("TARGET_VERIFY", [90, 2500], [3, 2], 3),
+    ("TARGET_VERIFY", [2049, 5, 1500, 64], [1, 0, 2, 3], 4),
+    ("DRAFT_EXTEND_V2", [2300, 40, 600], [2, 1, 0], 3),
 ]
 
 
-@pytest.mark.parametrize(("seq_lens", "requests", "next_n"), BATCHES)
-def test_plugin_returns_what_sglang_returns(sglang_env, seq_lens, requests, next_n):
+@pytest.mark.parametrize(("mode_name", "seq_lens", "requests", "next_n"), BATCHES)
+def test_plugin_returns_what_sglang_returns(sglang_env, mode_name, seq_lens, requests, next_n):
     from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -78,7 +79,7 @@ def test_plugin_returns_what_sglang_returns(sglang_env, seq_lens, requests, next
     pool = harness.make_pool(400)
     harness.fill_index_k(pool, 0, generator)
     req_to_token = harness.page_aligned_req_to_token(4, 90, 400, generator)
-    mode = ForwardMode.DECODE if next_n == 1 else ForwardMode.TARGET_VERIFY
+    mode = ForwardMode[mode_name]
     batch = harness.make_batch(pool, req_to_token, seq_lens, requests, mode, next_n)
     tokens = len(seq_lens) * next_n
     q, weights = harness.quantised_q(tokens + 3, generator)  # 3 padded rows past the real tokens
