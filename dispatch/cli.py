@@ -149,8 +149,9 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     explain.add_argument("--logits-budget", type=int, default=None, metavar="BYTES",
                          help="with --extend-lens: each chunk's fp32 logits budget "
                               "(default: 512 MiB)")
-    explain.add_argument("--engine", choices=["vllm"], default=None,
-                         help="also say what this engine would have chosen for the key by its own rules")
+    explain.add_argument("--engine", choices=["sglang", "vllm"], default=None,
+                         help="also say what this engine would run for the key by its own rules, beside dispatch's "
+                              "decision")
     _common(explain)
 
     validate = command("validate", "validate and lint a registry file", _validate)
@@ -281,9 +282,9 @@ def _explain(args: argparse.Namespace) -> int:
         args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
     explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens)
-    engine = _engine_choice(args.engine, key) if args.engine else None
+    engine = _engine_report(args.engine, key, ops) if args.engine else None
     if args.json:
-        print(json.dumps(explanation.as_dict() | ({"engine": engine.as_dict()} if engine else {}), indent=2))
+        print(json.dumps({**explanation.as_dict(), **({"engine": engine[0]} if engine else {})}, indent=2))
         return EXIT_OK
     if not dispatcher.check_availability:
         from dispatch.gpu_table import what_if_note
@@ -291,10 +292,10 @@ def _explain(args: argparse.Namespace) -> int:
         print(what_if_note(dispatcher, detect_arch(), gpu, cluster_named=bool(args.cluster)))
     print(explanation.text())
     if engine:
-        logits = [d for d in explanation.decisions if d.op in (Op.PAGED_MQA_LOGITS, Op.RAGGED_MQA_LOGITS)]
-        print(f"\n{engine.text()}")
-        for decision in logits:
-            print(f"dispatch runs: {decision.backend} ({decision.layout.value}, rule {decision.rule})")
+        print("\n" + engine[1])
+        for decision in explanation.decisions:
+            if decision.op in (Op.PAGED_MQA_LOGITS, Op.RAGGED_MQA_LOGITS):
+                print(f"dispatch runs: {decision.backend} ({decision.layout.value}, rule {decision.rule})")
     return EXIT_OK
 
 
@@ -315,11 +316,18 @@ def _explained_mode(args: argparse.Namespace) -> ForwardMode:
     return mode
 
 
-def _engine_choice(engine: str, key):
-    """What `engine` would choose for `key` by its own rules (dispatch/engines/<engine>/rules.py)."""
+def _engine_report(engine: str, key, ops) -> tuple[list[dict], str]:
+    """What `engine` would run for `key` by its own rules (dispatch/engines/<engine>/rules.py), as JSON
+    rows and as text."""
+    if engine == "sglang":
+        from dispatch.engines.sglang.rules import choices_text, sglang_choices
+
+        choices = sglang_choices(key, ops)
+        return [c.as_dict() for c in choices], choices_text(choices)
     from dispatch.engines.vllm.rules import vllm_choice
 
-    return {"vllm": vllm_choice}[engine](key)
+    choice = vllm_choice(key)
+    return [choice.as_dict()], choice.text()
 
 
 def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: list[int] | None,

@@ -24,6 +24,9 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
      "(unset: vLLM loads every plugin, and this one stays off); docs/engines/vllm.md"),
     ("OUT", "`tools/tune_*.py`, `tools/probe_prefill.py`",
      "where the tuners write their results (default: the current folder; the probe writes nothing without it)"),
+    ("SGLANG_PLUGINS", "`dispatch/engines/sglang/__init__.py` (and SGLang)",
+     "SGLang's plugin allowlist: naming `dispatch` routes SGLang's DSA indexer through dispatch; unset or "
+     "without it, the installed plugin stays inert (docs/engines/sglang.md)"),
 )
 
 

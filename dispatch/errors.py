@@ -51,3 +51,7 @@ class IndexBoundsError(DispatchError, IndexError):
 
 class OptionError(DispatchError, ValueError):
     """A command-line option's value cannot be used (a path that cannot be written, a number out of range); names it."""
+
+
+class EngineVersionError(PluginError):
+    """An engine plugin was loaded into an engine release it was not written and tested against."""

@@ -59,33 +59,40 @@ class CapturedIndexerStep:
         # afresh would say about it.
         check_fits_capture(plan, batch)
         fresh = build_plan(self.step.dispatcher, batch, kv_fp8_dtype=plan.fp8_dtype, arch=plan.key.arch)
-        check_replayable(plan, batch, fresh)
-        width = fresh.block_table.shape[1]
-        before = plan.context_lens.clone(), plan.block_table[:, :width].clone()
-        try:
-            self._write(fresh, width)
-        except BaseException:
-            # A backend refused while refreshing (its pool check comes before it writes anything):
-            # put the old batch back and rebuild every state from it, so guard and schedule match again.
-            plan.context_lens.copy_(before[0])
-            plan.block_table[:, :width].copy_(before[1])
-            for op, state in plan.states.items():
-                plan.decision(op).impl.refresh_state(state, state)
-            raise
-
-    def _write(self, fresh: IndexerPlan, width: int) -> None:
-        plan = self.plan
-        # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
-        plan.context_lens.copy_(fresh.context_lens)
-        plan.block_table[:, :width].copy_(fresh.block_table)
-        # Each backend with per-batch state rewrites its captured state in place (check_replayable
-        # has refused a backend that has state but no way to refresh it).
-        for op, state in plan.states.items():
-            plan.decision(op).impl.refresh_state(state, fresh.state_of(op))
+        refresh_captured_plan(plan, batch, fresh)
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.output
+
+
+def refresh_captured_plan(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerPlan) -> None:
+    """Write `fresh` (the plan `batch` gets afresh) into a captured plan's tensors in place, so a graph
+    that reads them replays the new batch. All or nothing: GraphMismatchError before anything is
+    written, and a backend's refresh that raises puts the previous batch back."""
+    check_replayable(captured, batch, fresh)
+    width = fresh.block_table.shape[1]
+    before = captured.context_lens.clone(), captured.block_table[:, :width].clone()
+    try:
+        _write(captured, fresh, width)
+    except BaseException:
+        # A backend refused while refreshing (its pool check comes before it writes anything): put the
+        # old batch back and rebuild every state from it, so guard and schedule match it again.
+        captured.context_lens.copy_(before[0])
+        captured.block_table[:, :width].copy_(before[1])
+        for op, state in captured.states.items():
+            captured.decision(op).impl.refresh_state(state, state)
+        raise
+
+
+def _write(captured: IndexerPlan, fresh: IndexerPlan, width: int) -> None:
+    # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
+    captured.context_lens.copy_(fresh.context_lens)
+    captured.block_table[:, :width].copy_(fresh.block_table)
+    # Each backend with per-batch state rewrites its captured state in place (check_replayable has
+    # refused a backend that has state but no way to refresh it).
+    for op, state in captured.states.items():
+        captured.decision(op).impl.refresh_state(state, fresh.state_of(op))
 
 
 def check_replayable(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerPlan) -> None:

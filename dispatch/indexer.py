@@ -62,10 +62,26 @@ class IndexerStep:
         T is B*N for a paged plan, the batch's new tokens M (request after request) for an extend plan;
         positions are then relative to each request's first key (or physical slots with transform_to_slots)."""
         if isinstance(plan, ExtendPlan):
-            return self._select_extend(plan, q, weights, positions, cos_sin_cache, kv_cache)
+            self._check_extend_inputs(plan, q, kv_cache)
+            return self._select_extend(
+                plan, kv_cache,
+                lambda rows: self._quantise(plan, q[rows], weights[rows], positions[rows], cos_sin_cache),
+            )
         q_fp8, folded = self._quantise(plan, q, weights, positions, cos_sin_cache)
+        return self.select_quantised(plan, q_fp8, folded, kv_cache)
+
+    def select_quantised(
+        self, plan: IndexerPlan | ExtendPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """`select` for a Q the engine has already quantised (SGLang rotates Q by a Hadamard transform
+        between RoPE and its quantiser; vLLM hands its op fp8 Q): q_fp8 [T, H, D] in the plan's fp8 dtype
+        (the K cache's; the backends refuse another), weights fp32 [T, H] with the Q scale folded in.
+        Logits and top-k as in `select`, through the plan's decisions; the plan's Q-quant decision is unused."""
+        if isinstance(plan, ExtendPlan):
+            self._check_extend_inputs(plan, q_fp8, kv_cache)
+            return self._select_extend(plan, kv_cache, lambda rows: (q_fp8[rows], weights[rows]))
         # The top-k reads only each token's visible keys, so the logits need no -inf tail.
-        logits = paged_mqa_logits(plan, q_fp8, kv_cache, folded, clean_logits=False)
+        logits = paged_mqa_logits(plan, q_fp8, kv_cache, weights, clean_logits=False)
         return topk(plan, logits, self.topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])
 
     def _quantise(self, plan, q, weights, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +96,8 @@ class IndexerStep:
             head_scale=self.head_scale,
         )
 
-    def _select_extend(self, plan: ExtendPlan, q, weights, positions, cos_sin_cache, kv_cache) -> torch.Tensor:
-        """Gather this layer's K (the cache differs per layer), then per chunk of query rows: Q quant ->
-        ragged logits over the chunk's key window -> top-k over each row's [ks, ke). The logits are
-        asked for without the -inf fill (clean_logits=False): the top-k reads only [ks, ke)."""
+    @staticmethod
+    def _check_extend_inputs(plan: ExtendPlan, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
         rows = plan.total_tokens
         if q.dim() != 3 or q.shape[0] != rows:
             raise LayoutError(f"q has shape {list(q.shape)}; the extend plan expects [M={rows}, H, D]")
@@ -91,13 +105,17 @@ class IndexerStep:
             raise LayoutError(
                 f"kv_cache has shape {list(kv_cache.shape)}; the extend plan's pages hold block_kv={plan.block_kv}"
             )
+
+    def _select_extend(self, plan: ExtendPlan, kv_cache, quantised_rows) -> torch.Tensor:
+        """Gather this layer's K (the cache differs per layer), then per chunk of query rows: Q quant
+        (quantised_rows(rows) -> (q_fp8, folded weights)) -> ragged logits over the chunk's key window ->
+        top-k over each row's [ks, ke). The logits are asked for without the -inf fill
+        (clean_logits=False): the top-k reads only [ks, ke)."""
         k, scales = gather_keys(plan, kv_cache)
-        out = torch.empty(rows, self.topk, dtype=torch.int32, device=q.device)
+        out = torch.empty(plan.total_tokens, self.topk, dtype=torch.int32, device=kv_cache.device)
         transform = {"page_table": plan.page_table, "block_size": plan.block_kv} if self.transform_to_slots else {}
         for chunk in plan.chunks:
-            q_fp8, folded = self._quantise(
-                plan, q[chunk.rows], weights[chunk.rows], positions[chunk.rows], cos_sin_cache
-            )
+            q_fp8, folded = quantised_rows(chunk.rows)
             logits = ragged_mqa_logits(
                 plan, q_fp8, k[chunk.keys], scales[chunk.keys], folded, chunk.ks, chunk.ke, clean_logits=False
             )

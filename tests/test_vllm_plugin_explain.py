@@ -39,7 +39,7 @@ def test_explain_json_carries_the_engines_choice(capsys):
     assert main(["explain", "--arch", "sm90", "--next-n", "4", "--forward-mode", "target_verify",
                  "--engine", "vllm", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["engine"]["layout"] == "native" and document["decisions"]
+    assert document["engine"][0]["layout"] == "native" and document["decisions"]  # one row per op, as for sglang
 
 
 def test_the_plugin_modules_import_no_vllm():

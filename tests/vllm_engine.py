@@ -5,14 +5,13 @@ vLLM's indexer computes from it."""
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-STUBS = Path(__file__).parent / "engine_stubs"
+from tests.engine_stubs_path import engine_stubs_on_path
+
 INSTALL = ("python3 -m pip install --no-deps -r tests/engines/vllm-nodeps.txt && "
            "python3 -m pip install --no-deps -r tests/engines/vllm-deps.txt")
 BLOCK = 64
@@ -23,11 +22,8 @@ def import_vllm():
     """vLLM's indexer modules, or a clean skip naming the install command."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip(f"vllm 0.33.0 is not installed ({INSTALL})")
-    sys.path.insert(0, str(STUBS))
-    try:
+    with engine_stubs_on_path("vllm"):
         from vllm.v1.attention.backends.mla import indexer
-    finally:
-        sys.path.remove(str(STUBS))
     return indexer
 
 
