@@ -331,3 +331,28 @@ def test_real_engine_kernels_match_torch_topk_where_installed():
         out = backend.run(logits, lengths, 2048)
         want = reference_topk(logits, lengths, 2048)
         assert values_of(logits.cpu(), out.cpu(), None) == values_of(logits.cpu(), want.cpu(), None), backend.name
+
+
+def test_engine_stacks_name_what_each_engine_runs_for_the_step():
+    from dispatch.bench.engine_stacks import engine_stacks, stack_of
+
+    decode = DispatchKey(Arch.SM90, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)
+    verify2 = DispatchKey(Arch.SM90, ForwardMode.TARGET_VERIFY, 2, Fp8Dtype.E4M3FN)
+    verify4 = DispatchKey(Arch.SM90, ForwardMode.TARGET_VERIFY, 4, Fp8Dtype.E4M3FN)
+    assert engine_stacks(decode) == {"SGLang": ("deepgemm.sm90", "sglang.topk_v2"),
+                                     "vLLM": ("deepgemm.sm90", "vllm.auto")}
+    assert engine_stacks(verify2)["SGLang"][0] == "deepgemm.sm90.flatten"  # SGLang: native only on SM100
+    assert engine_stacks(verify2)["vLLM"][0] == "deepgemm.sm90"
+    assert engine_stacks(verify4)["vLLM"][0] == "deepgemm.sm90.flatten"
+    assert stack_of(verify4, "deepgemm.sm90.flatten", "sglang.topk_v2") == "SGLang's stack"
+    assert stack_of(verify4, "triton", "triton") is None
+    assert engine_stacks(DispatchKey(Arch.SM89, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)) == {}
+
+
+def test_lengths_are_clamped_to_each_rows_window_without_a_host_tensor():
+    from backends.adapted_topk import clamped_lengths
+
+    logits = torch.zeros(3, 100)
+    lengths = torch.tensor([150, -2, 60], dtype=torch.int32)
+    assert clamped_lengths(logits, lengths, None).tolist() == [100, 0, 60]
+    assert clamped_lengths(logits, lengths, torch.tensor([10, 0, 70], dtype=torch.int32)).tolist() == [90, 0, 30]

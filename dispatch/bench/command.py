@@ -196,7 +196,7 @@ def report_text(report: dict) -> str:
 
 
 # Extra figures some rows carry (the prefill rows), printed after the check when present.
-_NOTES = (("step", "{}"), ("no_fill_us", "without -inf fill {:.1f} us"), ("x_deepgemm", "{:.2f}x deepgemm"),
+_NOTES = (("engine", "{}"), ("step", "{}"), ("no_fill_us", "without -inf fill {:.1f} us"), ("x_deepgemm", "{:.2f}x deepgemm"),
           ("chunks", "{} chunks"), ("peak_MiB", "peak {:.0f} MiB"), ("plan_us", "plan {:.0f} us (host)"))
 
 
