@@ -2,12 +2,14 @@
 adapter of one (FlashInfer, SGLang, vLLM) shares.
 
 - `CallLimits`: the facts of one call a kernel accepts beyond the dispatch key (k, row starts, rows,
-  row-stride alignment), checked on the host before the launch, so a call it cannot serve raises
+  row width), checked on the host before the launch, so a call it cannot serve raises
   UnservedCallError (a LayoutError) naming the backend and the reason instead of giving a wrong answer.
 - `clamped_lengths`: lengths cut to what each row's window holds, so a kernel that trusts its lengths
   (they all do) never reads past the logits it was handed.
 - `aligned_rows`: the logits copied to a row stride the kernel accepts, where it demands one.
-- `finish`: the contract's -1s, NaN rule, order and page transform applied to a kernel's raw [rows, k].
+- `finish`: the contract's -1s, NaN rule, order and page transform applied to a kernel's raw [rows, k]
+  (on a GPU one Triton launch in place, backends/triton/selection_finish.py; sorted=True and the CPU
+  take the torch ops).
   The engines' radix selects rank a NaN as a number (above +inf), so a selected NaN becomes -1: a
   poisoned (all-NaN) row gives all -1, as on every backend; a row mixing NaN with numbers may keep
   fewer than k keys where the contract keeps k (the one documented difference).
@@ -35,8 +37,10 @@ class CallLimits:
     k_max: int | None = None
     row_starts: bool = False
     rows_max: int | None = None
+    width_max: int | None = None
+    width_reason: str = ""
 
-    def why_not(self, rows: int, k: int, *, starts: bool) -> str | None:
+    def why_not(self, rows: int, k: int, *, starts: bool, width: int = 0) -> str | None:
         """None when the kernel serves a call of `rows` rows keeping `k`, else why not."""
         if self.k_values is not None and k not in self.k_values:
             return f"k {k} is not one it is built for ({', '.join(map(str, sorted(self.k_values)))})"
@@ -46,10 +50,12 @@ class CallLimits:
             return "it reads every row from column 0; ragged rows (starts) need another top-k backend"
         if self.rows_max is not None and rows > self.rows_max:
             return f"{rows} rows is past its {self.rows_max} (one cluster wave)"
+        if self.width_max is not None and width > self.width_max:
+            return f"rows {width} wide are past its {self.width_max}: {self.width_reason}"
         return None
 
-    def check(self, rows: int, k: int, *, starts: bool) -> None:
-        reason = self.why_not(rows, k, starts=starts)
+    def check(self, rows: int, k: int, *, starts: bool, width: int = 0) -> None:
+        reason = self.why_not(rows, k, starts=starts, width=width)
         if reason is not None:
             raise UnservedCallError(f"top-k backend `{self.backend}` cannot serve this call: {reason}")
 
@@ -83,6 +89,11 @@ def finish(logits, lengths, positions, *, page_table, page_rows, block_size, sor
     positions (relative to starts[r]; -1 where the kernel selected nothing)."""
     import torch
 
+    if logits.is_cuda and not sorted and positions.dtype == torch.int32 and positions.stride(1) == 1:
+        from backends.triton.selection_finish import finish_in_place  # one launch instead of the ops below
+
+        return finish_in_place(positions, logits, lengths, starts=starts, page_table=page_table,
+                               page_rows=page_rows, block_size=block_size)
     positions = positions.to(torch.int32)
     valid = (positions >= 0) & (positions < lengths[:, None])
     columns = positions.clamp(min=0).long()

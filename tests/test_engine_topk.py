@@ -142,7 +142,7 @@ def test_paged_v2_uses_the_routing_plan_built_once_per_batch():
         out = topk_through_plan(plan, logits, 2048, transform_to_slots=True)
     runs = [c for c in calls["v2"].calls if c.name == "topk_transform_paged_v2"]
     assert len(calls["v2"].calls) == 4 and all(c.args[5] is plan.state_of(Op.TOPK).metadata for c in runs)
-    assert runs[0].args[2].shape[0] == 6  # one page-table row per score row, gathered from the native table
+    assert runs[0].args[2] is None  # positions alone: the finish maps them through the plan's table
     want = reference_topk(logits, plan.token_lengths, 2048, page_table=plan.block_table, page_rows=plan.page_rows)
     assert [sorted(r) for r in out.tolist()] == [sorted(r) for r in want.tolist()]
 
@@ -356,3 +356,34 @@ def test_lengths_are_clamped_to_each_rows_window_without_a_host_tensor():
     lengths = torch.tensor([150, -2, 60], dtype=torch.int32)
     assert clamped_lengths(logits, lengths, None).tolist() == [100, 0, 60]
     assert clamped_lengths(logits, lengths, torch.tensor([10, 0, 70], dtype=torch.int32)).tolist() == [90, 0, 30]
+
+
+@pytest.mark.parametrize("with_starts,with_table", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_one_launch_finish_is_the_torch_finish(with_starts, with_table):
+    # backends/triton/selection_finish.py (what a GPU runs) against backends/adapted_topk.finish's torch ops:
+    # exact, both keep or drop the same int32 positions and map them through the same table entries.
+    from backends.adapted_topk import finish
+    from backends.triton.selection_finish import finish_in_place
+
+    generator = torch.Generator().manual_seed(5)
+    rows, width, k = 7, 600, 50
+    logits = torch.randn(rows, width, generator=generator)
+    logits[2, ::3] = float("nan")
+    logits[4] = float("nan")
+    lengths = torch.randint(0, 400, (rows,), generator=generator, dtype=torch.int32)
+    starts = torch.randint(0, 200, (rows,), generator=generator, dtype=torch.int32) if with_starts else None
+    raw = torch.randint(-1, 420, (rows, k), generator=generator, dtype=torch.int32)  # some past the length
+    table = torch.randint(0, 90, (4, 7), generator=generator, dtype=torch.int32) if with_table else None
+    table_rows = torch.tensor([0, 1, 1, 2, 3, 3, 0], dtype=torch.int32) if with_table else None
+    want = finish(logits, lengths, raw.clone(), page_table=table, page_rows=table_rows, block_size=64,
+                  sorted=False, starts=starts)
+    got = finish_in_place(raw.clone(), logits, lengths, starts=starts, page_table=table, page_rows=table_rows,
+                          block_size=64)
+    assert torch.equal(got, want)
+
+
+def test_fast_topk_refuses_rows_wider_than_it_answered_exactly():
+    backends, calls = engine_backends()
+    with pytest.raises(UnservedCallError, match="49152"):
+        backends["sglang.fast_topk"].run(torch.randn(1, 49153), torch.tensor([10], dtype=torch.int32), 2048)
+    assert not calls["sgl_kernel"].calls

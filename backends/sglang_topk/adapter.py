@@ -8,8 +8,9 @@ DSA indexer runs on CUDA:
   for CUDA graphs; a call outside a plan builds it itself (one small extra launch).
 - `topk_transform_paged_v2(scores, seq_lens, page_tables | None, out [rows, k], page_size, metadata,
   out_raw_indices=None)`: row r's top-k of scores[r, :seq_lens[r]], -1 padded, unordered; with a page
-  table [rows, M] (one row per score row) and a power-of-two page size it also writes the physical
-  slots (both outputs when out_raw_indices is given). Its host checks: fp32, unit column stride, a row
+  table [rows, M] (one row per score row) and a power-of-two page size it can also write the physical
+  slots; this adapter asks for the positions alone, since the finish (one pass that also applies the
+  NaN rule) maps them through dispatch's [P, M] table and page_rows at no extra read. Its host checks: fp32, unit column stride, a row
   stride that is a multiple of 4 floats (16-byte loads), 0 < k <= 2048, metadata [rows + 1, 2].
 - `topk_transform_ragged_v2(scores, seq_lens, out_offsets=, out_indices=, row_starts=)`: row r's
   top-k of scores[r, ks : ks + seq_lens[r]] written as position + out_offsets[r] (-1 padded); it
@@ -44,7 +45,13 @@ PLAN_COLUMNS = 2
 
 V2_PAGED = CallLimits("sglang.topk_v2", k_max=V2_MAX_K)
 V2_RAGGED = CallLimits("sglang.topk_v2.ragged", k_max=V2_MAX_K, row_starts=True)
-FAST_TOPK = CallLimits("sglang.fast_topk", k_values=frozenset({FAST_TOPK_K}), row_starts=True)
+# Its candidate buffer holds 8K entries a refinement round and is clamped, not grown: on the H200
+# (2026-12-01) 2 of 256 rows 49K-98K wide came out wrong (B=64 N=4 L~64K) while every row up to 49K
+# wide was exact, so wider rows are refused rather than answered wrongly.
+FAST_TOPK_MAX_WIDTH = 49152
+FAST_TOPK = CallLimits("sglang.fast_topk", k_values=frozenset({FAST_TOPK_K}), row_starts=True,
+                       width_max=FAST_TOPK_MAX_WIDTH,
+                       width_reason="its clamped candidate buffer lost keys on rows this long on the H200")
 
 
 @dataclass(frozen=True)
@@ -83,16 +90,11 @@ def run_v2_paged(module: ModuleType, logits, lengths, k, *, starts=None, page_ta
     lens = state.lengths if ours else clamped_lengths(scores, lengths, None)
     metadata = state.metadata if ours else module.plan_topk_v2(lens)
     raw = torch.empty(rows, k, dtype=torch.int32, device=logits.device)
-    fused = page_table is not None and not sorted and _power_of_two(block_size)
-    if not fused:
-        module.topk_transform_paged_v2(scores, lens, None, raw, block_size, metadata)
-        return finish(scores, lens, raw, page_table=page_table, page_rows=page_rows, block_size=block_size,
-                      sorted=sorted)
-    slots = torch.empty_like(raw)
-    table_rows = page_table.index_select(0, page_rows.long())  # the kernel wants one table row per score row
-    module.topk_transform_paged_v2(scores, lens, table_rows, slots, block_size, metadata, raw)
-    selected = finish(scores, lens, raw, page_table=None, page_rows=None, block_size=block_size, sorted=False)
-    return slots.masked_fill(selected < 0, -1)
+    # The kernel's own page transform is not used: the finish turns a selected NaN into -1 and maps the
+    # positions through the table in the same pass, so asking the kernel for slots would only add a write.
+    module.topk_transform_paged_v2(scores, lens, None, raw, block_size, metadata)
+    return finish(scores, lens, raw, page_table=page_table, page_rows=page_rows, block_size=block_size,
+                  sorted=sorted)
 
 
 def run_v2_ragged(module: ModuleType, logits, lengths, k, *, starts=None, page_table=None, page_rows=None,
@@ -124,7 +126,7 @@ def run_fast_topk(module: ModuleType, logits, lengths, k, *, starts=None, page_t
     check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                       block_size=block_size)
     rows, width = logits.shape
-    FAST_TOPK.check(rows, k, starts=False)
+    FAST_TOPK.check(rows, k, starts=False, width=width)
     if rows == 0 or width == 0:
         return _none_selected(rows, k, logits.device)
     first = None if starts is None else starts.to(torch.int32)
@@ -136,10 +138,6 @@ def run_fast_topk(module: ModuleType, logits, lengths, k, *, starts=None, page_t
 
 def _none_selected(rows: int, k: int, device) -> torch.Tensor:
     return torch.full((rows, k), -1, dtype=torch.int32, device=device)
-
-
-def _power_of_two(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
 
 
 def bound(run: Callable, load: Callable[[], ModuleType]) -> Callable:

@@ -2,7 +2,7 @@
 kernel package) is installed. Each one's whole contract is its row below and its run in adapter.py.
 
 | backend               | entry point (module)                                   | modes                 | k          | rows                         |
-| sglang.topk_v2        | plan_topk_v2 + topk_transform_paged_v2 (sglang)        | decode, target_verify, draft_extend | 1..2048 | from column 0; page transform fused |
+| sglang.topk_v2        | plan_topk_v2 + topk_transform_paged_v2 (sglang)        | decode, target_verify, draft_extend | 1..2048 | from column 0; page transform in the finish |
 | sglang.topk_v2.ragged | topk_transform_ragged_v2 (sglang)                      | every mode            | 1..2048    | row starts (extend's [ks, ke)) |
 | sglang.fast_topk      | fast_topk_v2 (sgl_kernel)                              | every mode            | 2048 only  | row starts                    |
 
@@ -70,8 +70,7 @@ def sglang_topk_backends(
             prepare=paged.prepare,
             refresh_state=paged.refresh_state,
             version=distribution_version("sglang"),
-            description="SGLang top-k v2 (its DSA decode path): one CTA a row, 8-CTA clusters for long rows, "
-                        "page transform fused",
+            description="SGLang top-k v2 (its DSA decode path): one CTA a row, 8-CTA clusters for long rows",
         ),
         Backend(
             name="sglang.topk_v2.ragged",
