@@ -387,3 +387,27 @@ def test_fast_topk_refuses_rows_wider_than_it_answered_exactly():
     with pytest.raises(UnservedCallError, match="49152"):
         backends["sglang.fast_topk"].run(torch.randn(1, 49153), torch.tensor([10], dtype=torch.int32), 2048)
     assert not calls["sgl_kernel"].calls
+
+
+@pytest.mark.gpu
+def test_real_engine_kernels_replay_in_a_cuda_graph_on_fresh_logits():
+    # As an engine runs the indexer: captured once, replayed with new logits written into the same buffer.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    real = [b for b in sglang_topk_backends() + vllm_topk_backends()
+            if b.availability().ok and b.name != "sglang.topk_v2.ragged"]
+    if not real:
+        pytest.skip("neither SGLang nor vLLM is installed here")
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    lengths = torch.randint(1, 5000, (48,), generator=generator, device="cuda", dtype=torch.int32)
+    logits = torch.randn(48, 5004, generator=generator, device="cuda")[:, :5000]
+    for backend in real:
+        backend.run(logits, lengths, 2048)  # compile, plan and allocate outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.run(logits, lengths, 2048)
+        logits.copy_(torch.randn(48, 5000, generator=generator, device="cuda"))
+        graph.replay()
+        want = reference_topk(logits, lengths, 2048)
+        assert values_of(logits.cpu(), out.cpu(), None) == values_of(logits.cpu(), want.cpu(), None), backend.name
