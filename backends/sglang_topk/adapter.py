@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 
@@ -41,7 +40,6 @@ V2_MAX_K = 2048
 FAST_TOPK_K = 2048
 # topk_v2's scores are read 16 bytes at a time: the row stride must be a multiple of 4 floats.
 V2_ROW_MULTIPLE = 4
-PLAN_COLUMNS = 2
 
 V2_PAGED = CallLimits("sglang.topk_v2", k_max=V2_MAX_K)
 V2_RAGGED = CallLimits("sglang.topk_v2.ragged", k_max=V2_MAX_K, row_starts=True)
@@ -102,7 +100,7 @@ def run_v2_ragged(module: ModuleType, logits, lengths, k, *, starts=None, page_t
     check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                       block_size=block_size)
     rows, width = logits.shape
-    V2_RAGGED.check(rows, k, starts=False)
+    V2_RAGGED.check(rows, k, starts=starts is not None)
     if rows == 0 or width == 0:
         return _none_selected(rows, k, logits.device)
     scores = aligned_rows(logits, V2_ROW_MULTIPLE)
@@ -126,7 +124,7 @@ def run_fast_topk(module: ModuleType, logits, lengths, k, *, starts=None, page_t
     check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                       block_size=block_size)
     rows, width = logits.shape
-    FAST_TOPK.check(rows, k, starts=False, width=width)
+    FAST_TOPK.check(rows, k, starts=starts is not None, width=width)
     if rows == 0 or width == 0:
         return _none_selected(rows, k, logits.device)
     first = None if starts is None else starts.to(torch.int32)
@@ -139,11 +137,3 @@ def run_fast_topk(module: ModuleType, logits, lengths, k, *, starts=None, page_t
 def _none_selected(rows: int, k: int, device) -> torch.Tensor:
     return torch.full((rows, k), -1, dtype=torch.int32, device=device)
 
-
-def bound(run: Callable, load: Callable[[], ModuleType]) -> Callable:
-    """`run` with its module resolved through `load` at call time."""
-
-    def call(*args, **kwargs):
-        return run(load(), *args, **kwargs)
-
-    return call
