@@ -135,7 +135,9 @@ class TopkRun(Protocol):
     relative to starts[r] of the k largest visible logits, -1 past the number selectable; a NaN is
     never selected, -inf is. With page_table [P, M] and page_rows [rows], each position p becomes the
     physical KV slot page_table[page_rows[r], p // block_size] * block_size + p % block_size.
-    sorted=True orders each row by value, descending, -1s last."""
+    sorted=True orders each row by value, descending, -1s last. A top-k backend with `prepare(plan)`
+    (a routing plan built once per batch from the plan's token lengths) also receives that state as
+    `state=`; without it (a call outside a plan) the run builds what it needs itself."""
 
     def __call__(
         self,

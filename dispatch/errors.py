@@ -29,6 +29,10 @@ class LayoutError(DispatchError, ValueError):
     """Tensors handed to a backend do not match the layout its decision was tagged with."""
 
 
+class UnservedCallError(LayoutError):
+    """A backend's kernel cannot serve this call (its k, rows or row starts); names the backend and why."""
+
+
 class DtypeMismatchError(DispatchError, ValueError):
     """Q and the K cache were quantised to different fp8 dtypes."""
 

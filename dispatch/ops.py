@@ -104,6 +104,9 @@ def topk_rows(
                                                  ("page_rows", page_rows)) if value is not None}
     if page_table is not None:
         optional["block_size"] = block_size
+    state = plan.state_of(Op.TOPK)
+    if state is not None:  # a top-k backend with prepare(plan) gets the batch's state it built
+        optional["state"] = state
     decision = plan.decision(Op.TOPK)
     out = call_backend(decision, logits, lengths, k, sorted=sorted, **optional)
     check_output(decision, "indices", out, (logits.shape[0], k), torch.int32, logits.device)

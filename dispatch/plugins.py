@@ -36,6 +36,8 @@ BUILTIN_PLUGINS = (
     "backends.triton.plugin",
     "backends.deepgemm.plugin",
     "backends.flashinfer.plugin",
+    "backends.sglang_topk.plugin",
+    "backends.vllm_topk.plugin",
 )
 
 

@@ -22,6 +22,7 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
+from backends.adapted_topk import finish
 from dispatch import detect
 from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Layout, LayoutError, Op, Support, Verified, hookimpl
 
@@ -75,33 +76,6 @@ def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:
                       block_size=block_size, sorted=sorted)
 
     return run
-
-
-def finish(logits, lengths, positions, *, page_table, page_rows, block_size, sorted):
-    """The contract's -1s, NaN rule, order and page transform, applied to a kernel's raw [rows, k]."""
-    import torch
-
-    positions = positions.to(torch.int32)
-    valid = (positions >= 0) & (positions < lengths[:, None])
-    values = torch.gather(logits, 1, positions.clamp(min=0).long())
-    valid &= ~torch.isnan(values)
-    positions = positions.masked_fill(~valid, -1)
-    if sorted:
-        positions = torch.gather(positions, 1, _valid_first(values, valid))
-    if page_table is None:
-        return positions
-    table_rows = page_table.index_select(0, page_rows.long())
-    pages = torch.gather(table_rows, 1, (positions.clamp(min=0) // block_size).long())
-    return torch.where(positions >= 0, pages * block_size + positions.clamp(min=0) % block_size, -1).to(torch.int32)
-
-
-def _valid_first(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    # Descending by value with every -1 slot after every selected one: sort by value, then stably by validity.
-    import torch
-
-    by_value = values.masked_fill(~valid, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    by_validity = torch.gather(valid, 1, by_value).to(torch.int8).argsort(dim=1, descending=True, stable=True)
-    return torch.gather(by_value, 1, by_validity)
 
 
 def flashinfer_backends(load: Callable[[], ModuleType] = import_flashinfer) -> list[Backend]:

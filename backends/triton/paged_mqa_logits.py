@@ -283,7 +283,9 @@ def triton_paged_mqa_logits(
     num_blocks, block_kv = kv_cache.shape[0], kv_cache.shape[1]
     shape = (rows * next_n, max_context_len)
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+        # Rows start 16-byte aligned (the width padded to 4 floats, a view of the first W): the engines'
+        # top-k kernels load 16 bytes at a time and would otherwise need a copy of the logits.
+        out = torch.empty(shape[0], -(-shape[1] // 4) * 4, dtype=torch.float32, device=q.device)[:, : shape[1]]
     elif out.dtype != torch.float32 or tuple(out.shape) != shape or out.stride(1) != 1 or out.device != q.device:
         raise LayoutError(f"out must be fp32 {list(shape)} contiguous along columns on {q.device}; got "
                           f"{out.dtype} {list(out.shape)}, strides {out.stride()} on {out.device}")

@@ -28,6 +28,8 @@ from dispatch.rope import RopeSpec
 
 L2_BYTES = 60 << 20  # H200; only sizes how many input sets to rotate through
 REFERENCE = "torch.reference"
+# A row's check when its backend refused the call (dispatch.errors.UnservedCallError).
+UNSERVED = "cannot serve"
 
 
 @dataclass
@@ -45,8 +47,12 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def failed(self, error: Exception) -> None:
-        """Record a backend that raised: a benchmark reports it and goes on with the others."""
-        self.check = f"failed: {type(error).__name__}: {error}"
+        """Record a backend that raised: a benchmark reports it and goes on with the others. A kernel
+        that refuses the call (UnservedCallError: its k, rows or starts) is not wrong, only unable."""
+        from dispatch.errors import UnservedCallError
+
+        prefix = UNSERVED if isinstance(error, UnservedCallError) else "failed"
+        self.check = f"{prefix}: {type(error).__name__}: {error}"
 
     def as_dict(self) -> dict[str, Any]:
         timed = self.seconds is not None

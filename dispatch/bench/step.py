@@ -1,6 +1,7 @@
 """The whole indexer step as an engine runs it per layer: Q quant -> paged logits -> top-k through
 `IndexerStep.select`, captured in one CUDA graph, for every combination of eligible logits and top-k
-backends (Q quant as decided). Each stage is also timed alone on the same plan in the same run, so the
+backends (Q quant as decided); the combinations that are SGLang's and vLLM's own stacks on this GPU
+(dispatch/bench/engine_stacks.py) are marked, where their backends are eligible. Each stage is also timed alone on the same plan in the same run, so the
 step reads against its own parts and against the sum of their floors."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_topk
+from dispatch.bench.engine_stacks import stack_of
 from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_rotating
 from dispatch.bench.workload import (
@@ -71,6 +73,9 @@ def bench_step(
     for logits_backend, topk_backend in combinations:
         row = Row(STEP, f"{logits_backend} + {topk_backend}", "-", f"{shape.label()} k={k}", bytes=bytes_,
                   flops=logits_flops, floor_seconds=floor)
+        stack = stack_of(key, logits_backend, topk_backend)
+        if stack:  # what an engine itself runs here: the rows dispatch's decided step is read against
+            row.extra["engine"] = stack
         rows.append(row)
         try:
             plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, allow_disabled=True,

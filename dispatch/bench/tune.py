@@ -240,17 +240,24 @@ class Tuner:
         """Order, per-shape times and failures from one key's rows; None when every backend failed.
         Backends within TIE of each other are measured equal: they keep the registry's order, so noise
         never swaps two layouts of one kernel (next_n 1's native and flatten are the same launch)."""
+        from dispatch.bench.runner import UNSERVED  # imports torch, which the tuner's runs need anyway
+
         failed: dict[str, str] = {}
+        unserved: dict[str, str] = {}
         times: dict[str, dict[str, float]] = {}
         for row in rows:
-            if row.check != "ok":
+            if row.check.startswith(UNSERVED):  # it cannot run some shape of the key: never preferred there
+                unserved.setdefault(row.backend, f"{row.check} at {row.shape}")
+            elif row.check != "ok":
                 failed.setdefault(row.backend, f"{row.check} at {row.shape}")
             else:
                 times.setdefault(row.shape, {})[row.backend] = round(row.seconds * 1e6, 1) or 0.1
         if failed:
             self.failures += 1
             self.say(f"check failed, never preferred: {failed}")
-        order = sorted({r.backend for r in rows} - set(failed), key=lambda name: (_geomean(times, name), name))
+        if unserved:
+            self.say(f"cannot serve every shape of the key, never preferred: {unserved}")
+        order = sorted({r.backend for r in rows} - set(failed) - set(unserved), key=lambda name: (_geomean(times, name), name))
         order = _ties_in_rule_order(order, [_geomean(times, name) for name in order], rule_order)
         if not order:
             return None

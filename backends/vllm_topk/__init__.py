@@ -1,0 +1,1 @@
+"""vLLM's top-k kernels as backends of the `topk` op (plugin.py registers them)."""
