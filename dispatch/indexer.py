@@ -23,6 +23,17 @@ from dispatch.rope import RopeSpec
 DEFAULT_TOPK = 2048
 
 
+def check_paged_q(plan: IndexerPlan, q: torch.Tensor) -> None:
+    """An engine holding q as [B, N, H, D] would otherwise meet an opaque torch error deep inside the
+    Q-quant backend (wrapped in a BackendError); say here which tensor is wrong and what is expected."""
+    tokens = plan.batch_size * plan.next_n
+    if q.dim() != 3 or q.shape[0] != tokens:
+        raise LayoutError(
+            f"q has shape {list(q.shape)}; IndexerStep.select expects q [tokens, H, D] with tokens = B*N = "
+            f"{plan.batch_size}*{plan.next_n} = {tokens} (flatten a [B, N, H, D] q with q.flatten(0, 1))"
+        )
+
+
 @dataclass(frozen=True)
 class IndexerStep:
     """Everything about the indexer that is fixed for a model: the dispatcher and the Q settings."""
@@ -63,6 +74,7 @@ class IndexerStep:
         positions are then relative to each request's first key (or physical slots with transform_to_slots)."""
         if isinstance(plan, ExtendPlan):
             return self._select_extend(plan, q, weights, positions, cos_sin_cache, kv_cache)
+        check_paged_q(plan, q)
         q_fp8, folded = self._quantise(plan, q, weights, positions, cos_sin_cache)
         # The top-k reads only each token's visible keys, so the logits need no -inf tail.
         logits = paged_mqa_logits(plan, q_fp8, kv_cache, folded, clean_logits=False)
