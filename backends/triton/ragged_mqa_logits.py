@@ -8,8 +8,8 @@ request the last rows see the most keys, so the longest programs start first and
 A program scores the key blocks of [min ks, max ke) of its rows: keys [BLOCK_K, D] are the dot's M and
 q^T [D, BLOCK_Q * H] its N (rows x heads, as in the paged kernel), so the relu-weighted head sum stays
 inside a thread and its quad. Every other column of its rows gets -inf from wide stores that read
-nothing (unless clean_logits=False). K rows outside [min ks, max ke) are never read; NOTES.md has the
-design and the measurements.
+nothing (unless clean_logits=False). K rows outside [min ks, max ke) are never read;
+docs/internal/triton-notes.md has the design and the measurements.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class LaunchConfig:
 
 
 def default_config(device: torch.device) -> LaunchConfig:
-    """NOTES.md ("Ragged MQA logits") has the reasoning and the measurements behind the GPU choice."""
+    """docs/internal/triton-notes.md ("Ragged MQA logits") has the reasoning and the measurements behind
+    the GPU choice."""
     if device.type != "cuda":
         # The interpreter pays per program and per step: few, large ones.
         return LaunchConfig(rows=8, keys=64, fill=256, num_warps=4, num_stages=1)
