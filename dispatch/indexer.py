@@ -23,6 +23,17 @@ from dispatch.rope import RopeSpec
 DEFAULT_TOPK = 2048
 
 
+def check_paged_q(plan: IndexerPlan, q: torch.Tensor) -> None:
+    """An engine holding q as [B, N, H, D] would otherwise meet an opaque torch error deep inside the
+    Q-quant backend (wrapped in a BackendError); say here which tensor is wrong and what is expected."""
+    tokens = plan.batch_size * plan.next_n
+    if q.dim() != 3 or q.shape[0] != tokens:
+        raise LayoutError(
+            f"q has shape {list(q.shape)}; IndexerStep.select expects q [tokens, H, D] with tokens = B*N = "
+            f"{plan.batch_size}*{plan.next_n} = {tokens} (flatten a [B, N, H, D] q with q.flatten(0, 1))"
+        )
+
+
 @dataclass(frozen=True)
 class IndexerStep:
     """Everything about the indexer that is fixed for a model: the dispatcher and the Q settings."""
@@ -67,6 +78,7 @@ class IndexerStep:
                 plan, kv_cache,
                 lambda rows: self._quantise(plan, q[rows], weights[rows], positions[rows], cos_sin_cache),
             )
+        check_paged_q(plan, q)
         q_fp8, folded = self._quantise(plan, q, weights, positions, cos_sin_cache)
         return self.select_quantised(plan, q_fp8, folded, kv_cache)
 
@@ -80,6 +92,7 @@ class IndexerStep:
         if isinstance(plan, ExtendPlan):
             self._check_extend_inputs(plan, q_fp8, kv_cache)
             return self._select_extend(plan, kv_cache, lambda rows: (q_fp8[rows], weights[rows]))
+        check_paged_q(plan, q_fp8)
         # The top-k reads only each token's visible keys, so the logits need no -inf tail.
         logits = paged_mqa_logits(plan, q_fp8, kv_cache, weights, clean_logits=False)
         return topk(plan, logits, self.topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])

@@ -1,5 +1,5 @@
 """Meta-tests, datasette's habit: every hook, op and environment variable the code reads is documented
-in README.md, every hook and op is exercised by a test, and every op has its whole contract (a call
+in the documentation (README.md and docs/, read by tests/documentation.py), every hook and op is exercised by a test, and every op has its whole contract (a call
 convention, a torch reference, a registry table)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from dispatch import hookspecs
 from dispatch.contract import OP_CONTRACTS
 from dispatch.key import Op
 from dispatch.runtime import load_dispatcher
+from tests.documentation import documentation_text
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+DOCS = documentation_text()
 TESTS = {path.name: path.read_text() for path in (ROOT / "tests").glob("test_*.py") if path.name != Path(__file__).name}
 HOOKS = sorted(name for name in dir(hookspecs) if hasattr(getattr(hookspecs, name), "dispatch_spec"))
 # What the code reads: os.environ.get("X"), os.environ["X"], os.getenv("X").
@@ -37,13 +38,13 @@ def test_there_are_hooks_ops_and_variables_to_check():
 
 @pytest.mark.parametrize("hook", HOOKS)
 def test_every_hook_is_documented_and_tested(hook):
-    assert f"`{hook}(" in README, f"README.md does not document the hook `{hook}`"
+    assert f"`{hook}(" in DOCS, f"the documentation does not document the hook `{hook}`"
     assert any(hook in text for text in TESTS.values()), f"no test exercises the hook `{hook}`"
 
 
 @pytest.mark.parametrize("op", list(Op), ids=lambda op: op.value)
 def test_every_op_is_documented_and_tested(op):
-    assert f"`{op.value}`" in README, f"README.md does not document the op `{op.value}`"
+    assert f"`{op.value}`" in DOCS, f"the documentation does not document the op `{op.value}`"
     assert any(f"Op.{op.name}" in text for text in TESTS.values()), f"no test names Op.{op.name}"
 
 
@@ -57,4 +58,4 @@ def test_every_op_has_a_contract_a_reference_and_a_registry_table(op):
 
 @pytest.mark.parametrize("name", sorted(env_vars_read()))
 def test_every_environment_variable_read_is_documented(name):
-    assert f"`{name}`" in README, f"the code reads {name} but README.md does not document it"
+    assert f"`{name}`" in DOCS, f"the code reads {name} but the documentation (README.md, docs/) does not document it"

@@ -1,5 +1,6 @@
 """tools/plot_bench.py: the bench report's rows parsed into one line per (backend, batch size) per
-(op, next_n) panel, always; the picture drawn only where matplotlib is installed (a development tool)."""
+(op, next_n) panel, and each line's ratio to the fastest backend, always; the picture drawn only where
+matplotlib is installed (a development tool)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,19 @@ def test_series_groups_by_panel_and_line_sorted_by_length(plot_bench):
     }
     assert panels[("paged_mqa_logits", 4)] == {("triton", 32): [(512, 20.0)]}  # the untimed row is left out
     assert panels[("topk", 1)] == {("torch.reference", 128): [(32768, 900.0)]}
+
+
+def test_ratios_are_against_the_fastest_backend_at_each_batch_and_length(plot_bench):
+    lines = plot_bench.series(REPORT)[("paged_mqa_logits", 1)]
+    assert plot_bench.ratios(lines) == {
+        ("triton", 128): [(8192, 1.0), (32768, 1.0)],  # 49.2 was timed alone; 161.9 the fastest at 32K
+        ("deepgemm.sm90", 128): [(32768, 202.6 / 161.9)],  # the same division on both sides: exact
+    }
+
+
+def test_ratios_compare_only_within_a_batch_size(plot_bench):
+    lines = {("a", 1): [(256, 2.0), (512, 4.0)], ("b", 1): [(256, 1.0)], ("a", 8): [(256, 8.0)]}
+    assert plot_bench.ratios(lines) == {("a", 1): [(256, 2.0), (512, 1.0)], ("b", 1): [(256, 1.0)], ("a", 8): [(256, 1.0)]}
 
 
 def test_draw_writes_a_picture(plot_bench, tmp_path):

@@ -167,7 +167,8 @@ def test_non_contiguous_rows():
 
 def test_row_streaming_kernels_do_not_specialise_on_the_row_stride():
     """An aligned row stride (DeepGEMM's 256-aligned output) must compile to the same code as any other:
-    specialised, the split's tile goes through shared memory (NOTES.md; top-k 27 -> 49 us on the H200)."""
+    specialised, the split's tile goes through shared memory
+    (docs/internal/triton-notes.md; top-k 27 -> 49 us on the H200)."""
     from backends.triton.topk import _bracket_kernel, _split_kernel
     from backends.triton.topk_finish import _finish_kernel
 

@@ -28,6 +28,7 @@ from dispatch.registry.document import load_registry
 from dispatch.registry.measured import load_measured, parse_measured
 from dispatch.runtime import build_dispatcher, load_plugins
 from dispatch.version import dispatch_version
+from tests.documentation import documentation_text
 from tests.fakes import fake_plugin
 
 REGISTRY = """\
@@ -393,11 +394,11 @@ def test_workload_block_is_validated_in_the_registry(tmp_path):
     assert str(error.value).startswith(f"{tmp_path / 'registry.yaml'}:17: clusters.ci-cpu.workload.next_n[0]: ")
 
 
-def test_the_readme_overlay_example_is_one_the_loader_accepts():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("**The overlay**"):]
+def test_the_documented_overlay_example_is_one_the_loader_accepts():
+    docs = documentation_text()  # the example is docs/tune.md's
+    section = docs[docs.index("**The overlay**"):]
     example = section[section.index("```yaml\n") + 8 : section.index("```\n", section.index("```yaml\n") + 8)]
-    measured = parse_measured(example, "README.md")
+    measured = parse_measured(example, "docs/tune.md")
     key = DispatchKey(Arch.SM90, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)
     assert measured.find(Op.PAGED_MQA_LOGITS, key)[1].order[0] == "deepgemm.sm90"
 

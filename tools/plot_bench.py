@@ -1,7 +1,9 @@
-"""Draw a `python -m dispatch bench --json` report as a picture: time against mean context length,
-one panel per (op, next_n), one line per backend and batch size.
+"""Draw a `python -m dispatch bench --json` report as a picture: per (op, next_n) one panel of time
+against mean context length and, under it, one of each time's ratio to the fastest backend at that
+(batch size, length); one colour per backend, one marker and line style per batch size, the legend
+outside the panels.
 
-    python tools/plot_bench.py bench.json -o BENCHMARKS-grid.png
+    python tools/plot_bench.py bench.json -o docs/images/BENCHMARKS-grid.png
 
 Needs matplotlib (a development tool, not a dependency of dispatch: `pip install matplotlib`).
 """
@@ -40,6 +42,22 @@ def series(report: dict) -> dict[tuple[str, int], dict[tuple[str, int], list[tup
     return panels
 
 
+def ratios(lines: dict[tuple[str, int], list[tuple[int, float]]]) -> dict[tuple[str, int], list[tuple[int, float]]]:
+    """One panel's lines as ratios to the fastest backend at each (batch size, length): 1.0 is the
+    fastest there; a point only one backend timed is 1.0 by definition."""
+    fastest: dict[tuple[int, int], float] = {}
+    for (_, batch), points in lines.items():
+        for length, us in points:
+            fastest[(batch, length)] = min(us, fastest.get((batch, length), us))
+    return {
+        line: [(length, us / fastest[(line[1], length)]) for length, us in points] for line, points in lines.items()
+    }
+
+
+def length_label(length: int) -> str:
+    return f"{length // 1024}K" if length >= 1024 else str(length)
+
+
 def draw(report: dict, output: str) -> None:
     import matplotlib
 
@@ -50,29 +68,37 @@ def draw(report: dict, output: str) -> None:
     if not panels:
         raise SystemExit("the report has no timed rows with a B=/N=/L~ shape to draw")
     keys = sorted(panels)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4), squeeze=False)
-    # One colour per backend, one line style per batch size, so both read at a glance.
+    fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys) + 2.4, 7.2), squeeze=False, sharex="col",
+                             gridspec_kw={"height_ratios": [3, 2]})
+    # One colour per backend, one marker and line style per batch size, so both read at a glance.
     backends = sorted({backend for lines in panels.values() for backend, _ in lines})
     batches = sorted({batch for lines in panels.values() for _, batch in lines})
     colours = {backend: f"C{i}" for i, backend in enumerate(backends)}
-    styles = {batch: ("-", "--", ":", "-.")[i % 4] for i, batch in enumerate(batches)}
-    for axis, key in zip(axes[0], keys):
-        lengths_seen = set()
+    styles = {batch: (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ("-", "v"))[i % 5] for i, batch in enumerate(batches)}
+    handles = {}
+    for column, key in enumerate(keys):
+        times, relative = axes[0][column], axes[1][column]
+        ticks = sorted({length for points in panels[key].values() for length, _ in points})
         for (backend, batch), points in sorted(panels[key].items()):
-            lengths, times = zip(*points)
-            lengths_seen.update(lengths)
-            axis.plot(lengths, times, marker="o", color=colours[backend], linestyle=styles[batch],
-                      label=f"{backend} B={batch}")
+            line, marker = styles[batch]
+            look = {"color": colours[backend], "linestyle": line, "marker": marker, "markersize": 4}
+            (handle,) = times.plot(*zip(*points), **look)
+            relative.plot(*zip(*ratios(panels[key])[(backend, batch)]), **look)
+            handles[f"{backend} B={batch}"] = handle
         op, next_n = key
-        axis.set(title=f"{op}, next_n={next_n}", xlabel="mean context length", ylabel="median us", xscale="log", yscale="log")
-        ticks = sorted(lengths_seen)
-        axis.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
-        axis.minorticks_off()
-        axis.grid(True, which="major", alpha=0.3)
-        axis.legend(fontsize=6)
+        times.set(title=f"{op}, next_n={next_n}", ylabel="median us", xscale="log", yscale="log")
+        relative.set(xlabel="mean context length", ylabel="x the fastest", xscale="log")
+        relative.axhline(1.0, color="black", linewidth=0.8)
+        for axis in (times, relative):
+            axis.set_xticks(ticks, [length_label(t) for t in ticks])
+            axis.minorticks_off()
+            axis.grid(True, which="major", alpha=0.3)
+    # One legend for the whole figure, right of the panels, so it never covers a point.
+    fig.legend(list(handles.values()), list(handles), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7,
+               frameon=False)
     fig.suptitle(f"{report['machine']}, {report['date']}, torch {report['torch']}, triton {report['triton']}")
     fig.tight_layout()
-    fig.savefig(output, dpi=120)
+    fig.savefig(output, dpi=120, bbox_inches="tight")
 
 
 def main() -> None:

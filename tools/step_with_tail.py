@@ -1,6 +1,6 @@
 """`python -m dispatch bench ...` with the paged logits forced to write their -inf tail
 (clean_logits=True) inside the indexer step and its lone logits stage: the A/B of the step's
-clean_logits=False (BENCHMARKS.md, "The whole indexer step").
+clean_logits=False (docs/internal/benchmark-history.md, "The whole indexer step").
 
     PYTHONPATH=. python3 tools/step_with_tail.py bench --op step --batch-sizes 128 --lengths 32768 \
         --next-n 1,4 --backends triton,deepgemm.sm90,deepgemm.sm90.flatten --repeats 20

@@ -1,6 +1,6 @@
 """GPU sweep of the Triton top-k split's keys a thread (`lanes`) at the probe's three shapes: whole
 top-k (graph-replayed) and the split kernel's own time, each config checked exact against torch.topk
-(BENCHMARKS.md, "Top-k").
+(docs/internal/benchmark-history.md, "Top-k").
 
     PYTHONPATH=. python3 tools/sweep_topk_lanes.py
 """

@@ -232,7 +232,7 @@ class LaunchConfig:
 
 
 def default_config(next_n: int, device: torch.device) -> LaunchConfig:
-    """Per next_n; NOTES.md has the measurements behind each choice."""
+    """Per next_n; docs/internal/triton-notes.md has the measurements behind each choice."""
     if device.type != "cuda":
         # The interpreter pays per program and per step: few, large ones.
         return LaunchConfig(tokens=8, pages=2, programs_per_sm=4, num_warps=4, num_stages=1)

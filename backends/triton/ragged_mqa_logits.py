@@ -8,8 +8,8 @@ request the last rows see the most keys, so the longest programs start first and
 A program scores the key blocks of [min ks, max ke) of its rows: keys [BLOCK_K, D] are the dot's M and
 q^T [D, BLOCK_Q * H] its N (rows x heads, as in the paged kernel), so the relu-weighted head sum stays
 inside a thread and its quad. Every other column of its rows gets -inf from wide stores that read
-nothing (unless clean_logits=False). K rows outside [min ks, max ke) are never read; NOTES.md has the
-design and the measurements. NaN follows the paged kernel's rule (a NaN q or key byte, a NaN weight or a
+nothing (unless clean_logits=False). K rows outside [min ks, max ke) are never read; docs/internal/triton-notes.md
+has the design and the measurements. NaN follows the paged kernel's rule (a NaN q or key byte, a NaN weight or a
 non-finite key scale makes the logits it touches NaN), so top-k never selects such a key.
 """
 
@@ -124,7 +124,8 @@ class LaunchConfig:
 
 
 def default_config(device: torch.device) -> LaunchConfig:
-    """NOTES.md ("Ragged MQA logits") has the reasoning and the measurements behind the GPU choice."""
+    """docs/internal/triton-notes.md ("Ragged MQA logits") has the reasoning and the measurements behind
+    the GPU choice."""
     if device.type != "cuda":
         # The interpreter pays per program and per step: few, large ones.
         return LaunchConfig(rows=8, keys=64, fill=256, num_warps=4, num_stages=1)

@@ -32,7 +32,7 @@ NaN fails every bracket compare and is no radix entry, so it is never selected; 
 (lowest) key. Scratch (counters, brackets, candidate lists, fine windows and histograms, threshold
 bins' entries) is a per-device workspace cached by (rows rounded up to a power of two, CAP, FINE,
 TIES) and never freed, so a CUDA graph captured after one eager
-call at its shape allocates nothing. Design notes and the numbers behind them: NOTES.md.
+call at its shape allocates nothing. Design notes and the numbers behind them: docs/internal/triton-notes.md.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def topk_indices(
 
 
 # Programs the split should give each SM at least: enough independent loads in flight to cover the
-# memory latency (reasoned, NOTES.md; the probe sweeps the chunk).
+# memory latency (reasoned, docs/internal/triton-notes.md; the probe sweeps the chunk).
 # The split's chunk: 1024 keys with 4 warps. Measured against 2048 with 8 (the earlier default at
 # large shapes) on the H200, 2026-11-30 12:20 UTC (tools/probe_topk.py, graph-replayed): 82.8 vs 87.4
 # us at 512 rows x 49K, 33.7 vs 35.1 at 128 x 49K; 1024 was already the default at 64 x 12K.
@@ -163,7 +163,7 @@ def launch_config(rows: int, width: int, k: int = 2048, interpreted: bool | None
     in flight lifts the split from ~80 to ~125 registers at sm_90, a third of the programs an SM) of
     SPLIT_BLOCK keys; a thread holds one column of lanes = 8 keys. The interpreter pays per operation, not
     per element, so there tiles are as large as the row allows (`interpreted` None: whether
-    TRITON_INTERPRET is on here). The finish is two-level (fine = 1024 bins, ties = 32: NOTES.md,
+    TRITON_INTERPRET is on here). The finish is two-level (fine = 1024 bins, ties = 32: docs/internal/triton-notes.md,
     "Round 4"); fine = 0 selects round 2's radix finish."""
     if triton_interpreter_on() if interpreted is None else interpreted:
         block = min(4096, max(256, triton.next_power_of_2(max(width, 1))))

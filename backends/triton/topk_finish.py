@@ -25,7 +25,7 @@ from backends.triton.topk_keys import (
 # divisible by 16) it compiled to 106 registers, 10696 SASS instructions and 216 barriers at sm_90
 # instead of 78 / 9968 / 159 (Triton 3.6, tools/probe_topk.py --resources), and the finish took 21.4 /
 # 9.0 / 6.4 us instead of 18.0 / 7.6 / 4.5 at the probe's three shapes (H200, 13:09 and 14:14 UTC
-# 2026-11-30; NOTES.md "Round 6").
+# 2026-11-30; docs/internal/triton-notes.md "Round 6").
 FINISH_NOT_SPECIALISED = ROW_STRIDE_NOT_SPECIALISED + ["stride_cand"]
 
 
