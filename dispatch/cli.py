@@ -299,6 +299,10 @@ def _explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _explained_mode(args: argparse.Namespace) -> ForwardMode:
     """The forward mode, from --forward-mode or implied by --extend-lens; lengths of the other kind of
     batch are refused, saying which option that batch takes."""
@@ -404,7 +408,7 @@ def _validate(args: argparse.Namespace) -> int:
     per_op = ", ".join(f"{op.value} {len(tables[op].rules)}" for op in Op if op in tables)
     print(
         f"ok: {document.path}: {rules} rules over {len(tables)} ops ({per_op}), "
-        f"{len(document.registry.clusters)} clusters, {len(document.measured)} measured overlays "
+        f"{_count(len(document.registry.clusters), 'cluster')}, {_count(len(document.measured), 'measured overlay')} "
         f"(fingerprint {document.fingerprint})"
     )
     return EXIT_OK

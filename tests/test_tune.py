@@ -143,7 +143,7 @@ def test_validate_accepts_it_and_a_cluster_decides_by_it(tuned, capsys):
     registry, overlay_path, _ = tuned
     assert main(["validate", str(registry)]) == 0
     out, err = capsys.readouterr()
-    assert "1 measured overlays" in out
+    assert "1 measured overlay " in out
     assert "stale evidence" not in err  # just measured by this tree (its version carries the commit)
     preference = load_measured(overlay_path).find(Op.PAGED_MQA_LOGITS, VERIFY)[1]
     args = ["explain", "--registry", str(registry), "--cluster", "ci-cpu", "--forward-mode", "target_verify", "--next-n", "2"]
