@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from tests.engine_presence import engine_missing
 from tests.engine_stubs_path import engine_stubs_on_path
 
 INSTALL = "pip install --no-deps -r tests/engines/sglang-nodeps.txt && pip install -r tests/engines/sglang-deps.txt"
@@ -25,7 +26,7 @@ def sglang_env():
             try:
                 import sglang.srt.layers.attention.dsa.dsa_indexer  # noqa: F401
             except ImportError as exc:
-                pytest.skip(f"sglang is not importable ({exc}); install it with: {INSTALL}")
+                engine_missing(f"sglang is not importable ({exc}); install it with: {INSTALL}")
             from tests import sglang_harness
 
             yield sglang_harness

@@ -289,7 +289,7 @@ def test_exit_2_on_an_invalid_key(capsys, argv, words):
 def test_exit_2_on_an_unknown_cluster(capsys, clean_environment):
     code, out, err = run(capsys, "explain", "--arch", "sm90", "--cluster", "nope")
     assert_clean_exit_2(code, out, err)
-    assert "unknown cluster `nope` (declared: h200-mtp, reference-only)" in err
+    assert "unknown cluster `nope` (declared: `h200-mtp`, `reference-only`)" in err
     clean_environment.setenv("DISPATCH_CLUSTER", "also-nope")
     code, out, err = run(capsys, "explain", "--arch", "sm90")
     assert_clean_exit_2(code, out, err)

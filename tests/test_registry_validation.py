@@ -309,7 +309,7 @@ def test_unknown_cluster():
     with pytest.raises(RegistryError) as error:
         resolve_cluster(document, "nope", Arch.SM90)
     assert str(error.value).startswith("r.yaml: ")
-    assert "unknown cluster `nope`" in str(error.value) and "declared: c" in str(error.value)
+    assert "unknown cluster `nope`" in str(error.value) and "declared: `c`" in str(error.value)
 
 
 def test_unknown_cluster_from_the_environment(monkeypatch):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.engine_presence import engine_missing
 from tests.engine_stubs_path import engine_stubs_on_path
 
 INSTALL = ("python3 -m pip install --no-deps -r tests/engines/vllm-nodeps.txt && "
@@ -21,7 +22,7 @@ HEAD_DIM = 128
 def import_vllm():
     """vLLM's indexer modules, or a clean skip naming the install command."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip(f"vllm 0.33.0 is not installed ({INSTALL})")
+        engine_missing(f"vllm 0.33.0 is not installed ({INSTALL})")
     with engine_stubs_on_path("vllm"):
         from vllm.v1.attention.backends.mla import indexer
     return indexer
