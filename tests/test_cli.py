@@ -10,25 +10,11 @@ import pytest
 import torch
 
 from dispatch.cli import main
-from dispatch.detect import detect_arch
+from tests.cli_session import clean_environment, run  # noqa: F401 (clean_environment: an autouse fixture)
 
 LOGITS_KEYS = {"op", "key", "backend", "layout", "rule", "cluster", "plugin", "rejected"}
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch):
-    for name in ("DISPATCH_REGISTRY", "DISPATCH_CLUSTER", "DISPATCH_PLUGINS", "DISPATCH_ARCH", "DISPATCH_FP8_DTYPE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
-    detect_arch.cache_clear()
-    yield monkeypatch
-    detect_arch.cache_clear()
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def explain_json(capsys, *argv) -> dict:

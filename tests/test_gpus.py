@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatch.cli import main
+from tests.cli_session import clean_environment, run  # noqa: F401 (clean_environment: an autouse fixture)
 from dispatch.detect import detect_arch
 from dispatch.errors import InvalidKeyError
 from dispatch.gpus import GPUS, find_gpu
@@ -18,20 +18,6 @@ from dispatch.key import Arch
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch):
-    for name in ("DISPATCH_REGISTRY", "DISPATCH_CLUSTER", "DISPATCH_PLUGINS", "DISPATCH_ARCH", "DISPATCH_FP8_DTYPE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
-    detect_arch.cache_clear()
-    yield monkeypatch
-    detect_arch.cache_clear()
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize(
