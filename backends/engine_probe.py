@@ -19,9 +19,10 @@ def import_module(name: str) -> Callable[[], ModuleType]:
 
 def engine_topk_availability(
     *, host: Arch, gpu_visible: bool, archs: frozenset[Arch], load: Callable[[], object], module: str,
-    symbols: tuple[str, ...],
+    symbols: tuple[str, ...], missing_hint: str = "",
 ) -> Availability:
-    """Availability of a kernel reached through `module`'s `symbols`: the cheap facts first, then the import."""
+    """Availability of a kernel reached through `module`'s `symbols`: the cheap facts first, then the import.
+    `missing_hint` follows the message when a symbol is missing (e.g. the release that added it)."""
     if not gpu_visible:
         return Availability.no(f"no CUDA GPU is visible to torch (host arch {host.value})")
     if host not in archs:
@@ -33,7 +34,7 @@ def engine_topk_availability(
         return Availability.no(f"{module} cannot be imported: {type(error).__name__}: {error}")
     missing = [name for name in symbols if not _has(loaded, name)]
     if missing:
-        return Availability.no(f"{module} has no {' and no '.join(f'`{name}`' for name in missing)}")
+        return Availability.no(f"{module} has no {' and no '.join(f'`{name}`' for name in missing)}{missing_hint}")
     return Availability.yes()
 
 

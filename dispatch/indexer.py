@@ -120,20 +120,24 @@ class IndexerStep:
             )
 
     def _select_extend(self, plan: ExtendPlan, kv_cache, quantised_rows) -> torch.Tensor:
-        """Gather this layer's K (the cache differs per layer), then per chunk of query rows: Q quant
-        (quantised_rows(rows) -> (q_fp8, folded weights)) -> ragged logits over the chunk's key window ->
-        top-k over each row's [ks, ke). The logits are asked for without the -inf fill
-        (clean_logits=False): the top-k reads only [ks, ke)."""
-        k, scales = gather_keys(plan, kv_cache)
-        out = torch.empty(plan.total_tokens, self.topk, dtype=torch.int32, device=kv_cache.device)
-        transform = {"page_table": plan.page_table, "block_size": plan.block_kv} if self.transform_to_slots else {}
-        for chunk in plan.chunks:
-            q_fp8, folded = quantised_rows(chunk.rows)
-            logits = ragged_mqa_logits(
-                plan, q_fp8, k[chunk.keys], scales[chunk.keys], folded, chunk.ks, chunk.ke, clean_logits=False
-            )
-            page_rows = {"page_rows": chunk.page_rows} if self.transform_to_slots else {}
-            out[chunk.rows] = topk_rows(
-                plan, logits, chunk.lengths, self.topk, starts=chunk.ks, **transform, **page_rows
-            )
-        return out
+        return select_extend(plan, kv_cache, quantised_rows, self.topk, transform_to_slots=self.transform_to_slots)
+
+
+def select_extend(plan: ExtendPlan, kv_cache: torch.Tensor, quantised_rows, k: int, *,
+                  transform_to_slots: bool = False) -> torch.Tensor:
+    """The extend step after planning: gather this layer's K (the cache differs per layer), then per chunk
+    of query rows: Q quant (quantised_rows(rows) -> (q_fp8, folded weights), rows a slice of the plan's
+    M) -> ragged logits over the chunk's key window -> top-k over each row's [ks, ke). int32 [M, k].
+    The logits are asked for without the -inf fill (clean_logits=False): the top-k reads only [ks, ke).
+    IndexerStep and the vLLM plugin, which writes the result into vLLM's buffer, both run it."""
+    keys, scales = gather_keys(plan, kv_cache)
+    out = torch.empty(plan.total_tokens, k, dtype=torch.int32, device=kv_cache.device)
+    transform = {"page_table": plan.page_table, "block_size": plan.block_kv} if transform_to_slots else {}
+    for chunk in plan.chunks:
+        q_fp8, folded = quantised_rows(chunk.rows)
+        logits = ragged_mqa_logits(
+            plan, q_fp8, keys[chunk.keys], scales[chunk.keys], folded, chunk.ks, chunk.ke, clean_logits=False
+        )
+        page_rows = {"page_rows": chunk.page_rows} if transform_to_slots else {}
+        out[chunk.rows] = topk_rows(plan, logits, chunk.lengths, k, starts=chunk.ks, **transform, **page_rows)
+    return out

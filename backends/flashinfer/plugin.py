@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
 from backends.adapted_topk import finish
+from backends.engine_probe import engine_topk_availability
 from dispatch import detect
 from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Layout, LayoutError, Op, Support, Verified, hookimpl
 
@@ -39,19 +40,10 @@ def import_flashinfer() -> ModuleType:
 
 
 def flashinfer_availability(*, host: Arch, gpu_visible: bool, load: Callable[[], ModuleType]) -> Availability:
-    """Availability on a machine of arch `host`: the cheap facts first, then the import."""
-    if not gpu_visible:
-        return Availability.no(f"no CUDA GPU is visible to torch (host arch {host.value})")
-    if host not in FLASHINFER_ARCHS:
-        return Availability.no(f"FlashInfer's top-k runs on {', '.join(sorted(a.value for a in FLASHINFER_ARCHS))}; "
-                               f"this machine is {host.value}")
-    try:
-        module = load()
-    except Exception as error:  # a broken optional install says why, it does not stop dispatch
-        return Availability.no(f"flashinfer cannot be imported: {type(error).__name__}: {error}")
-    if not hasattr(module, ENTRY):
-        return Availability.no(f"flashinfer {getattr(module, '__version__', '?')} has no {ENTRY} (needs >= 0.6)")
-    return Availability.yes()
+    """Availability on a machine of arch `host`: the cheap facts first, then the import (as for the
+    engines' top-k kernels, backends/engine_probe.py)."""
+    return engine_topk_availability(host=host, gpu_visible=gpu_visible, archs=FLASHINFER_ARCHS, load=load,
+                                    module="flashinfer", symbols=(ENTRY,), missing_hint=" (needs >= 0.6)")
 
 
 def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:

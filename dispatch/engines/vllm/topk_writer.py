@@ -14,7 +14,8 @@ import torch
 
 from dispatch.errors import DtypeMismatchError, LayoutError
 from dispatch.fp8 import torch_dtype
-from dispatch.ops import gather_keys, indexer_q_quant, paged_mqa_logits, ragged_mqa_logits, topk, topk_rows
+from dispatch.indexer import select_extend
+from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
 from dispatch.rope import RopeSpec
 
 from dispatch.engines.vllm.forward_plan import ForwardPlans
@@ -60,15 +61,12 @@ def write_topk(
         logits = paged_mqa_logits(plans.decode, q_fp8, kv, folded, clean_logits=False)
         topk_indices_buffer[rows, :topk_tokens] = topk(plans.decode, logits, topk_tokens, block_size=kv.shape[1])
     for part in plans.prefills:
-        plan = part.plan
-        k, scales = gather_keys(plan, kv)
-        for chunk in plan.chunks:
-            rows = slice(part.rows.start + chunk.rows.start, part.rows.start + chunk.rows.stop)
-            q_fp8, folded = _quantised(plan, q, weights, rows, quantise)
-            logits = ragged_mqa_logits(
-                plan, q_fp8, k[chunk.keys], scales[chunk.keys], folded, chunk.ks, chunk.ke, clean_logits=False
-            )
-            topk_indices_buffer[rows, :topk_tokens] = topk_rows(plan, logits, chunk.lengths, topk_tokens, starts=chunk.ks)
+        start = part.rows.start  # the part's rows within this forward's tokens
+
+        def quantised_rows(rows: slice, plan=part.plan, start=start):
+            return _quantised(plan, q, weights, slice(start + rows.start, start + rows.stop), quantise)
+
+        topk_indices_buffer[part.rows, :topk_tokens] = select_extend(part.plan, kv, quantised_rows, topk_tokens)
     return topk_indices_buffer
 
 
