@@ -120,6 +120,9 @@ class RaggedMetadata:
     # int32 [1]: BAD_LENGTH where lengths on the device were negative or disagreed with the host totals
     # (every gather slot is then -1); None where the host checked the lengths (dispatch/bounds.py).
     length_flags: torch.Tensor | None = None
+    # int32 [2, M]: ks and ke as the rows of one tensor (ks and ke are its views), so a chunk's ranges
+    # shift in one op (dispatch.extend.chunk_tensors).
+    ranges: torch.Tensor | None = None
 
     def chunk_ranges(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """ks / ke of the chunk's rows, relative to its first key (device ops, no sync)."""
@@ -230,6 +233,7 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
         total_keys=keys,
         host_ranges=host_ranges,
         length_flags=length_flags,
+        ranges=ranges,
     )
 
 
