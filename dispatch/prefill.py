@@ -184,9 +184,8 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     lengths = torch.stack((batch.extend_lens, batch.prefix_lens)).long()
     if not on_host:
         lengths.clamp_(min=0)
-    lengths[1] += lengths[0]
-    offsets = lengths.new_zeros(2, requests + 1)
-    torch.cumsum(lengths, 1, out=offsets[:, 1:])
+    lengths[1].add_(lengths[0])  # (not `+=`: on a subscript that writes back with a second op)
+    offsets = torch.nn.functional.pad(lengths.cumsum(1), (1, 0))  # [2, B + 1], from 0
     # Narrowed only once bounded: offsets past the totals (garbage device lengths) stop at them, which
     # keeps them sorted, so every search below still lands on a request.
     row_offsets = offsets[0].clamp(max=rows).to(torch.int32)
@@ -200,7 +199,7 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     row_request = (torch.repeat_interleave(lengths[0], output_size=rows).to(torch.int32) if exact
                    else _request_of(row_offsets, row_index, requests))
     ranges = bases.index_select(1, row_request)
-    ranges[1] += row_index
+    ranges[1].add_(row_index)
     if not on_host:
         ranges.clamp_(0, keys)
 
