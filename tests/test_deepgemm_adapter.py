@@ -433,3 +433,60 @@ def test_availability_of_next_n4_reads_the_shipped_kernel_source(tmp_path, monke
     assert backend_named("deepgemm.sm90", without).probe().ok  # next_n 1-2 still served by that build
     none = backend_named("deepgemm.sm90.n4", bare).probe()
     assert not none.ok and "SM90 paged logits source" in none.reason
+
+
+# --- the version a measurement records ----------------------------------------------------------
+
+
+class _Distribution:
+    def __init__(self, version: str, root):
+        self.version, self._root = version, root
+
+    def locate_file(self, path):
+        return self._root / path
+
+
+@pytest.mark.parametrize("imported", ["sgl", "ts"])
+def test_with_two_builds_installed_the_version_names_the_one_imported(tmp_path, monkeypatch, imported):
+    import importlib.machinery
+    import importlib.metadata
+
+    roots = {"sgl-deep-gemm": tmp_path / "sgl", "tokenspeed-deepgemm": tmp_path / "ts"}
+    versions = {"sgl-deep-gemm": "0.1.5", "tokenspeed-deepgemm": "2.5.0.post20260629"}
+    for root in roots.values():
+        (root / "deep_gemm").mkdir(parents=True)
+        (root / "deep_gemm" / "__init__.py").write_text("")
+
+    def distribution(name):
+        if name not in roots:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return _Distribution(versions[name], roots[name])
+
+    origin = str(tmp_path / imported / "deep_gemm" / "__init__.py")
+    spec = importlib.machinery.ModuleSpec("deep_gemm", None, origin=origin)
+    monkeypatch.setattr(availability.importlib.metadata, "distribution", distribution)
+    monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: spec if name == "deep_gemm" else None)
+    expected = {"sgl": "sgl-deep-gemm 0.1.5", "ts": "tokenspeed-deepgemm 2.5.0.post20260629"}[imported]
+    assert availability.library_version() == expected
+
+
+def test_with_one_build_or_none_the_version_is_its_metadata(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    def only_tokenspeed(name):
+        if name != "tokenspeed-deepgemm":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return _Distribution("2.5.0.post20260629", tmp_path)
+
+    def find_spec(name):
+        raise AssertionError("one build installed: nothing to disambiguate")
+
+    monkeypatch.setattr(availability.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(availability.importlib.metadata, "distribution", only_tokenspeed)
+    assert availability.library_version() == "tokenspeed-deepgemm 2.5.0.post20260629"
+
+    def none(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(availability.importlib.metadata, "distribution", none)
+    assert availability.library_version() == ""

@@ -20,8 +20,10 @@ run the kernel does not load deep_gemm's CUDA extension just to say no.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from dispatch import detect
@@ -173,13 +175,37 @@ DISTRIBUTIONS = ("sgl-deep-gemm", "tokenspeed-deepgemm", "deep-gemm")
 
 def library_version() -> str:
     """"sgl-deep-gemm 0.1.5": the installed distribution, read from its metadata without importing
-    deep_gemm (a CUDA extension); "" when none is installed. A measurement records it (Backend.version)."""
-    for distribution in DISTRIBUTIONS:
+    deep_gemm (a CUDA extension); "" when none is installed. A measurement records it (Backend.version).
+    Where several are installed (each ships a `deep_gemm` package), the one whose package Python would
+    import: SM90 next_n 4 runs only on some builds, so the record must name the build that ran."""
+    installed = []
+    for name in DISTRIBUTIONS:
         try:
-            return f"{distribution} {importlib.metadata.version(distribution)}"
+            installed.append((name, importlib.metadata.distribution(name)))
         except importlib.metadata.PackageNotFoundError:
             continue
-    return ""
+    if not installed:
+        return ""
+    if len(installed) > 1:
+        imported = _deep_gemm_init()
+        for name, distribution in installed:
+            if imported is not None and _resolved(distribution.locate_file("deep_gemm/__init__.py")) == imported:
+                return f"{name} {distribution.version}"
+    name, distribution = installed[0]
+    return f"{name} {distribution.version}"
+
+
+def _deep_gemm_init() -> Path | None:
+    """The deep_gemm/__init__.py an import would run, found without running it."""
+    try:
+        spec = importlib.util.find_spec("deep_gemm")
+    except (ImportError, ValueError):
+        return None
+    return _resolved(spec.origin) if spec is not None and spec.origin else None
+
+
+def _resolved(path) -> Path:
+    return Path(str(path)).resolve()
 
 
 # SM90 ran on the H200 with sgl-deep-gemm 0.1.5 (next_n 4: tokenspeed-deepgemm 2.5.0.post20260629); SM100
