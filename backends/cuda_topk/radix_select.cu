@@ -1,0 +1,381 @@
+// dispatch's own CUDA top-k: one CTA a row, the row staged once in shared memory, an exact radix
+// select over the fp32 bits (11 + 11 + 10-bit digits of the order-preserving key), one launch a call.
+//
+// Per row (a CTA of kThreads threads):
+// 1. load: the row's visible keys [start, start + n) are read once from HBM with 16-byte loads,
+//    turned into order-preserving uint32 keys (NaN -> 0, below -inf's key, so never selected), staged
+//    in shared memory (the first stage_cap of them; past that the pass that needs them re-reads the
+//    row, from L2 mostly) and counted into a 2048-bin histogram of their top 11 bits.
+// 2. a block scan finds the bin b holding the k-th largest; keys of higher bins go straight to the
+//    output, b's keys to a candidate list (or, when more than kCandCap share b, the later rounds scan
+//    the staged row itself, filtered to b: exact whatever the data, only slower).
+// 3. two more rounds over the candidates (bits 20..10, then 9..0) give the exact k-th largest key T
+//    and how many keys equal to T are still needed; a last pass writes the keys above T and the first
+//    of those equal to T (ties: any of them will do).
+// Rows with no more than k selectable (non-NaN) keys write every such position, then -1.
+// Output positions are relative to the row's start, or physical KV slots through the page table.
+// Slots inside a row are taken by warp-aggregated atomics, so a row's positions are in no order.
+// No host sync, no allocation: CUDA-graph safe; nothing outside [start, start + n) of a row, the
+// lengths, starts, page rows or the page table's [0, pages) columns of a row is read.
+
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
+constexpr int kLastBins = 1024;   // the last round's: 10 bits
+constexpr int kCandCap = 4096;    // threshold-bin keys kept as a list (a normal row holds 1-3K there)
+constexpr int kUnroll = 4;        // 16-byte loads each thread has in flight in the load pass
+
+struct alignas(16) Shared {
+  int hist[kBins];
+  uint32_t cand_key[kCandCap];
+  int cand_pos[kCandCap];
+  int warp_sums[kWarps];
+  int out_count;
+  int cand_count;
+  int eq_count;
+  int bin;
+  int above;
+};
+
+struct Params {
+  const float* logits;
+  int64_t stride_row;
+  const int* lengths;
+  int64_t stride_len;
+  const int* starts;
+  int64_t stride_start;
+  int width;
+  int k;
+  int stage_cap;  // keys of a row staged in shared memory (a multiple of 4)
+  int* out;
+  const int* page_table;
+  int64_t stride_pt;
+  const int* page_rows;
+  int64_t stride_page_rows;
+  int table_rows;
+  int table_pages;
+  int block_size;
+};
+
+__device__ __forceinline__ uint32_t ordered_key(float x) {
+  // Flip the sign bit of a positive float, every bit of a negative one: unsigned order is value order.
+  const uint32_t bits = __float_as_uint(x);
+  const uint32_t key = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return x != x ? 0u : key;  // NaN: the lowest key, below -inf's 0x007FFFFF; bin 0 holds only NaN
+}
+
+struct PageRow {
+  const int* row;
+  int pages;
+};
+
+template <bool kHasPages>
+__device__ __forceinline__ int slot_value(int pos, const PageRow& pr, int block_size) {
+  if (!kHasPages) return pos;
+  const int page = pos / block_size;
+  if (page >= pr.pages) return -1;
+  const int phys = pr.row[page];
+  return phys >= 0 ? phys * block_size + pos % block_size : -1;
+}
+
+// Warp-aggregated slot: one shared atomic per warp for every lane that takes one.
+__device__ __forceinline__ int warp_slot(bool take, int* counter) {
+  const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  if (lane == 0 && mask) base = atomicAdd(counter, __popc(mask));
+  base = __shfl_sync(0xFFFFFFFFu, base, 0);
+  return base + __popc(mask & ((1u << lane) - 1u));
+}
+
+// The bin b (of `bins`, ascending key order) holding the need-th largest of the histogram's entries
+// (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above.
+__device__ void find_threshold(Shared& s, int need, int bins) {
+  const int t = threadIdx.x;
+  const int b_hi = bins - 1 - 2 * t;  // thread t owns the descending positions 2t and 2t + 1
+  const int h0 = b_hi >= 0 ? s.hist[b_hi] : 0;
+  const int h1 = b_hi >= 1 ? s.hist[b_hi - 1] : 0;
+  int sum = h0 + h1;
+  const int lane = t & 31, warp = t >> 5;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, sum, d);
+    if (lane >= d) sum += v;
+  }
+  if (lane == 31) s.warp_sums[warp] = sum;
+  __syncthreads();
+  if (warp == 0) {
+    int w = s.warp_sums[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, w, d);
+      if (lane >= d) w += v;
+    }
+    s.warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = sum - h0 - h1 + (warp > 0 ? s.warp_sums[warp - 1] : 0);
+  if (before < need && need <= before + h0) {
+    s.bin = b_hi;
+    s.above = before;
+  } else if (before + h0 < need && need <= before + h0 + h1) {
+    s.bin = b_hi - 1;
+    s.above = before + h0;
+  }
+  __syncthreads();
+}
+
+struct RowView {
+  const float* src;    // the row's first visible logit
+  const uint32_t* stage;  // stage[i + pad] is key i, for i < stage_cap
+  int pad;
+  int stage_cap;
+  int n;
+
+  __device__ __forceinline__ uint32_t key(int i) const {
+    return i < stage_cap ? stage[i + pad] : ordered_key(src[i]);
+  }
+};
+
+// Pass 1: stage and count. The body is 16-byte loads from the first 16-byte-aligned key on; the keys
+// before it (at most 3) and after the last full vector are read one at a time.
+__device__ void load_row(const RowView& v, uint32_t* stage, Shared& s) {
+  const int t = threadIdx.x;
+  const int n = v.n;
+  const int head = min(n, (4 - v.pad) & 3);
+  auto one = [&](int i) {
+    const uint32_t key = ordered_key(v.src[i]);
+    if (i < v.stage_cap) stage[i + v.pad] = key;
+    atomicAdd(&s.hist[key >> 21], 1);
+  };
+  if (t < head) one(t);
+  const int vectors = (n - head) / 4;
+  const float4* body = reinterpret_cast<const float4*>(v.src + head);
+  for (int base = 0; base < vectors; base += kThreads * kUnroll) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * kThreads + t;
+      if (j < vectors) x[u] = __ldg(body + j);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * kThreads + t;
+      if (j >= vectors) continue;
+      const int i = head + 4 * j;
+      const uint4 keys = make_uint4(ordered_key(x[u].x), ordered_key(x[u].y), ordered_key(x[u].z),
+                                    ordered_key(x[u].w));
+      if (i + 3 < v.stage_cap) {
+        *reinterpret_cast<uint4*>(stage + i + v.pad) = keys;  // i + pad is a multiple of 4
+      } else {
+        if (i < v.stage_cap) stage[i + v.pad] = keys.x;
+        if (i + 1 < v.stage_cap) stage[i + 1 + v.pad] = keys.y;
+        if (i + 2 < v.stage_cap) stage[i + 2 + v.pad] = keys.z;
+      }
+      atomicAdd(&s.hist[keys.x >> 21], 1);
+      atomicAdd(&s.hist[keys.y >> 21], 1);
+      atomicAdd(&s.hist[keys.z >> 21], 1);
+      atomicAdd(&s.hist[keys.w >> 21], 1);
+    }
+  }
+  const int tail = head + 4 * vectors + t;
+  if (tail < n) one(tail);
+}
+
+// The candidates of the later rounds: the list, or (when it overflowed) the row filtered to bin b1.
+// f(key, pos, live) is called warp-uniformly (every lane of a warp calls it the same number of times).
+template <typename F>
+__device__ __forceinline__ void for_each_candidate(const RowView& v, const Shared& s, bool from_list, int count,
+                                                   uint32_t b1, F f) {
+  const int total = from_list ? count : v.n;
+  for (int base = 0; base < total; base += kThreads) {
+    const int i = base + threadIdx.x;
+    const bool in = i < total;
+    uint32_t key = 0;
+    int pos = 0;
+    if (in) {
+      key = from_list ? s.cand_key[i] : v.key(i);
+      pos = from_list ? s.cand_pos[i] : i;
+    }
+    f(key, pos, in && (key >> 21) == b1);
+  }
+}
+
+template <bool kHasStarts, bool kHasPages>
+__global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  Shared& s = *reinterpret_cast<Shared*>(smem);
+  uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
+
+  // The visible window [start, start + n), clamped to the tensor.
+  int start = 0;
+  if (kHasStarts) start = min(max(p.starts[row * p.stride_start], 0), p.width);
+  const int n = min(max(p.lengths[row * p.stride_len], 0), p.width - start);
+  RowView v;
+  v.src = p.logits + row * p.stride_row + start;
+  // The row's first key sits pad keys past a 16-byte boundary; staging it at stage[pad] lines the
+  // 16-byte loads up with 16-byte shared stores.
+  v.pad = static_cast<int>((reinterpret_cast<uintptr_t>(v.src) >> 2) & 3);
+  v.stage = stage;
+  v.stage_cap = p.stage_cap;
+  v.n = n;
+  int* out_row = p.out + row * p.k;
+  const int k = p.k;
+  PageRow pr{nullptr, 0};
+  if (kHasPages) {
+    // An out-of-table page row gets no pages: every position maps to -1, nothing outside is read.
+    const int page_row = p.page_rows[row * p.stride_page_rows];
+    const bool ok = page_row >= 0 && page_row < p.table_rows;
+    pr.row = p.page_table + static_cast<int64_t>(ok ? page_row : 0) * p.stride_pt;
+    pr.pages = ok ? p.table_pages : 0;
+  }
+
+  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  if (t == 0) {
+    s.out_count = 0;
+    s.cand_count = 0;
+    s.eq_count = 0;
+  }
+  __syncthreads();
+  load_row(v, stage, s);
+  __syncthreads();
+
+  const int selectable = n - s.hist[0];
+  if (selectable <= k) {
+    // Every non-NaN key is selected: its positions, then -1 up to k.
+    for (int base = 0; base < n; base += kThreads) {
+      const int i = base + t;
+      const bool take = i < n && v.key(i) != 0u;
+      const int slot = warp_slot(take, &s.out_count);
+      if (take) out_row[slot] = slot_value<kHasPages>(i, pr, p.block_size);
+    }
+    for (int i = selectable + t; i < k; i += kThreads) out_row[i] = -1;
+    return;
+  }
+
+  find_threshold(s, k, kBins);
+  const uint32_t b1 = s.bin;
+  int need = k - s.above;
+  // Keys of bins above b1 are selected; b1's are the candidates.
+  for (int base = 0; base < n; base += kThreads) {
+    const int i = base + t;
+    const uint32_t key = i < n ? v.key(i) : 0u;
+    const uint32_t digit = key >> 21;
+    const bool above = i < n && digit > b1;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(i, pr, p.block_size);
+    const bool cand = i < n && digit == b1;
+    const int c = warp_slot(cand, &s.cand_count);
+    if (cand && c < kCandCap) {
+      s.cand_key[c] = key;
+      s.cand_pos[c] = i;
+    }
+  }
+  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  const int count = s.cand_count;
+  const bool from_list = count <= kCandCap;
+
+  // Round 2: bits 20..10 of b1's keys.
+  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
+    if (live) atomicAdd(&s.hist[(key >> 10) & 0x7FF], 1);
+  });
+  __syncthreads();
+  find_threshold(s, need, kBins);
+  const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
+  need -= s.above;
+  for (int b = t; b < kLastBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+
+  // Round 3: bits 9..0 of the keys sharing the prefix.
+  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
+    if (live && (key >> 10) == (prefix >> 10)) atomicAdd(&s.hist[key & 0x3FF], 1);
+  });
+  __syncthreads();
+  find_threshold(s, need, kLastBins);
+  const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
+  need -= s.above;  // keys equal to the threshold still needed, >= 1
+
+  // The keys of b1 above the threshold fill the slots after the higher bins'; the first `need` equal
+  // to it fill the last `need` slots.
+  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int pos, bool live) {
+    const bool above = live && key > threshold;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, p.block_size);
+    const bool equal = live && key == threshold;
+    const int e = warp_slot(equal, &s.eq_count);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, p.block_size);
+  });
+}
+
+using Kernel = void (*)(Params);
+
+template <bool kHasStarts, bool kHasPages>
+Kernel kernel_with_smem(int bytes) {
+  static int raised[64] = {};  // per device: the dynamic shared memory limit this instance was given
+  Kernel kernel = radix_topk_kernel<kHasStarts, kHasPages>;
+  int& limit = raised[c10::cuda::current_device() & 63];
+  if (bytes > limit) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    limit = bytes;
+  }
+  return kernel;
+}
+
+}  // namespace
+
+// The most keys a row may stage on this device (the opt-in shared memory less the fixed part).
+int64_t max_stage(int64_t device) {
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, static_cast<int>(device)));
+  const int64_t keys = (static_cast<int64_t>(optin) - static_cast<int64_t>(sizeof(Shared)) - 16) / 4;
+  return keys / 4 * 4;
+}
+
+// out int32 [rows, k] (contiguous); the host wrapper (select.py) has checked every tensor.
+void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
+                const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
+                int64_t k, int64_t block_size, int64_t stage_cap, torch::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t rows = logits.size(0);
+  if (rows == 0) return;
+  Params p{};
+  p.logits = logits.data_ptr<float>();
+  p.stride_row = logits.stride(0);
+  p.lengths = lengths.data_ptr<int>();
+  p.stride_len = lengths.stride(0);
+  p.starts = starts ? starts->data_ptr<int>() : nullptr;
+  p.stride_start = starts ? starts->stride(0) : 0;
+  p.width = static_cast<int>(logits.size(1));
+  p.k = static_cast<int>(k);
+  p.stage_cap = static_cast<int>(stage_cap);
+  p.out = out.data_ptr<int>();
+  p.page_table = page_table ? page_table->data_ptr<int>() : nullptr;
+  p.stride_pt = page_table ? page_table->stride(0) : 0;
+  p.page_rows = page_rows ? page_rows->data_ptr<int>() : nullptr;
+  p.stride_page_rows = page_rows ? page_rows->stride(0) : 0;
+  p.table_rows = page_table ? static_cast<int>(page_table->size(0)) : 0;
+  p.table_pages = page_table ? static_cast<int>(page_table->size(1)) : 0;
+  p.block_size = static_cast<int>(block_size);
+  const int bytes = static_cast<int>(sizeof(Shared) + 4 * (stage_cap + 4));
+  const bool has_starts = starts.has_value(), has_pages = page_table.has_value();
+  Kernel kernel = has_starts ? (has_pages ? kernel_with_smem<true, true>(bytes) : kernel_with_smem<true, false>(bytes))
+                             : (has_pages ? kernel_with_smem<false, true>(bytes) : kernel_with_smem<false, false>(bytes));
+  kernel<<<static_cast<unsigned>(rows), kThreads, bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("radix_topk", &radix_topk, "dispatch's CUDA radix top-k (see radix_select.cu)");
+  m.def("max_stage", &max_stage, "keys a row may stage in shared memory on a device");
+}
