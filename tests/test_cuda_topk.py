@@ -22,13 +22,14 @@ NAN, INF = float("nan"), float("inf")
 gpu = pytest.mark.gpu
 
 
-def radix(*args, stage=None, **kwargs):
-    from backends.cuda_topk.select import launch, radix_topk
+def radix(*args, stage=None, filtered=True, **kwargs):
+    """The served call, or (stage given) the launch with that staging and path."""
+    from backends.cuda_topk.radix_topk import launch, radix_topk
 
     if stage is None:
         return radix_topk(*args, **kwargs)
     options = {"starts": None, "page_table": None, "page_rows": None, "block_size": 64, "sorted": False, **kwargs}
-    return launch(*args, stage=stage, **options)
+    return launch(*args, stage=stage, filtered=filtered, **options)
 
 
 # ---- on a GPU: exactness ----
@@ -45,21 +46,26 @@ def test_random_ragged_rows_match_torch_topk(rows, width, k, seed):
     check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k))
 
 
+# filtered=False: the full select (what a row the filtered pass cannot serve gets), its row staged in
+# part (stage keys) or not at all, the rest re-read.
 @gpu
-@pytest.mark.parametrize("stage", [0, 4, 1000, 2048])
-@pytest.mark.parametrize("row_stride", [None, 5003])  # a stride of 5003 floats: rows start off 16-byte boundaries
-def test_rows_staged_in_part_and_misaligned_rows(stage, row_stride):
-    gen = torch.Generator().manual_seed(stage)
-    logits = random_logits(11, 5000, gen, row_stride=row_stride)
-    lengths = ragged_lengths(11, 5000, 2048, gen)
-    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, stage=stage))
+@pytest.mark.parametrize(("stage", "filtered"), [(0, True), (0, False), (4, False), (1000, False), (2048, False),
+                                                 (12000, False)])
+@pytest.mark.parametrize("row_stride", [None, 10003])  # a stride of 10003 floats: rows start off 16-byte boundaries
+@pytest.mark.parametrize("width", [5000, 10000])  # whole rows in the list; sampled cuts
+def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width):
+    gen = torch.Generator().manual_seed(stage + width)
+    logits = random_logits(11, width, gen, row_stride=row_stride)
+    lengths = ragged_lengths(11, width, 2048, gen)
+    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, stage=stage, filtered=filtered))
 
 
 @gpu
-@pytest.mark.parametrize("stage", [None, 1000])
-def test_ties_inf_and_nan_rows(stage):
+@pytest.mark.parametrize(("stage", "filtered"), [(None, True), (1000, False), (0, False)])
+@pytest.mark.parametrize("width", [9000, 5000])
+def test_ties_inf_and_nan_rows(stage, filtered, width):
     gen = torch.Generator().manual_seed(9)
-    width, k = 9000, 2048
+    k = 2048
     logits = random_logits(10, width, gen).clone()
     logits[0] = 2.0  # one value: every key ties with the threshold, the candidate list overflows
     logits[1, ::2] = NAN  # half NaN: more than k selectable still
@@ -75,7 +81,7 @@ def test_ties_inf_and_nan_rows(stage):
     logits[9, ::3] = 0.0
     lengths = torch.full((10,), width, dtype=torch.int32)
     lengths[5] = 10
-    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage))
+    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered))
 
 
 @gpu
@@ -98,8 +104,8 @@ def test_rows_read_inside_their_window_only():
     for r in range(6):
         s, n = int(starts[r]), int(lengths[r])
         logits[r, s:s + n] = torch.randn(n, generator=gen)
-    for stage in (None, 1000):
-        out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage)
+    for stage, filtered in ((None, True), (1000, False)):
+        out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage, filtered=filtered)
         check(logits, lengths, k, out, starts=starts)
 
 
@@ -232,7 +238,7 @@ def test_it_is_registered_as_a_topk_backend_with_its_reason_here():
 
 
 def test_cpu_tensors_are_a_layout_error_naming_the_tensor():
-    from backends.cuda_topk.select import radix_topk
+    from backends.cuda_topk.radix_topk import radix_topk
 
     with pytest.raises(LayoutError, match="`logits` is on cpu"):
         radix_topk(torch.randn(2, 10), torch.tensor([10, 5], dtype=torch.int32), 4)

@@ -62,11 +62,12 @@ def probe() -> Availability:
 
 
 def find_nvcc() -> str | None:
-    """torch's CUDA_HOME/bin/nvcc, else the first nvcc on PATH (torch's tooling finds it the same way)."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").is_file():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc") or (str(Path("/usr/local/cuda/bin/nvcc")) if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+    """$CUDA_HOME/bin/nvcc, else the first nvcc on PATH, else /usr/local/cuda's (where torch's tooling looks)."""
+    candidates = [Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"] if os.environ.get("CUDA_HOME") else []
+    on_path = shutil.which("nvcc")
+    candidates += [Path(on_path)] if on_path else []
+    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    return next((str(path) for path in candidates if path.is_file()), None)
 
 
 def compile_summary(error: BaseException, limit: int = 300) -> str:

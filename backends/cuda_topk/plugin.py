@@ -16,7 +16,7 @@ VERIFIED = {Arch.SM90: Verified.MEASURED} | {arch: Verified.NOT_RUN for arch in 
 
 
 def run_radix_topk(*args, **kwargs):
-    from backends.cuda_topk.select import radix_topk  # imports torch and loads the extension the probe built
+    from backends.cuda_topk.radix_topk import radix_topk  # imports torch and loads the extension the probe built
 
     return radix_topk(*args, **kwargs)
 

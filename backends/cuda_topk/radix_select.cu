@@ -30,7 +30,7 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
-constexpr int kCandCap = 4096;    // threshold-bin keys kept as a list (a normal row holds 1-3K there)
+constexpr int kCandCap = 8192;    // candidates kept as a list (the filtered pass's 2-7K; a threshold bin's 1-3K)
 constexpr int kUnroll = 4;        // 16-byte loads each thread has in flight in the load pass
 
 struct alignas(16) Shared {
@@ -63,6 +63,7 @@ struct Params {
   int table_rows;
   int table_pages;
   int block_size;
+  int filtered;  // 1: the sampled cut and the filtered pass first; 0: the full select only (tests)
 };
 
 __device__ __forceinline__ uint32_t ordered_key(float x) {
@@ -209,44 +210,148 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const Share
   }
 }
 
-template <bool kHasStarts, bool kHasPages>
-__global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
-  extern __shared__ uint4 smem[];
-  Shared& s = *reinterpret_cast<Shared*>(smem);
-  uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
+// The cut for the filtered pass: a key at or above it is a candidate. Rows that fit the list take every
+// non-NaN key (cut 1: NaN's key is 0). Longer rows sample kThreads keys spread over the row and cut at
+// the lower edge of the top-11-bit bin holding the sample's r-th largest, r a few standard deviations
+// past the k * kThreads / n the sample expects above the k-th largest key. 0: no cut (the sample holds
+// too few numbers), so the row takes the full select.
+__device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
+  if (v.n <= kCandCap) return 1u;
   const int t = threadIdx.x;
-  const int64_t row = blockIdx.x;
-
-  // The visible window [start, start + n), clamped to the tensor.
-  int start = 0;
-  if (kHasStarts) start = min(max(p.starts[row * p.stride_start], 0), p.width);
-  const int n = min(max(p.lengths[row * p.stride_len], 0), p.width - start);
-  RowView v;
-  v.src = p.logits + row * p.stride_row + start;
-  // The row's first key sits pad keys past a 16-byte boundary; staging it at stage[pad] lines the
-  // 16-byte loads up with 16-byte shared stores.
-  v.pad = static_cast<int>((reinterpret_cast<uintptr_t>(v.src) >> 2) & 3);
-  v.stage = stage;
-  v.stage_cap = p.stage_cap;
-  v.n = n;
-  int* out_row = p.out + row * p.k;
-  const int k = p.k;
-  PageRow pr{nullptr, 0};
-  if (kHasPages) {
-    // An out-of-table page row gets no pages: every position maps to -1, nothing outside is read.
-    const int page_row = p.page_rows[row * p.stride_page_rows];
-    const bool ok = page_row >= 0 && page_row < p.table_rows;
-    pr.row = p.page_table + static_cast<int64_t>(ok ? page_row : 0) * p.stride_pt;
-    pr.pages = ok ? p.table_pages : 0;
-  }
-
-  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
-  if (t == 0) {
-    s.out_count = 0;
-    s.cand_count = 0;
-    s.eq_count = 0;
+  const int step = v.n / kThreads;
+  atomicAdd(&s.hist[ordered_key(v.src[static_cast<int64_t>(t) * step + step / 2]) >> 21], 1);
+  __syncthreads();
+  const int numbers = kThreads - s.hist[0];
+  const float expect = static_cast<float>(k) * kThreads / v.n;
+  const int rank = min(static_cast<int>(ceilf(expect + 3.0f * sqrtf(expect))) + 4, kThreads);
+  uint32_t cut = 0u;
+  if (numbers >= rank) {  // block-uniform: every thread read the same counts
+    find_threshold(s, rank, kBins);
+    cut = static_cast<uint32_t>(s.bin) << 21;
   }
   __syncthreads();
+  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  return cut;
+}
+
+// The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut`
+// appended to the candidate list (slots past kCandCap counted, not written). Nothing else is kept, so
+// a CTA needs only the list's shared memory and several CTAs an SM overlap their loads.
+__device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
+  const int t = threadIdx.x;
+  const int n = v.n;
+  const int head = min(n, (4 - v.pad) & 3);
+  auto offer = [&](bool in, uint32_t key, int pos) {  // warp-uniform
+    const bool take = in && key >= cut;
+    const int c = warp_slot(take, &s.cand_count);
+    if (take && c < kCandCap) {
+      s.cand_key[c] = key;
+      s.cand_pos[c] = pos;
+    }
+  };
+  offer(t < head, t < head ? ordered_key(v.src[t]) : 0u, t);
+  const int vectors = (n - head) / 4;
+  const float4* body = reinterpret_cast<const float4*>(v.src + head);
+  const int lane = t & 31;
+  for (int base = 0; base < vectors; base += kThreads * kUnroll) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * kThreads + t;
+      x[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    // A thread's 4 * kUnroll keys take their slots together: one warp scan and one shared atomic per
+    // warp for 512 keys (a slot counter per key serialises the CTA's warps on one address).
+    uint32_t keys[4 * kUnroll];
+    unsigned taken = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const bool in = base + u * kThreads + t < vectors;
+      keys[4 * u] = ordered_key(x[u].x);
+      keys[4 * u + 1] = ordered_key(x[u].y);
+      keys[4 * u + 2] = ordered_key(x[u].z);
+      keys[4 * u + 3] = ordered_key(x[u].w);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && keys[4 * u + c] >= cut) << (4 * u + c);
+    }
+    const int mine = __popc(taken);
+    int inclusive = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int other = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+      if (lane >= d) inclusive += other;
+    }
+    const int total = __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+    int first = 0;
+    if (lane == 31 && total) first = atomicAdd(&s.cand_count, total);
+    int slot = __shfl_sync(0xFFFFFFFFu, first, 31) + inclusive - mine;
+#pragma unroll
+    for (int e = 0; e < 4 * kUnroll; ++e) {
+      if ((taken >> e) & 1u) {
+        if (slot < kCandCap) {
+          s.cand_key[slot] = keys[e];
+          s.cand_pos[slot] = head + 4 * (base + (e / 4) * kThreads + t) + e % 4;
+        }
+        ++slot;
+      }
+    }
+  }
+  const int tail = head + 4 * vectors + t;
+  offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
+}
+
+// The k largest of the list's count (> k) entries into out_row: three radix rounds over the list, then
+// the keys above the threshold and the first `need` equal to it.
+template <bool kHasPages>
+__device__ void select_from_list(Shared& s, int count, int k, int* out_row, const PageRow& pr, int block_size) {
+  const int t = threadIdx.x;
+  for (int i = t; i < count; i += kThreads) atomicAdd(&s.hist[s.cand_key[i] >> 21], 1);
+  __syncthreads();
+  find_threshold(s, k, kBins);
+  const uint32_t b1 = s.bin;
+  int need = k - s.above;
+  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  for (int i = t; i < count; i += kThreads) {
+    const uint32_t key = s.cand_key[i];
+    if ((key >> 21) == b1) atomicAdd(&s.hist[(key >> 10) & 0x7FF], 1);
+  }
+  __syncthreads();
+  find_threshold(s, need, kBins);
+  const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
+  need -= s.above;
+  for (int b = t; b < kLastBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  for (int i = t; i < count; i += kThreads) {
+    const uint32_t key = s.cand_key[i];
+    if ((key >> 10) == (prefix >> 10)) atomicAdd(&s.hist[key & 0x3FF], 1);
+  }
+  __syncthreads();
+  find_threshold(s, need, kLastBins);
+  const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
+  need -= s.above;
+  for (int base = 0; base < count; base += kThreads) {
+    const int i = base + t;
+    const uint32_t key = i < count ? s.cand_key[i] : 0u;
+    const int pos = i < count ? s.cand_pos[i] : 0;
+    const bool above = i < count && key > threshold;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
+    const bool equal = i < count && key == threshold;
+    const int e = warp_slot(equal, &s.eq_count);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, block_size);
+  }
+}
+
+// The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
+// overflowed, too few numbers): a histogram of the whole row, its threshold bin's keys as the list, or
+// the row itself when they overflow it; exact whatever the data.
+template <bool kHasPages>
+__device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k, int* out_row, const PageRow& pr,
+                            int block_size) {
+  const int t = threadIdx.x;
+  const int n = v.n;
   load_row(v, stage, s);
   __syncthreads();
 
@@ -257,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
       const int i = base + t;
       const bool take = i < n && v.key(i) != 0u;
       const int slot = warp_slot(take, &s.out_count);
-      if (take) out_row[slot] = slot_value<kHasPages>(i, pr, p.block_size);
+      if (take) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
     }
     for (int i = selectable + t; i < k; i += kThreads) out_row[i] = -1;
     return;
@@ -273,7 +378,7 @@ __global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
     const uint32_t digit = key >> 21;
     const bool above = i < n && digit > b1;
     const int slot = warp_slot(above, &s.out_count);
-    if (above) out_row[slot] = slot_value<kHasPages>(i, pr, p.block_size);
+    if (above) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
     const bool cand = i < n && digit == b1;
     const int c = warp_slot(cand, &s.cand_count);
     if (cand && c < kCandCap) {
@@ -311,11 +416,74 @@ __global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
   for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int pos, bool live) {
     const bool above = live && key > threshold;
     const int slot = warp_slot(above, &s.out_count);
-    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, p.block_size);
+    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
     const bool equal = live && key == threshold;
     const int e = warp_slot(equal, &s.eq_count);
-    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, p.block_size);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, block_size);
   });
+}
+
+__device__ void reset(Shared& s) {
+  for (int b = threadIdx.x; b < kBins; b += kThreads) s.hist[b] = 0;
+  if (threadIdx.x == 0) {
+    s.out_count = 0;
+    s.cand_count = 0;
+    s.eq_count = 0;
+  }
+  __syncthreads();
+}
+
+template <bool kHasStarts, bool kHasPages>
+__global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  Shared& s = *reinterpret_cast<Shared*>(smem);
+  uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
+
+  // The visible window [start, start + n), clamped to the tensor.
+  int start = 0;
+  if (kHasStarts) start = min(max(p.starts[row * p.stride_start], 0), p.width);
+  const int n = min(max(p.lengths[row * p.stride_len], 0), p.width - start);
+  RowView v;
+  v.src = p.logits + row * p.stride_row + start;
+  // The row's first key sits pad keys past a 16-byte boundary; staging it at stage[pad] lines the
+  // 16-byte loads up with 16-byte shared stores.
+  v.pad = static_cast<int>((reinterpret_cast<uintptr_t>(v.src) >> 2) & 3);
+  v.stage = stage;
+  v.stage_cap = p.stage_cap;
+  v.n = n;
+  int* out_row = p.out + row * p.k;
+  const int k = p.k;
+  PageRow pr{nullptr, 0};
+  if (kHasPages) {
+    // An out-of-table page row gets no pages: every position maps to -1, nothing outside is read.
+    const int page_row = p.page_rows[row * p.stride_page_rows];
+    const bool ok = page_row >= 0 && page_row < p.table_rows;
+    pr.row = p.page_table + static_cast<int64_t>(ok ? page_row : 0) * p.stride_pt;
+    pr.pages = ok ? p.table_pages : 0;
+  }
+
+  reset(s);
+  const uint32_t cut = p.filtered ? candidate_cut(v, s, k) : 0u;
+  if (cut != 0u) {
+    collect_candidates(v, s, cut);
+    __syncthreads();
+    const int count = s.cand_count;
+    if (count <= kCandCap && cut == 1u && count <= k) {
+      // The list holds every non-NaN key of the row, no more than k: all of them, then -1.
+      for (int i = t; i < count; i += kThreads) out_row[i] = slot_value<kHasPages>(s.cand_pos[i], pr, p.block_size);
+      for (int i = count + t; i < k; i += kThreads) out_row[i] = -1;
+      return;
+    }
+    if (count <= kCandCap && count >= k) {
+      select_from_list<kHasPages>(s, count, k, out_row, pr, p.block_size);
+      return;
+    }
+    __syncthreads();
+    reset(s);  // the sample misjudged the row (too few candidates, or more than the list holds)
+  }
+  full_select<kHasPages>(v, stage, s, k, out_row, pr, p.block_size);
 }
 
 using Kernel = void (*)(Params);
@@ -342,10 +510,10 @@ int64_t max_stage(int64_t device) {
   return keys / 4 * 4;
 }
 
-// out int32 [rows, k] (contiguous); the host wrapper (select.py) has checked every tensor.
+// out int32 [rows, k] (contiguous); the host wrapper (radix_topk.py) has checked every tensor.
 void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
                 const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
-                int64_t k, int64_t block_size, int64_t stage_cap, torch::Tensor& out) {
+                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, torch::Tensor& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   if (rows == 0) return;
@@ -367,6 +535,7 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
   p.table_rows = page_table ? static_cast<int>(page_table->size(0)) : 0;
   p.table_pages = page_table ? static_cast<int>(page_table->size(1)) : 0;
   p.block_size = static_cast<int>(block_size);
+  p.filtered = filtered ? 1 : 0;
   const int bytes = static_cast<int>(sizeof(Shared) + 4 * (stage_cap + 4));
   const bool has_starts = starts.has_value(), has_pages = page_table.has_value();
   Kernel kernel = has_starts ? (has_pages ? kernel_with_smem<true, true>(bytes) : kernel_with_smem<true, false>(bytes))

@@ -21,24 +21,26 @@ def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: t
     check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                       block_size=block_size)
     _check_cuda(logits, lengths, starts, page_table, page_rows)
-    width = logits.shape[1]
-    device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     return launch(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                  block_size=block_size, sorted=sorted, stage=min(-(-width // 4) * 4, max_stage(device)))
+                  block_size=block_size, sorted=sorted, stage=0, filtered=True)
 
 
-def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage):
-    """The launch of checked inputs with `stage` keys of a row staged in shared memory (a multiple of
-    4, at most max_stage; tests pass small ones to run the re-read of a row's tail)."""
-    if stage % 4 or stage < 0:
-        raise ValueError(f"stage {stage} must be a non-negative multiple of 4")
+def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True):
+    """The launch of checked inputs. filtered: the sampled cut and one filtered pass first (the served
+    path); False: the full select only. stage: keys of a row the full select stages in shared memory
+    (a multiple of 4, at most max_stage). Served with 0: the full select runs only where the filtered
+    pass cannot serve a row, and a kernel that reserves no staging fits two CTAs an SM, whose loads
+    overlap."""
+    device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    if stage % 4 or not 0 <= stage <= max_stage(device):
+        raise ValueError(f"stage {stage} must be a multiple of 4 in [0, {max_stage(device)}]")
     rows = logits.shape[0]
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
     fuse_pages = page_table is not None and not sorted
     extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
-                           page_rows if fuse_pages else None, k, block_size, stage, out)
+                           page_rows if fuse_pages else None, k, block_size, stage, filtered, out)
     if sorted:
         return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                       sorted=True, starts=starts)
