@@ -1,20 +1,23 @@
-// dispatch's own CUDA top-k: one CTA a row, the row staged once in shared memory, an exact radix
-// select over the fp32 bits (11 + 11 + 10-bit digits of the order-preserving key), one launch a call.
+// dispatch's own CUDA top-k: one CTA a row, one launch a call, exact whatever the data.
 //
-// Per row (a CTA of kThreads threads):
-// 1. load: the row's visible keys [start, start + n) are read once from HBM with 16-byte loads,
-//    turned into order-preserving uint32 keys (NaN -> 0, below -inf's key, so never selected), staged
-//    in shared memory (the first stage_cap of them; past that the pass that needs them re-reads the
-//    row, from L2 mostly) and counted into a 2048-bin histogram of their top 11 bits.
-// 2. a block scan finds the bin b holding the k-th largest; keys of higher bins go straight to the
-//    output, b's keys to a candidate list (or, when more than kCandCap share b, the later rounds scan
-//    the staged row itself, filtered to b: exact whatever the data, only slower).
-// 3. two more rounds over the candidates (bits 20..10, then 9..0) give the exact k-th largest key T
-//    and how many keys equal to T are still needed; a last pass writes the keys above T and the first
-//    of those equal to T (ties: any of them will do).
+// Per row (a CTA of kThreads threads), the served path:
+// 1. cut: rows that fit the candidate list take every non-NaN key; longer rows sample kThreads keys
+//    spread over the row and cut at the lower edge of the top-11-bit bin holding the sample's r-th
+//    largest (r a few standard deviations past what the sample expects above the k-th largest key).
+// 2. the filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above the
+//    cut appended to a shared-memory list (a thread's 16 keys take their slots with one warp scan and
+//    one shared atomic per warp). Keys are the order-preserving uint32 form of the fp32 bits, NaN -> 0
+//    (below -inf's key, so never selected).
+// 3. if the list holds at least k keys (or every non-NaN key of the row), an exact radix select over
+//    the list (11 + 11 + 10-bit digits, shared-memory histograms, block scans) gives the k-th largest
+//    key T and how many keys equal to T are needed; a last pass over the list writes the keys above T
+//    and the first of those equal to T (ties: any of them will do).
+// Otherwise (the sample misjudged the row, the list overflowed, too few numbers) the full select: a
+// histogram of the whole row (its first stage_cap keys staged in shared memory, the rest re-read), the
+// threshold bin's keys as the list, or the row itself when they overflow it.
 // Rows with no more than k selectable (non-NaN) keys write every such position, then -1.
 // Output positions are relative to the row's start, or physical KV slots through the page table.
-// Slots inside a row are taken by warp-aggregated atomics, so a row's positions are in no order.
+// Slots inside a row are taken by atomics, so a row's positions are in no order.
 // No host sync, no allocation: CUDA-graph safe; nothing outside [start, start + n) of a row, the
 // lengths, starts, page rows or the page table's [0, pages) columns of a row is read.
 
@@ -146,7 +149,7 @@ struct RowView {
   }
 };
 
-// Pass 1: stage and count. The body is 16-byte loads from the first 16-byte-aligned key on; the keys
+// The full select's first pass: stage and count. The body is 16-byte loads from the first 16-byte-aligned key on; the keys
 // before it (at most 3) and after the last full vector are read one at a time.
 __device__ void load_row(const RowView& v, uint32_t* stage, Shared& s) {
   const int t = threadIdx.x;
