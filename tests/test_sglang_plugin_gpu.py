@@ -83,6 +83,11 @@ def test_plugin_selects_what_sglang_selects_on_gpu(sm90_path, tmp_path, monkeypa
     assert report.rows == tokens
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the CPU harness runs SGLang's Triton seqlens kernel under the interpreter, which tests/conftest.py "
+    "turns on only where no GPU is visible; on a GPU the test above maps the fused slots itself",
+)
 def test_slots_map_back_to_positions(sglang_env, monkeypatch):
     """The comparison's own step, on the CPU: the plugin's fused output (physical slots through SGLang's
     page table) mapped back through req_to_token is exactly its unfused output (positions)."""
