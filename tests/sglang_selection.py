@@ -59,12 +59,13 @@ def _check_one(positions: torch.Tensor, logits: torch.Tensor, lengths: torch.Ten
     count = lengths.clamp(max=k)
     valid = positions >= 0
     assert torch.equal(valid.sum(1), count), f"{side}: a row selects other than min(k, length) positions"
-    assert bool((positions[valid] < lengths[:, None].expand_as(positions)[valid]).all()), f"{side}: an invisible position"
+    visible = positions < lengths[:, None]
+    assert bool(visible[valid].all()), f"{side}: an invisible position"
     ordered = torch.where(valid, positions, torch.full_like(positions, -1)).sort(dim=1).values
     repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
     assert not bool(repeated.any()), f"{side}: a repeated position"
-    got = torch.where(valid, logits.gather(1, positions.clamp(min=0).long()), torch.full_like(positions, float("-inf"), dtype=logits.dtype))
-    got = got.sort(dim=1, descending=True).values
+    picked = logits.gather(1, positions.clamp(min=0).long())
+    got = torch.where(valid, picked, torch.full_like(picked, float("-inf"))).sort(dim=1, descending=True).values
     want = logits.topk(k, dim=1).values if logits.shape[1] >= k else logits.sort(dim=1, descending=True).values
     width = min(k, logits.shape[1])
     keep = torch.arange(width, device=logits.device) < count[:, None]
@@ -80,6 +81,7 @@ def compare_selections(theirs, ours, logits, lengths, k: int, *, tolerance: floa
         _check_one(theirs, logits, lengths, k, "SGLang's"), _check_one(ours, logits, lengths, k, "the plugin's")
     )
     largest = float(worst.max())
-    assert largest <= tolerance, f"row {int(worst.argmax())}: selected values {largest:.2e} from the reference's (tolerance {tolerance:.0e})"
+    row = int(worst.argmax())
+    assert largest <= tolerance, f"row {row}: selected values {largest:.2e} from the reference's (tolerance {tolerance:.0e})"
     identical = (theirs.sort(dim=1).values == ours.sort(dim=1).values).all(dim=1)
     return SelectionReport(largest, int(identical.sum()), theirs.shape[0])

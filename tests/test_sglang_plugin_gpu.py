@@ -83,11 +83,14 @@ def test_plugin_selects_what_sglang_selects_on_gpu(sm90_path, tmp_path, monkeypa
     assert report.rows == tokens
 
 
-@pytest.mark.skipif(
+cpu_harness_only = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="the CPU harness runs SGLang's Triton seqlens kernel under the interpreter, which tests/conftest.py "
-    "turns on only where no GPU is visible; on a GPU the test above maps the fused slots itself",
+    "turns on only where no GPU is visible; on a GPU the test above runs these steps itself",
 )
+
+
+@cpu_harness_only
 def test_slots_map_back_to_positions(sglang_env, monkeypatch):
     """The comparison's own step, on the CPU: the plugin's fused output (physical slots through SGLang's
     page table) mapped back through req_to_token is exactly its unfused output (positions)."""
@@ -108,3 +111,32 @@ def test_slots_map_back_to_positions(sglang_env, monkeypatch):
     foreign = slots.clone()
     foreign[0, 0] = req_to_token[row_request[2], 0]
     assert int(positions_from_slots(foreign, req_to_token, row_request)[0, 0]) == -2
+
+
+@cpu_harness_only
+def test_comparison_rejects_a_worse_selection(sglang_env):
+    """The comparison's check can fail: a selection with one top key swapped for the row's weakest
+    visible key is refused, one that repeats a key too, while the plugin's own passes."""
+    from dispatch.engines.sglang.indexer import get_topk_paged
+
+    harness = sglang_env
+    pool, req_to_token, lengths, requests, mode, batch = harness.serving_batch(2, 1, 3000, device="cpu", seed=9)
+    q, weights = harness.quantised_q(2, torch.Generator().manual_seed(9))
+    with batch.context():
+        positions = get_topk_paged(harness.make_indexer(), batch.forward_batch, 0, q, weights, batch.metadata)
+    row_request = torch.tensor(requests)
+    visible = batch.metadata.attn_metadata.dsa_seqlens_expanded.long()
+    logits = reference_logits(pool.get_index_k_with_scale_buffer(layer_id=0), req_to_token, row_request, visible, q, weights)
+    report = compare_selections(positions, positions, logits, visible, harness.TOPK, tolerance=TOLERANCE)
+    assert report.identical_rows == report.rows == 2 and report.worst < 1e-6
+    row = int(visible.argmax())
+    assert int(visible[row]) > harness.TOPK  # longer than k, so its weakest key is not among the selected
+    weaker = positions.clone()
+    best = int(logits[row].gather(0, positions[row].long()).argmax())
+    weaker[row, best] = int(logits[row, : int(visible[row])].argmin())
+    with pytest.raises(AssertionError, match="selected values"):
+        compare_selections(positions, weaker, logits, visible, harness.TOPK, tolerance=TOLERANCE)
+    repeated = positions.clone()
+    repeated[row, 1] = repeated[row, 0]
+    with pytest.raises(AssertionError, match="repeated position"):
+        compare_selections(positions, repeated, logits, visible, harness.TOPK, tolerance=TOLERANCE)
