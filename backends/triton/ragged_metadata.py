@@ -23,12 +23,16 @@ it is handed, within their shapes.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from dispatch.bounds import BAD_LENGTH
+
+if TYPE_CHECKING:
+    from dispatch.prefill import ExtendBatch, RaggedMetadata
 
 INDICES_PER_PROGRAM = 512  # rows or keys of one program
 REQUESTS_PER_STEP = 32  # requests per step of a program's pass over the offsets
@@ -171,3 +175,27 @@ def ragged_metadata_on_device(
         BAD_LENGTH=BAD_LENGTH,
     )
     return outputs
+
+
+def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
+    """build_ragged_metadata's device path (lengths the host never read) as one kernel launch: the same
+    RaggedMetadata, field for field (tests/test_ragged_metadata_kernel.py)."""
+    from dispatch.prefill import HostRanges, RaggedMetadata
+
+    out = ragged_metadata_on_device(batch.prefix_lens, batch.extend_lens, batch.page_table, batch.total_tokens,
+                                    batch.total_keys, batch.block_kv, batch.num_kv_blocks)
+    host_ranges = None
+    if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
+        host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
+    return RaggedMetadata(
+        ks=out.ranges[0],
+        ke=out.ranges[1],
+        gather_slots=out.gather_slots,
+        row_request=out.row_request,
+        key_offsets=out.key_offsets,
+        total_tokens=batch.total_tokens,
+        total_keys=batch.total_keys,
+        host_ranges=host_ranges,
+        length_flags=out.length_flags,
+        ranges=out.ranges,
+    )
