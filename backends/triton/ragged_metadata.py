@@ -34,8 +34,8 @@ from dispatch.bounds import BAD_LENGTH
 if TYPE_CHECKING:
     from dispatch.prefill import ExtendBatch, RaggedMetadata
 
-INDICES_PER_PROGRAM = 512  # rows or keys of one program
-REQUESTS_PER_STEP = 32  # requests per step of a program's pass over the offsets
+INDICES_PER_PROGRAM = 256  # rows or keys of one program
+REQUESTS_PER_STEP = 16  # requests per step of a program's pass over the offsets
 
 
 @triton.jit
