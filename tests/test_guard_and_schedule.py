@@ -114,3 +114,30 @@ def test_a_bad_pool_size_is_refused_before_any_launch(bad):
     with pytest.raises(LayoutError, match="num_kv_blocks must be a host int >= 0"):
         launch_guard_and_schedule(guard, allocate_schedule(lens, 64, BLOCK_KV), bad)
     assert guard.num_blocks is None
+
+
+def test_prepare_with_the_pool_known_is_one_triton_launch(monkeypatch):
+    import backends.triton.guard_and_schedule as fused
+    import backends.triton.page_guard as guard_module
+    import backends.triton.paged_schedule as schedule_module
+
+    launched = []
+
+    def counting(module, name):
+        real = getattr(module, name)
+
+        class _Counted:
+            def __getitem__(self, grid):
+                launched.append(name)
+                return real[grid]
+        monkeypatch.setattr(module, name, _Counted())
+
+    counting(fused, "_guard_and_schedule_kernel")
+    counting(guard_module, "_page_guard_kernel")
+    counting(schedule_module, "_schedule_kernel")
+    lens, table = _inputs(8, 4, 900, seed=9, pool=16)
+    prepare_guard_and_schedule(_Plan(lens, table, 900, 16))
+    assert launched == ["_guard_and_schedule_kernel"]
+    launched.clear()
+    prepare_guard_and_schedule(_Plan(lens, table, 900, None))  # the guard waits for the first layer's cache
+    assert launched == ["_schedule_kernel"]

@@ -137,3 +137,37 @@ def test_on_a_gpu_build_ragged_metadata_takes_the_one_launch_path_and_matches_th
     assert len(calls) == 1
     for name in FIELDS:
         assert torch.equal(getattr(got, name).cpu(), getattr(expected, name)), name
+
+
+def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_torch_ops(monkeypatch):
+    """What a GPU's host pays per extend plan at M = 16K, S = 64K: the kernel (once) and the few torch ops
+    around it (37 on the torch path; tests/test_plan_host_cost.py). The interpreter's own tensor copies
+    inside the launch are no GPU host cost and are not counted."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import backends.triton.ragged_metadata as module
+    import dispatch.extend
+    from dispatch import load_dispatcher
+    from tests.test_plan_host_cost import _extend_batch, _Launches
+
+    grids = []
+    real = module._ragged_metadata_kernel
+
+    class _Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+
+            def launch(*args, **kwargs):
+                with _disable_current_modes():
+                    return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_ragged_metadata_kernel", _Counted())
+    monkeypatch.setattr(dispatch.extend, "build_ragged_metadata", ragged_metadata_in_one_launch)
+    dispatcher, batch = load_dispatcher(arch="cpu"), _extend_batch(prefix=12288)
+    dispatch.extend.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
+    grids.clear()
+    with _Launches() as counted:
+        plan = dispatch.extend.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
+    assert len(grids) == 1 and counted.launches <= 4
+    assert torch.equal(plan.metadata.ranges, build_ragged_metadata(batch, host_checked=False).ranges)
