@@ -44,23 +44,27 @@ def ragged_metadata_on_host(batch: "ExtendBatch", slot_bases: torch.Tensor) -> "
     from dispatch.prefill import HostRanges, RaggedMetadata
 
     requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
-    extend = batch.extend_lens
-    owned = batch.prefix_lens + extend  # int32 [B]: keys of each request
-    # [2, B + 1] int32: row offsets, key offsets (sums of checked lengths: at most 2^30).
-    offsets = torch.nn.functional.pad(torch.stack((extend, owned)).cumsum(1, dtype=torch.int32), (1, 0))
-    row_offsets, key_offsets = offsets[0], offsets[1]
-    row_request = torch.repeat_interleave(extend, output_size=rows)  # int32 (its counts' dtype)
-
-    # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
-    ranges = torch.empty((2, rows), dtype=torch.int32)
-    torch.index_select(key_offsets[:-1], 0, row_request, out=ranges[0])
-    torch.index_select(key_offsets[1:] - row_offsets[1:] + 1, 0, row_request, out=ranges[1])
-    ranges[1].add_(_arange(rows, torch.int32))
-
-    slots = _slots(batch, slot_bases, owned, key_offsets, requests, keys)
-    host_ranges = None
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
+    else:  # the tensors' lengths, read where the batch was built: reading them again costs no sync
+        host_ranges = None
+    offsets = host_ranges or HostRanges.of(batch.prefix_lens.tolist(), batch.extend_lens.tolist())
+    # The per-request values on the host (B entries, one tensor), not in torch ops over [B] tensors, each
+    # of which costs more than the arithmetic: key offsets [B + 1], and the ke base of each request.
+    # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
+    key_offsets_list, row_offsets_list = offsets.key_offsets, offsets.row_offsets
+    ke_base = [k - r + 1 for k, r in zip(key_offsets_list[1:], row_offsets_list[1:])]
+    per_request = torch.tensor([key_offsets_list, [*ke_base, 0]], dtype=torch.int32)  # [2, B + 1]
+    key_offsets = per_request[0]
+    row_request = torch.repeat_interleave(batch.extend_lens, output_size=rows)  # int32 (its counts' dtype)
+
+    ranges = torch.empty((2, rows), dtype=torch.int32)
+    torch.index_select(key_offsets[:-1], 0, row_request, out=ranges[0])
+    torch.index_select(per_request[1, :-1], 0, row_request, out=ranges[1])
+    ranges[1].add_(_arange(rows, torch.int32))
+
+    counts = [k - j for j, k in zip(key_offsets_list, key_offsets_list[1:])]
+    slots = _slots(batch, slot_bases, counts, key_offsets, requests, keys)
     return RaggedMetadata(
         ks=ranges[0],
         ke=ranges[1],
@@ -75,21 +79,20 @@ def ragged_metadata_on_host(batch: "ExtendBatch", slot_bases: torch.Tensor) -> "
     )
 
 
-def _slots(batch: "ExtendBatch", slot_bases: torch.Tensor, owned: torch.Tensor, key_offsets: torch.Tensor,
+def _slots(batch: "ExtendBatch", slot_bases: torch.Tensor, counts: list[int], key_offsets: torch.Tensor,
            requests: int, keys: int) -> torch.Tensor:
-    """int32 [S]: each gathered key's cache slot, -1 where its page entry is no block of the pool."""
+    """int32 [S]: each gathered key's cache slot, -1 where its page entry is no block of the pool.
+    `counts`: each request's keys, on the host."""
     block_kv = batch.block_kv
     if keys == 0:
         return torch.empty(0, dtype=torch.int32)
-    counts = (tuple(p + e for p, e in zip(batch.host_prefix_lens, batch.host_extend_lens))
-              if batch.host_prefix_lens is not None else tuple(owned.tolist()))
     pages = -(-max(counts) // block_kv)  # past the table's P only where no host lengths were checked
     width = slot_bases.shape[1]  # P + 1: column P is the no-page sentinel
     if pages < width and requests <= DENSE_REQUESTS and requests * pages * block_kv <= DENSE_WASTE * keys:
         every = slot_bases[:, :pages, None] + _arange(block_kv, torch.int32)  # [B, pages, block_kv]
         every = every.view(requests, pages * block_kv).clamp_(min=-1)
         return torch.cat([every[r, :n] for r, n in enumerate(counts)])
-    key_request = torch.repeat_interleave(owned, output_size=keys)  # int32
+    key_request = torch.repeat_interleave(batch.prefix_lens + batch.extend_lens, output_size=keys)  # int32
     position = _arange(keys, torch.int32) - key_offsets.index_select(0, key_request)
     page = (position >> (block_kv.bit_length() - 1)).clamp_(max=width - 1)  # past the table: the sentinel
     entry = torch.add(page, key_request, alpha=width)
