@@ -11,6 +11,8 @@ arange (~45 us). Here, with the lengths known valid:
   order, so every request's slots are one broadcast add of [B, pages, 1] + [block_kv] and the batch's
   are those rows cut to each request's length and concatenated (when the padding to the longest
   request stays small; else the per-key gathers, without the promotions);
+- the per-request offsets come from the host lengths, into one tensor (B values, where torch ops on
+  [B] tensors cost more in calls than in arithmetic);
 - the index ranges are views of a cached arange.
 """
 
