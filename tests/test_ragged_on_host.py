@@ -42,7 +42,8 @@ def _batch(prefix, extend, *, block_kv=64, extra_pages=1, pool=None, seed=0, hos
     if host_lengths:
         return batch
     return ExtendBatch(prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, page_table=table,
-                       total_tokens=batch.total_tokens, total_keys=batch.total_keys, block_kv=block_kv, num_kv_blocks=pool)
+                       total_tokens=batch.total_tokens, total_keys=batch.total_keys, block_kv=block_kv,
+                       num_kv_blocks=pool)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -152,7 +152,8 @@ def ragged_metadata_on_device(
     if num_kv_blocks is not None:
         limit = min(limit, num_kv_blocks)
     out = torch.empty(3 * rows + keys + requests + 2, dtype=torch.int32, device=page_table.device)
-    slots_at, request_at, offsets_at, flags_at = 2 * rows, 2 * rows + keys, 3 * rows + keys, 3 * rows + keys + requests + 1
+    slots_at, request_at, offsets_at = 2 * rows, 2 * rows + keys, 3 * rows + keys
+    flags_at = offsets_at + requests + 1
     outputs = DeviceRaggedMetadata(
         ranges=out[:slots_at].view(2, rows),
         gather_slots=out[slots_at:request_at],
