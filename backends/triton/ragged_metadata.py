@@ -1,5 +1,5 @@
 """An extend batch's ragged metadata on a GPU in one launch: what dispatch.prefill.build_ragged_metadata's
-device path computes with ~35 torch ops (each a launch, 5-10 us of the H200 host's time), computed by one
+device path computes with ~50 torch ops (each a launch, 5-10 us of the H200 host's time), computed by one
 Triton kernel, value for value.
 
 Every program needs the batch's request offsets (prefix sums over the B requests) to find the request of
