@@ -16,6 +16,8 @@ from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND
 from dispatch.errors import GraphMismatchError, LayoutError
 from dispatch.kv_cache import BLOCK_KV
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels under the interpreter
+
 
 def _inputs(rows: int, next_n: int, width: int, seed: int, pool: int):
     gen = torch.Generator().manual_seed(seed)
@@ -23,7 +25,7 @@ def _inputs(rows: int, next_n: int, width: int, seed: int, pool: int):
     pages = -(-width // BLOCK_KV) + 1
     table = torch.randint(-2, pool + 2, (rows, pages), generator=gen, dtype=torch.int32)
     lens[0, 0] = width + 1  # at least one token past the bound, whatever the draw
-    return lens, table
+    return lens.to(DEVICE), table.to(DEVICE)
 
 
 def _outputs(guard: PageGuard, schedule) -> dict[str, torch.Tensor]:
@@ -33,13 +35,13 @@ def _outputs(guard: PageGuard, schedule) -> dict[str, torch.Tensor]:
 
 
 def _two_launches(lens, table, width, pool):
-    guard = PageGuard.allocate(lens, table, width, torch.zeros(1, dtype=torch.int32))
+    guard = PageGuard.allocate(lens, table, width, torch.zeros(1, dtype=torch.int32, device=DEVICE))
     guard.launch(pool)
     return _outputs(guard, schedule_for(lens, width, BLOCK_KV))
 
 
 def _one_launch(lens, table, width, pool):
-    guard = PageGuard.allocate(lens, table, width, torch.zeros(1, dtype=torch.int32))
+    guard = PageGuard.allocate(lens, table, width, torch.zeros(1, dtype=torch.int32, device=DEVICE))
     schedule = allocate_schedule(lens, width, BLOCK_KV)
     launch_guard_and_schedule(guard, schedule, pool)
     assert guard.num_blocks == pool
@@ -59,9 +61,9 @@ def test_one_launch_writes_what_the_guard_then_the_schedule_write(rows, next_n, 
 
 def test_strided_lens_and_table_match():
     lens, table = _inputs(9, 4, 700, seed=3, pool=20)
-    wide = torch.zeros(9, 2 * table.shape[1], dtype=torch.int32)
+    wide = torch.zeros(9, 2 * table.shape[1], dtype=torch.int32, device=DEVICE)
     wide[:, : table.shape[1]] = table
-    tall = torch.zeros(9, 8, dtype=torch.int32)
+    tall = torch.zeros(9, 8, dtype=torch.int32, device=DEVICE)
     tall[:, :4] = lens
     strided_lens, strided_table = tall[:, :4], wide[:, : table.shape[1]]
     expected = _two_launches(strided_lens, strided_table, 700, 20)
@@ -75,7 +77,7 @@ class _Plan:
 
     def __init__(self, lens, table, width, pool):
         self.context_lens, self.block_table, self.max_context_len = lens, table, width
-        self.error_flags, self.num_kv_blocks = torch.zeros(1, dtype=torch.int32), pool
+        self.error_flags, self.num_kv_blocks = torch.zeros(1, dtype=torch.int32, device=DEVICE), pool
 
 
 def test_prepare_guards_in_the_same_launch_when_the_pool_is_known_and_waits_for_the_cache_otherwise():
@@ -86,7 +88,8 @@ def test_prepare_guards_in_the_same_launch_when_the_pool_is_known_and_waits_for_
         assert torch.equal(want, expected[name]), name
     unknown, cut = prepare_guard_and_schedule(_Plan(lens, table, 500, None))
     assert unknown.num_blocks is None and torch.equal(cut.bounds, expected["bounds"])
-    unknown.for_cache(torch.zeros(12, BLOCK_KV, 1, 132, dtype=torch.uint8))  # the first layer call guards
+    # The first layer call guards.
+    unknown.for_cache(torch.zeros(12, BLOCK_KV, 1, 132, dtype=torch.uint8, device=DEVICE))
     assert torch.equal(unknown.safe_table, expected["safe_table"]) and torch.equal(unknown.lens, expected["lens"])
 
 
@@ -110,7 +113,7 @@ def test_a_refresh_guards_and_cuts_the_new_lengths_in_place_and_refuses_another_
 @pytest.mark.parametrize("bad", [-1, 2.5, True])
 def test_a_bad_pool_size_is_refused_before_any_launch(bad):
     lens, table = _inputs(2, 1, 64, seed=1, pool=4)
-    guard = PageGuard.allocate(lens, table, 64, torch.zeros(1, dtype=torch.int32))
+    guard = PageGuard.allocate(lens, table, 64, torch.zeros(1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(LayoutError, match="num_kv_blocks must be a host int >= 0"):
         launch_guard_and_schedule(guard, allocate_schedule(lens, 64, BLOCK_KV), bad)
     assert guard.num_blocks is None

@@ -7,6 +7,8 @@ them, entries far outside the pool or whose slots pass int32)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,19 @@ from dispatch.bounds import BAD_LENGTH
 from dispatch.prefill import ExtendBatch, build_ragged_metadata
 
 FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "length_flags", "ranges")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under the interpreter
+
+
+def _on_device(batch: ExtendBatch) -> ExtendBatch:
+    """The batch with its tensors on DEVICE (where a GPU is visible: the lengths are then never read)."""
+    if DEVICE == "cpu":
+        return batch
+    return dataclasses.replace(batch, prefix_lens=batch.prefix_lens.to(DEVICE),
+                               extend_lens=batch.extend_lens.to(DEVICE), page_table=batch.page_table.to(DEVICE))
+
+
+def _launch(batch: ExtendBatch):
+    return ragged_metadata_in_one_launch(_on_device(batch))
 
 
 def _unchecked(**fields) -> ExtendBatch:
@@ -27,10 +42,10 @@ def _unchecked(**fields) -> ExtendBatch:
 
 
 def _assert_same(batch: ExtendBatch) -> None:
-    expected = build_ragged_metadata(batch, host_checked=False)
-    got = ragged_metadata_in_one_launch(batch)
+    expected = build_ragged_metadata(batch, host_checked=False)  # the torch ops, on the CPU
+    got = _launch(batch)
     for name in FIELDS:
-        want, have = getattr(expected, name), getattr(got, name)
+        want, have = getattr(expected, name), getattr(got, name).cpu()
         assert have.dtype == want.dtype and have.shape == want.shape, name
         assert torch.equal(have, want), name
     assert got.total_tokens == expected.total_tokens and got.total_keys == expected.total_keys
@@ -87,14 +102,14 @@ def test_entries_far_outside_the_pool_are_slot_minus_one_as_on_the_torch_path(en
     table = torch.tensor([[0, 1], [2, entry]], dtype=torch.int32)
     batch = ExtendBatch.from_lengths([0, 64], [10, 10], table, num_kv_blocks=4)
     _assert_same(batch)
-    assert (ragged_metadata_in_one_launch(batch).gather_slots[74:] == -1).all()
+    assert (_launch(batch).gather_slots[74:] == -1).all()
 
 
 def test_an_entry_whose_slots_pass_int32_is_no_slot_even_inside_a_huge_pool():
     table = torch.tensor([[2**25 + 3, 1]], dtype=torch.int32)
     batch = ExtendBatch.from_lengths([64], [1], table, num_kv_blocks=2**30)
     _assert_same(batch)
-    slots = ragged_metadata_in_one_launch(batch).gather_slots
+    slots = _launch(batch).gather_slots.cpu()
     assert (slots[:64] == -1).all() and slots[64].item() == 64
 
 
@@ -111,12 +126,12 @@ def test_device_lengths_that_cannot_occur_flag_and_poison_as_on_the_torch_path(p
                        extend_lens=torch.tensor(extend, dtype=torch.int32),
                        page_table=torch.zeros(len(prefix), 2, dtype=torch.int32), total_tokens=tokens, total_keys=keys)
     _assert_same(batch)
-    got = ragged_metadata_in_one_launch(batch)
+    got = _launch(batch)
     assert got.length_flags.item() == BAD_LENGTH and (got.gather_slots == -1).all()
 
 
 def test_consistent_device_lengths_are_not_flagged():
-    got = ragged_metadata_in_one_launch(_random_batch(5, seed=2))
+    got = _launch(_random_batch(5, seed=2))
     assert got.length_flags.item() == 0 and (got.gather_slots >= 0).any()
 
 
@@ -164,10 +179,11 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
 
     monkeypatch.setattr(module, "_ragged_metadata_kernel", _Counted())
     monkeypatch.setattr(dispatch.extend, "build_ragged_metadata", ragged_metadata_in_one_launch)
-    dispatcher, batch = load_dispatcher(arch="cpu"), _extend_batch(prefix=12288)
+    dispatcher, batch = load_dispatcher(arch="cpu"), _on_device(_extend_batch(prefix=12288))
     dispatch.extend.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
     grids.clear()
     with _Launches() as counted:
         plan = dispatch.extend.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
     assert len(grids) == 1 and counted.launches <= 4
-    assert torch.equal(plan.metadata.ranges, build_ragged_metadata(batch, host_checked=False).ranges)
+    expected = build_ragged_metadata(_extend_batch(prefix=12288), host_checked=False)
+    assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)
