@@ -180,6 +180,18 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     device = batch.prefix_lens.device
     requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
     on_host = device.type == "cpu" if host_checked is None else host_checked
+    if on_host and device.type == "cpu":  # checked lengths on this host: fewer, cheaper ops (issue 24)
+        from dispatch.ragged_on_host import ragged_metadata_on_host
+
+        return ragged_metadata_on_host(batch, _slot_bases(batch, None))
+    if not on_host and device.type == "cuda":  # the same values in one launch, not ~35 (issue 24)
+        try:
+            from backends.triton.ragged_metadata import ragged_metadata_in_one_launch
+        except ModuleNotFoundError as error:  # triton is optional: the torch ops below compute the same
+            if error.name != "triton":
+                raise
+        else:
+            return ragged_metadata_in_one_launch(batch)
     # [2, B] in 64 bits: each request's new tokens, and its keys (prefix + new); offsets are their sums.
     lengths = torch.stack((batch.extend_lens, batch.prefix_lens)).long()
     if not on_host:
