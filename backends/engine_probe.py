@@ -9,7 +9,7 @@ import importlib.metadata
 from collections.abc import Callable
 from types import ModuleType
 
-from dispatch import detect
+from dispatch.contract import detect
 from dispatch.contract import Arch, Availability
 
 

@@ -7,8 +7,8 @@
     indices = topk(plan, logits, 2048)                   # int32 [B*N, 2048], -1 past a token's keys
 """
 
-from dispatch.decision import Decision, Rejection
-from dispatch.errors import (
+from dispatch.contract.decision import Decision, Rejection
+from dispatch.contract.errors import (
     BackendError,
     DispatchError,
     DtypeMismatchError,
@@ -18,8 +18,8 @@ from dispatch.errors import (
     PluginError,
     RegistryError,
 )
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.layout import Layout
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.layout import Layout
 
 __all__ = [
     "Arch",
@@ -49,15 +49,15 @@ __all__ = [
 def __getattr__(name):
     # The runtime pulls in pydantic and torch; import it on first use so `import dispatch` stays light.
     if name == "load_dispatcher":
-        from dispatch.runtime import load_dispatcher
+        from dispatch.deciding.runtime import load_dispatcher
 
         return load_dispatcher
     if name == "build_plan":
-        from dispatch.plan import build_plan
+        from dispatch.step.plan import build_plan
 
         return build_plan
     if name in ("indexer_q_quant", "paged_mqa_logits", "topk"):
-        from dispatch import ops
+        from dispatch.step import ops
 
         return getattr(ops, name)
     raise AttributeError(f"module 'dispatch' has no attribute {name!r}")

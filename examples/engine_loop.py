@@ -22,13 +22,13 @@ import sys
 import torch
 
 from dispatch import load_dispatcher
-from dispatch.indexer import IndexerStep
-from dispatch.key import ForwardMode
-from dispatch.kv_cache import BLOCK_KV
-from dispatch.logs import show_logs
-from dispatch.plan import ForwardBatch
-from dispatch.prefill import ExtendBatch
-from dispatch.rope import RopeSpec
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import ForwardMode
+from dispatch.contract.kv_cache import BLOCK_KV
+from dispatch.cli.logs import show_logs
+from dispatch.step.plan import ForwardBatch
+from dispatch.step.prefill import ExtendBatch
+from dispatch.contract.rope import RopeSpec
 
 HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
 # After the two prefill steps, (forward mode, tokens scored per request): plain decode, MTP

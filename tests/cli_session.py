@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from dispatch.cli import main
-from dispatch.detect import detect_arch
+from dispatch.cli.commands import main
+from dispatch.contract.detect import detect_arch
 
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch):
     for name in ("DISPATCH_REGISTRY", "DISPATCH_CLUSTER", "DISPATCH_PLUGINS", "DISPATCH_ARCH", "DISPATCH_FP8_DTYPE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
     detect_arch.cache_clear()
     yield monkeypatch
     detect_arch.cache_clear()

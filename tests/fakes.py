@@ -5,14 +5,14 @@ from __future__ import annotations
 import textwrap
 import types
 
-from dispatch.backend import Availability, Backend, Support
-from dispatch.catalog import Catalog
+from dispatch.contract.backend import Availability, Backend, Support
+from dispatch.contract.catalog import Catalog
 from dispatch.contract import OP_CONTRACTS
-from dispatch.dispatcher import Dispatcher
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Arch, Op
-from dispatch.layout import Layout
-from dispatch.plugins import LoadedPlugin, collect_backends
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.hookspecs import hookimpl
+from dispatch.contract.key import Arch, Op
+from dispatch.contract.layout import Layout
+from dispatch.contract.host import LoadedPlugin, collect_backends
 from dispatch.registry.document import RegistryDocument, parse_registry
 
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
+from dispatch.contract.paged_cache import build_paged_kv_cache
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
-from dispatch.fp8 import fp8_dtype_of
-from dispatch.key import Fp8Dtype
+from dispatch.contract.fp8 import fp8_dtype_of
+from dispatch.contract.key import Fp8Dtype
 
 
 @dataclass(frozen=True)

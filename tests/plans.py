@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import torch
 
-from dispatch.backend import Backend
-from dispatch.decision import Decision
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.plan import IndexerPlan, layout_tensors, page_rows
+from dispatch.contract.backend import Backend
+from dispatch.contract.decision import Decision
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.step.plan import IndexerPlan, layout_tensors, page_rows
 
 
 def decision_for(backend: Backend, key: DispatchKey) -> Decision:

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
+from dispatch.contract.paged_cache import build_paged_kv_cache
 from backends.reference.kv_gather import reference_gather_keys
-from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Fp8Dtype
-from dispatch.prefill import ExtendBatch, RaggedMetadata, build_ragged_metadata
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import FP8_MAX, Fp8Dtype
+from dispatch.step.prefill import ExtendBatch, RaggedMetadata, build_ragged_metadata
 
 # Page-table entries past a request's pages: an index far outside the cache, so a read through one fails.
 POISON_BLOCK = 1 << 30

@@ -162,7 +162,7 @@ def make_batch(
 def fill_index_k(pool, layer: int, generator) -> None:
     """Random keys quantised per token into the layer's index-K buffer, in SGLang's layout
     (64 x 128 fp8 key bytes, then 64 fp32 scales, per page)."""
-    from dispatch.kv_cache import quantize_keys
+    from dispatch.contract.kv_cache import quantize_keys
 
     buffer = pool.get_index_k_with_scale_buffer(layer_id=layer)
     pages = buffer.shape[0]

@@ -4,7 +4,7 @@ The shipped file includes its H200 cluster's measured overlay by a path relative
 (`measured: measured/h200-mtp.yaml`); a copy written to another folder has no overlay beside it, so
 these tests take the text without that one include line. tests/test_tune.py covers overlays."""
 
-from dispatch.runtime import DEFAULT_REGISTRY
+from dispatch.deciding.runtime import DEFAULT_REGISTRY
 
 INCLUDE = "    measured: measured/h200-mtp.yaml\n"
 

@@ -6,7 +6,7 @@ import json
 import torch
 
 from dispatch.bench.compare import compare_logits
-from dispatch.cli import main
+from dispatch.cli.commands import main
 
 
 def test_quick_bench_checks_then_times(capsys):

@@ -20,11 +20,11 @@ from backends.reference.q_quant import reference_indexer_q_quant as reference_qu
 from backends.triton import plugin as triton_plugin
 from backends.triton.q_quant import triton_indexer_q_quant as triton_quant
 from backends.triton.fp8_mode import Fp8Mode
-from dispatch.bounds import BAD_PAGE, BAD_POSITION, LENGTH_PAST_BOUND
-from dispatch.errors import IndexBoundsError
-from dispatch.key import Fp8Dtype
-from dispatch.layout import Layout
-from dispatch.rope import RopeSpec
+from dispatch.contract.bounds import BAD_PAGE, BAD_POSITION, LENGTH_PAST_BOUND
+from dispatch.contract.errors import IndexBoundsError
+from dispatch.contract.key import Fp8Dtype
+from dispatch.contract.layout import Layout
+from dispatch.contract.rope import RopeSpec
 from tests.paged_batch import paged_batch
 from tests.plans import plan_for
 
@@ -65,7 +65,7 @@ def run_deepgemm_flatten(table, batch, next_n, max_len, *, pool_given=True):
     """deepgemm.sm90.flatten against the recording stand-in (it computes with the torch reference, which
     raises on an out-of-range entry it is handed: so the guard's table must be safe)."""
     from backends.deepgemm.plugin import deepgemm_backends
-    from dispatch.key import Arch
+    from dispatch.contract.key import Arch
     from tests.fake_deep_gemm import FakeDeepGemm
 
     fake = FakeDeepGemm(num_sms=8)
@@ -228,7 +228,7 @@ def test_positions_in_range_leave_the_flag_clear():
 @pytest.mark.parametrize("name", ["deepgemm.sm90", "deepgemm.sm90.flatten"])
 def test_deepgemm_gets_a_safe_table_and_poisons_the_rows(name):
     from backends.deepgemm.plugin import deepgemm_backends
-    from dispatch.key import Arch
+    from dispatch.contract.key import Arch
     from tests.fake_deep_gemm import FakeDeepGemm
 
     fake = FakeDeepGemm(num_sms=8)
@@ -254,9 +254,9 @@ def test_deepgemm_gets_a_safe_table_and_poisons_the_rows(name):
 
 def test_indexer_step_on_the_reference_raises_naming_the_entry():
     from dispatch import load_dispatcher
-    from dispatch.indexer import IndexerStep
-    from dispatch.key import ForwardMode
-    from dispatch.plan import ForwardBatch
+    from dispatch.engines.indexer_step import IndexerStep
+    from dispatch.contract.key import ForwardMode
+    from dispatch.step.plan import ForwardBatch
 
     seq_lens, next_n = [100, 20], 2
     batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=8)
@@ -283,7 +283,7 @@ def test_indexer_step_on_the_reference_raises_naming_the_entry():
 
 
 def count_guard_launches(monkeypatch) -> list[int]:
-    from backends.triton.page_guard import PageGuard
+    from backends.shared.page_guard import PageGuard
 
     launches = []
     original = PageGuard.launch
@@ -317,7 +317,7 @@ def test_the_guard_runs_once_per_batch_however_many_layers(monkeypatch, pool_giv
 
 @pytest.mark.parametrize("pool_given", [True, False], ids=["pool-given", "first-layer"])
 def test_a_layer_cache_smaller_than_the_checked_pool_is_refused(pool_given):
-    from dispatch.errors import LayoutError
+    from dispatch.contract.errors import LayoutError
 
     seq_lens, next_n = [90, 40], 1
     batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=12)
@@ -353,11 +353,11 @@ def test_the_engines_pool_is_the_bound_even_inside_a_larger_tensor():
 
 @pytest.mark.parametrize("name", ["triton", "triton.flatten", "deepgemm.sm90"])
 def test_a_refreshed_plan_guards_the_new_batch_in_place(name):
-    """What dispatch.graphs.update does before a replay: the new lens and table copied into the captured
+    """What dispatch.engines.graphs.update does before a replay: the new lens and table copied into the captured
     plan, then refresh_state. The guard's tensors keep their addresses (the graph reads them) and now
     poison the new batch's bad entry."""
-    from dispatch.errors import GraphMismatchError
-    from dispatch.key import Arch
+    from dispatch.contract.errors import GraphMismatchError
+    from dispatch.contract.key import Arch
 
     if name.startswith("deepgemm"):
         from backends.deepgemm.plugin import deepgemm_backends
@@ -438,10 +438,10 @@ def test_indexer_step_without_the_tail_still_gives_poisoned_tokens_no_keys(logit
     """IndexerStep.select asks for clean_logits=False: a poisoned token still selects nothing (its row
     is NaN), and every other token selects what the top-k of the clean logits selects."""
     from dispatch import load_dispatcher
-    from dispatch.indexer import IndexerStep
-    from dispatch.key import ForwardMode, Op
-    from dispatch.ops import paged_mqa_logits, topk
-    from dispatch.plan import ForwardBatch, build_plan
+    from dispatch.engines.indexer_step import IndexerStep
+    from dispatch.contract.key import ForwardMode, Op
+    from dispatch.step.ops import paged_mqa_logits, topk
+    from dispatch.step.plan import ForwardBatch, build_plan
 
     seq_lens, next_n, k = [100, 70, 130], 2, 8
     batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=12)

@@ -1,4 +1,4 @@
-"""`python -m dispatch` through dispatch.cli.main: explain, validate, backends; exit codes 0 / 1 / 2 and
+"""`python -m dispatch` through dispatch.cli.commands.main: explain, validate, backends; exit codes 0 / 1 / 2 and
 clean messages (no traceback) for user mistakes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from dispatch.cli import main
+from dispatch.cli.commands import main
 from tests.cli_session import clean_environment, run  # noqa: F401 (clean_environment: an autouse fixture)
 
 LOGITS_KEYS = {"op", "key", "backend", "layout", "rule", "cluster", "plugin", "rejected"}
@@ -79,7 +79,7 @@ def test_explain_sm90(capsys, next_n, backend, rule):
 
 
 def test_explain_sm90_on_an_h200_applies_its_cluster(capsys, clean_environment):
-    clean_environment.setattr("dispatch.clusters.gpu_name", lambda: "NVIDIA H200")
+    clean_environment.setattr("dispatch.deciding.clusters.gpu_name", lambda: "NVIDIA H200")
     payload = explain_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", "4")
     assert (payload["backend"], payload["cluster"]) == ("triton", "h200-mtp")
     reasons = {r["backend"]: r["reason"] for r in payload["rejected"]}
@@ -222,7 +222,7 @@ def test_exit_2_on_lint_findings(capsys, tmp_path):
 
 
 def test_exit_2_on_a_missing_registry_file_names_it_and_the_default(capsys, tmp_path, clean_environment):
-    from dispatch.runtime import DEFAULT_REGISTRY
+    from dispatch.deciding.runtime import DEFAULT_REGISTRY
 
     code, out, err = run(capsys, "validate", str(tmp_path / "missing.yaml"))
     assert_clean_exit_2(code, out, err)
@@ -237,7 +237,7 @@ def test_exit_2_on_a_missing_registry_file_names_it_and_the_default(capsys, tmp_
 def test_the_packaged_registry_is_the_top_level_file():
     from pathlib import Path
 
-    from dispatch.runtime import DEFAULT_REGISTRY
+    from dispatch.deciding.runtime import DEFAULT_REGISTRY
 
     top_level = Path(__file__).resolve().parent.parent / "registry.yaml"
     assert DEFAULT_REGISTRY == top_level  # dispatch/registry.yaml links to it: one file to edit
@@ -247,8 +247,8 @@ def test_a_foreign_backends_package_is_named(monkeypatch, tmp_path):
     import sys
     import types
 
-    from dispatch.errors import PluginError
-    from dispatch.plugins import builtin_plugins
+    from dispatch.contract.errors import PluginError
+    from dispatch.contract.host import builtin_plugins
 
     foreign = types.ModuleType("backends")
     foreign.__file__ = str(tmp_path / "backends" / "__init__.py")

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from dispatch.cli import main
-from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
+from dispatch.cli.commands import main
+from dispatch.contract.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_PLAN_TOKENS, MAX_CLI_SEQ_LEN
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dispatch.cli import _parser, main
-from dispatch.detect import detect_arch
-from dispatch.environment import ENVIRONMENT, environment_markdown
-from dispatch.key import Op
+from dispatch.cli.commands import _parser, main
+from dispatch.contract.detect import detect_arch
+from dispatch.cli.environment import ENVIRONMENT, environment_markdown
+from dispatch.contract.key import Op
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def clean_environment(monkeypatch):
     for name, _, _ in ENVIRONMENT:
         if name.startswith("DISPATCH_"):
             monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
     detect_arch.cache_clear()
     level = logging.getLogger("dispatch").level
     yield monkeypatch

@@ -10,8 +10,8 @@ import types
 import pytest
 
 from dispatch.bench.command import report_text
-from dispatch.cli import main
-from dispatch.shadowing import OWN, shadow_message
+from dispatch.cli.commands import main
+from dispatch.contract.shadowing import OWN, shadow_message
 
 
 def report(rows: list[dict]) -> str:
@@ -44,7 +44,7 @@ def test_one_chunk_is_singular():
 
 def test_a_decision_is_logged_by_its_rule_once(capsys, monkeypatch):
     monkeypatch.delenv("DISPATCH_ARCH", raising=False)
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
     assert main(["explain", "-v", "--arch", "cpu", "--op", "topk", "--cluster", "reference-only"]) == 0
     err = capsys.readouterr().err  # before: "(rows, cluster-prefer prefer[0])", and "fallback fallback[1]"
     assert "dispatch INFO: using torch.reference (rows, by cluster `reference-only` prefer[0]) for topk" in err
@@ -55,7 +55,7 @@ def test_tune_refuses_a_full_workload_on_a_cpu(capsys, monkeypatch):
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is for a machine with no GPU")
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
     assert main(["tune", "--cluster", "reference-only"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tune: no GPU visible to torch: the workload is 60 paged shapes")

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from dispatch.backend import Support
-from dispatch.cli import main
-from dispatch.errors import PluginError
-from dispatch.key import DispatchKey, Op
-from dispatch.limits import MAX_ERRORS_LISTED, MAX_MESSAGE_CHARS
-from dispatch.runtime import DEFAULT_REGISTRY
+from dispatch.contract.backend import Support
+from dispatch.cli.commands import main
+from dispatch.contract.errors import PluginError
+from dispatch.contract.key import DispatchKey, Op
+from dispatch.contract.limits import MAX_ERRORS_LISTED, MAX_MESSAGE_CHARS
+from dispatch.deciding.runtime import DEFAULT_REGISTRY
 from tests.fakes import catalog_of, dispatcher, fake_backend
 
 LONG = "n" * 300  # longer than a file name may be (255 bytes on Linux filesystems)

@@ -4,11 +4,11 @@ would decide differently is refused (H200 through the device; skips without a GP
 import pytest
 import torch
 
-from dispatch.errors import GraphMismatchError
-from dispatch.indexer import IndexerStep
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch
-from dispatch.rope import RopeSpec
+from dispatch.contract.errors import GraphMismatchError
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import ForwardMode
+from dispatch.step.plan import ForwardBatch
+from dispatch.contract.rope import RopeSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def _fill(inputs, generator):
 
 @pytest.fixture
 def step():
-    from dispatch.runtime import load_dispatcher
+    from dispatch.deciding.runtime import load_dispatcher
 
     return IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
                        softmax_scale=D**-0.5, head_scale=H**-0.5, topk=256)
@@ -37,7 +37,7 @@ def step():
 
 def _static_inputs(generator):
     from dispatch.bench.workload import LogitsShape, logits_inputs
-    from dispatch.graphs import StaticInputs
+    from dispatch.engines.graphs import StaticInputs
 
     cache = logits_inputs(LogitsShape(B, 1, MAX_LEN // 2), "e4m3fn", "cuda", seed=3).kv_cache
     blocks_needed = B * (MAX_LEN // 64)
@@ -55,7 +55,7 @@ def _static_inputs(generator):
 
 def _selected_values(plan, inputs, indices):
     """Each row's selected logits, sorted, with -inf for a -1 slot."""
-    from dispatch.ops import indexer_q_quant, paged_mqa_logits
+    from dispatch.step.ops import indexer_q_quant, paged_mqa_logits
 
     step_settings = dict(rope=RopeSpec.neox_head(), softmax_scale=D**-0.5, head_scale=H**-0.5)
     q_fp8, folded = indexer_q_quant(plan, inputs.q, inputs.weights, inputs.positions, inputs.cos_sin_cache,
@@ -66,7 +66,7 @@ def _selected_values(plan, inputs, indices):
 
 
 def test_replay_with_new_batches_matches_eager(step):
-    from dispatch.graphs import CapturedIndexerStep
+    from dispatch.engines.graphs import CapturedIndexerStep
 
     generator = torch.Generator().manual_seed(0)
     inputs = _static_inputs(generator)
@@ -85,7 +85,7 @@ def test_replay_with_new_batches_matches_eager(step):
 
 
 def test_a_batch_that_decides_differently_is_refused(step):
-    from dispatch.graphs import CapturedIndexerStep
+    from dispatch.engines.graphs import CapturedIndexerStep
 
     generator = torch.Generator().manual_seed(1)
     captured = CapturedIndexerStep(step, _batch(generator), _static_inputs(generator))

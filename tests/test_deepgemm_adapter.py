@@ -12,9 +12,9 @@ import torch
 from backends.deepgemm import plugin as availability
 from backends.deepgemm.plugin import deepgemm_availability, probe_for
 from backends.deepgemm.plugin import deepgemm_backends, register_backends
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.key import Arch, ForwardMode, Op
-from dispatch.layout import Layout
+from dispatch.contract.errors import DtypeMismatchError, LayoutError
+from dispatch.contract.key import Arch, ForwardMode, Op
+from dispatch.contract.layout import Layout
 from tests.fake_deep_gemm import FakeDeepGemm
 from tests.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match
 from tests.paged_batch import expected_logits, paged_batch
@@ -153,7 +153,7 @@ def test_schedule_is_built_once_per_plan_not_per_layer():
 
 
 def test_lens_and_schedule_refreshed_in_place_are_followed_like_a_graph_replay():
-    # dispatch.graphs refreshes a captured plan in place: the lens and table copied in, then the backend's
+    # dispatch.engines.graphs refreshes a captured plan in place: the lens and table copied in, then the backend's
     # refresh_state (the schedule copied from a fresh prepare, the page guard run again). The next run
     # must answer for the new batch.
     fake = FakeDeepGemm(num_sms=NUM_SMS)

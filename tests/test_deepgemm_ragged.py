@@ -8,8 +8,8 @@ import torch
 
 from backends.deepgemm.adapter import launch_ragged_mqa_logits, missing_ragged_symbols
 from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.key import Fp8Dtype
+from dispatch.contract.errors import DtypeMismatchError, LayoutError
+from dispatch.contract.key import Fp8Dtype
 from tests.fake_deep_gemm import FakeDeepGemm
 from tests.prefill_batch import prefill_case
 
@@ -94,11 +94,11 @@ def test_the_extend_step_through_deepgemm_sm90_with_the_stand_in():
     import dataclasses
 
     from backends.deepgemm.adapter import DeepGemmRaggedLogits
-    from dispatch.catalog import Catalog
-    from dispatch.dispatcher import Dispatcher
-    from dispatch.indexer import IndexerStep
-    from dispatch.key import Arch, Op
-    from dispatch.runtime import load_dispatcher
+    from dispatch.contract.catalog import Catalog
+    from dispatch.deciding.dispatcher import Dispatcher
+    from dispatch.engines.indexer_step import IndexerStep
+    from dispatch.contract.key import Arch, Op
+    from dispatch.deciding.runtime import load_dispatcher
     from tests.test_extend_step import SETTINGS, assert_selects_the_reference_top_k, layer_inputs_at, reference_step
 
     fake = FakeDeepGemm("fp8_fp4", garbage="nan")

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dispatch.backend import Availability
-from dispatch.clusters import resolve_cluster
-from dispatch.decision import Rejection
-from dispatch.errors import NoBackendError, RegistryError
-from dispatch.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.backend import Availability
+from dispatch.deciding.clusters import resolve_cluster
+from dispatch.contract.decision import Rejection
+from dispatch.contract.errors import NoBackendError, RegistryError
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
+from dispatch.deciding.runtime import load_dispatcher
 from tests.fakes import catalog_of, dispatcher, fake_backend, fake_plugin, registry
 
 LOGITS = Op.PAGED_MQA_LOGITS
@@ -278,14 +278,14 @@ clusters:
 @pytest.fixture
 def no_env_cluster(monkeypatch):
     monkeypatch.delenv("DISPATCH_CLUSTER", raising=False)
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
     return monkeypatch
 
 
 def test_cluster_by_name(no_env_cluster):
     assert resolve_cluster(registry(CLUSTERS), "manual", Arch.SM90) == "manual"
     # a name given outright wins over a declared match
-    no_env_cluster.setattr("dispatch.clusters.gpu_name", lambda: "NVIDIA H200 NVL")
+    no_env_cluster.setattr("dispatch.deciding.clusters.gpu_name", lambda: "NVIDIA H200 NVL")
     assert resolve_cluster(registry(CLUSTERS), "manual", Arch.SM90) == "manual"
 
 
@@ -311,7 +311,7 @@ def test_cluster_by_declared_arch_match(no_env_cluster):
     [("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA GH200", None)],
 )
 def test_cluster_by_gpu_name_glob(no_env_cluster, gpu, expected):
-    no_env_cluster.setattr("dispatch.clusters.gpu_name", lambda: gpu)
+    no_env_cluster.setattr("dispatch.deciding.clusters.gpu_name", lambda: gpu)
     assert resolve_cluster(registry(CLUSTERS), None, Arch.SM90) == expected
     # the arch must match too
     assert resolve_cluster(registry(CLUSTERS), None, Arch.GFX942) is None
@@ -319,7 +319,7 @@ def test_cluster_by_gpu_name_glob(no_env_cluster, gpu, expected):
 
 def test_two_matching_clusters_is_an_error(no_env_cluster):
     text = CLUSTERS + "  any-sm90:\n    match: {arch: sm90}\n"
-    no_env_cluster.setattr("dispatch.clusters.gpu_name", lambda: "NVIDIA H200")
+    no_env_cluster.setattr("dispatch.deciding.clusters.gpu_name", lambda: "NVIDIA H200")
     with pytest.raises(RegistryError) as error:
         resolve_cluster(registry(text), None, Arch.SM90)
     assert "`h200`" in str(error.value) and "`any-sm90`" in str(error.value)
@@ -332,7 +332,7 @@ def test_load_dispatcher_applies_the_matched_cluster(no_env_cluster, tmp_path):
     path = tmp_path / "registry.yaml"
     path.write_text(CLUSTERS.replace("description: only when named", "disable: [a]"))
     plugins = [fake_plugin("p", fake_backend("a"), fake_backend("b"), fake_backend("q", Op.INDEXER_Q_QUANT), fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS))]
-    no_env_cluster.setattr("dispatch.clusters.gpu_name", lambda: "NVIDIA H100 PCIe")
+    no_env_cluster.setattr("dispatch.deciding.clusters.gpu_name", lambda: "NVIDIA H100 PCIe")
     chosen = load_dispatcher(path, arch="sm90", plugins=plugins)
     assert chosen.cluster == "h100" and chosen.check_availability is False
     assert chosen.decide(LOGITS, key()).cluster == "h100"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dispatch import hookspecs
+from dispatch.contract import hookspecs
 from dispatch.contract import OP_CONTRACTS
-from dispatch.key import Op
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.key import Op
+from dispatch.deciding.runtime import load_dispatcher
 from tests.documentation import documentation_text
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dispatch.cli import main
+from dispatch.cli.commands import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

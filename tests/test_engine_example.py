@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dispatch.extend import ExtendPlan
+from dispatch.step.extend import ExtendPlan
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "engine_loop.py"
 

@@ -17,10 +17,10 @@ from backends.reference.plugin import register_backends as register_reference
 from backends.reference.topk import topk_indices as reference_topk
 from backends.sglang_topk.plugin import sglang_topk_backends
 from backends.vllm_topk.plugin import vllm_topk_backends
-from dispatch.errors import LayoutError, UnservedCallError
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.ops import topk as topk_through_plan
-from dispatch.plan import IndexerPlan, layout_tensors, page_rows
+from dispatch.contract.errors import LayoutError, UnservedCallError
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.step.ops import topk as topk_through_plan
+from dispatch.step.plan import IndexerPlan, layout_tensors, page_rows
 from tests.fake_engine_topk import FakeSglangV2, FakeSglKernel, FakeVllmOps
 from tests.plans import decision_for
 

@@ -10,15 +10,15 @@ import torch
 
 from backends.reference.q_quant import reference_indexer_q_quant
 from dispatch import load_dispatcher
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.extend import ExtendPlan, build_extend_plan
-from dispatch.indexer import IndexerStep
-from dispatch.key import Fp8Dtype, Op
-from dispatch.kv_cache import split_kv_cache
-from dispatch.ops import gather_keys, ragged_mqa_logits
-from dispatch.plan import EXTEND_STEP_OPS, ops_for
-from dispatch.prefill import ExtendBatch
-from dispatch.rope import RopeSpec
+from dispatch.contract.errors import DtypeMismatchError, LayoutError
+from dispatch.step.extend import ExtendPlan, build_extend_plan
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import Fp8Dtype, Op
+from dispatch.contract.kv_cache import split_kv_cache
+from dispatch.step.ops import gather_keys, ragged_mqa_logits
+from dispatch.step.plan import EXTEND_STEP_OPS, ops_for
+from dispatch.step.prefill import ExtendBatch
+from dispatch.contract.rope import RopeSpec
 from tests.numerics import logits_tolerance
 from tests.prefill_batch import prefill_case
 
@@ -271,7 +271,7 @@ def test_the_step_never_waits_on_the_device(backend):
 
 
 def _extend_key(dispatcher):
-    from dispatch.key import DispatchKey
+    from dispatch.contract.key import DispatchKey
 
     return DispatchKey(dispatcher.target_arch, "extend", 1, "e4m3fn")
 

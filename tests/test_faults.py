@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
-from dispatch.errors import BackendError, DtypeMismatchError, LayoutError, RegistryError
-from dispatch.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
-from dispatch.ops import indexer_q_quant, paged_mqa_logits
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.reloading import LiveDispatcher, ReloadResult
-from dispatch.rope import RopeSpec
+from dispatch.contract.errors import BackendError, DtypeMismatchError, LayoutError, RegistryError
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
+from dispatch.step.ops import indexer_q_quant, paged_mqa_logits
+from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.engines.reloading import LiveDispatcher, ReloadResult
+from dispatch.contract.rope import RopeSpec
 from tests.fakes import catalog_of, dispatcher, fake_backend
 from tests.shipped import shipped_registry_text
 
@@ -241,7 +241,7 @@ def test_the_first_load_has_nothing_to_keep_and_raises(tmp_path):
 
 
 def test_a_live_dispatcher_from_a_path_alone(tmp_path, monkeypatch):
-    from dispatch.runtime import DEFAULT_REGISTRY
+    from dispatch.deciding.runtime import DEFAULT_REGISTRY
 
     monkeypatch.delenv("DISPATCH_REGISTRY", raising=False)
     path = tmp_path / "registry.yaml"

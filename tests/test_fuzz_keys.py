@@ -7,12 +7,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.dispatcher import Dispatcher
-from dispatch.errors import InvalidKeyError, NoBackendError
-from dispatch.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
-from dispatch.plugins import collect_backends
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.errors import InvalidKeyError, NoBackendError
+from dispatch.contract.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
+from dispatch.contract.host import collect_backends
 from dispatch.registry.document import load_registry
-from dispatch.runtime import DEFAULT_REGISTRY, load_plugins
+from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_plugins
 
 DOCUMENT = load_registry(DEFAULT_REGISTRY)
 CATALOG = collect_backends(load_plugins(frozenset()))

@@ -13,14 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
-from dispatch.kv_cache import BLOCK_KV
-from dispatch.backend import PAGED_MODES
-from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Arch, DispatchKey, ForwardMode, Fp8Dtype, Op, arch_can_hold
-from dispatch.ops import paged_mqa_logits
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.runtime import DEFAULT_REGISTRY, load_dispatcher, load_plugins
+from dispatch.contract.paged_cache import build_paged_kv_cache
+from dispatch.contract.kv_cache import BLOCK_KV
+from dispatch.contract.backend import PAGED_MODES
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, ForwardMode, Fp8Dtype, Op, arch_can_hold
+from dispatch.step.ops import paged_mqa_logits
+from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher, load_plugins
 from tests.paged_batch import PagedBatch, expected_logits
 
 ON_GPU = torch.cuda.is_available()

@@ -11,14 +11,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch.catalog import Catalog
-from dispatch.dispatcher import Dispatcher
-from dispatch.errors import NoBackendError, RegistryError
-from dispatch.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
-from dispatch.plugins import collect_backends
+from dispatch.contract.catalog import Catalog
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.errors import NoBackendError, RegistryError
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
+from dispatch.contract.host import collect_backends
 from dispatch.registry.checks import check_backend_names
 from dispatch.registry.document import load_registry, parse_registry
-from dispatch.runtime import DEFAULT_REGISTRY, load_plugins
+from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_plugins
 from tests.shipped import shipped_registry_text
 
 PATH = "fuzzed/registry.yaml"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.cli_session import clean_environment, run  # noqa: F401 (clean_environment: an autouse fixture)
-from dispatch.detect import detect_arch
-from dispatch.errors import InvalidKeyError
-from dispatch.gpus import GPUS, find_gpu
-from dispatch.key import Arch
+from dispatch.contract.detect import detect_arch
+from dispatch.contract.errors import InvalidKeyError
+from dispatch.deciding.gpus import GPUS, find_gpu
+from dispatch.contract.key import Arch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -4,11 +4,11 @@ GPU-only (tests/test_cuda_graphs.py), the decision and shape checks are not."""
 import pytest
 import torch
 
-from dispatch.errors import GraphMismatchError
-from dispatch.graphs import check_replayable
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.errors import GraphMismatchError
+from dispatch.engines.graphs import check_replayable
+from dispatch.contract.key import ForwardMode
+from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.deciding.runtime import load_dispatcher
 
 REGISTRY = """
 version: 1
@@ -72,9 +72,9 @@ def test_shapes_past_the_capture_are_refused(dispatcher, batch, message):
 
 
 def test_an_extend_batch_is_not_captured():
-    from dispatch.graphs import CapturedIndexerStep
-    from dispatch.indexer import IndexerStep
-    from dispatch.rope import RopeSpec
+    from dispatch.engines.graphs import CapturedIndexerStep
+    from dispatch.engines.indexer_step import IndexerStep
+    from dispatch.contract.rope import RopeSpec
     from tests.prefill_batch import prefill_case
 
     step = IndexerStep(load_dispatcher(arch="cpu"), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),

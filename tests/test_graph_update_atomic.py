@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch.errors import GraphMismatchError
-from dispatch.graphs import CapturedIndexerStep, StaticInputs
-from dispatch.indexer import IndexerStep
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch
-from dispatch.rope import RopeSpec
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.errors import GraphMismatchError
+from dispatch.engines.graphs import CapturedIndexerStep, StaticInputs
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import ForwardMode
+from dispatch.step.plan import ForwardBatch
+from dispatch.contract.rope import RopeSpec
+from dispatch.deciding.runtime import load_dispatcher
 from tests.paged_batch import paged_batch
 
 REGISTRY = """

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dispatch import load_dispatcher
-from dispatch.errors import LayoutError
-from dispatch.indexer import IndexerStep
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch
-from dispatch.rope import RopeSpec
+from dispatch.contract.errors import LayoutError
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import ForwardMode
+from dispatch.step.plan import ForwardBatch
+from dispatch.contract.rope import RopeSpec
 
 B, N, H, D = 2, 3, 8, 128
 

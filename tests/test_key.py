@@ -1,4 +1,4 @@
-"""DispatchKey validation and host detection (dispatch.key, dispatch.detect)."""
+"""DispatchKey validation and host detection (dispatch.contract.key, dispatch.contract.detect)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from dispatch.detect import detect_arch, platform_fp8_dtype
-from dispatch.errors import InvalidKeyError
-from dispatch.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, ForwardMode, Fp8Dtype
+from dispatch.contract.detect import detect_arch, platform_fp8_dtype
+from dispatch.contract.errors import InvalidKeyError
+from dispatch.contract.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, ForwardMode, Fp8Dtype
 
 VALID = {"arch": "sm90", "forward_mode": "target_verify", "next_n": 2, "fp8_dtype": "e4m3fn"}
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch.kv_cache import quantize_keys
+from dispatch.contract.kv_cache import quantize_keys
 from backends.reference.kv_gather import reference_gather_keys as reference_gather
-from backends.triton.kv_gather import triton_gather_keys
-from dispatch.errors import LayoutError
-from dispatch.key import Fp8Dtype
+from backends.shared.kv_gather import triton_gather_keys
+from dispatch.contract.errors import LayoutError
+from dispatch.contract.key import Fp8Dtype
 from tests.prefill_batch import prefill_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,7 +92,7 @@ def test_flag_is_only_ever_set():
 def test_page_table_too_short_is_a_bad_slot():
     """Keys past the page table's width get slot -1 from the metadata: the gather flags them."""
     case = prefill_case([100], [28], device=DEVICE, seed=6)
-    from dispatch.prefill import ExtendBatch, build_ragged_metadata
+    from dispatch.step.prefill import ExtendBatch, build_ragged_metadata
 
     narrow = ExtendBatch(prefix_lens=case.batch.prefix_lens, extend_lens=case.batch.extend_lens,
                          page_table=case.batch.page_table[:, :1].contiguous(), total_tokens=28, total_keys=128)

@@ -5,15 +5,15 @@ path decided for gfx942 quantises with FP8_MAX 224 into e4m3fnuz."""
 import pytest
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
+from dispatch.contract.paged_cache import build_paged_kv_cache
 from backends.reference.q_quant import reference_indexer_q_quant
-from dispatch.errors import DtypeMismatchError, InvalidKeyError, RegistryError
-from dispatch.key import DispatchKey, ForwardMode, Op
-from dispatch.ops import indexer_q_quant, paged_mqa_logits
-from dispatch.plan import ForwardBatch, build_plan
+from dispatch.contract.errors import DtypeMismatchError, InvalidKeyError, RegistryError
+from dispatch.contract.key import DispatchKey, ForwardMode, Op
+from dispatch.step.ops import indexer_q_quant, paged_mqa_logits
+from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.registry import parse_registry
-from dispatch.rope import RopeSpec
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.rope import RopeSpec
+from dispatch.deciding.runtime import load_dispatcher
 
 H, D, ROT = 64, 128, 64
 SETTINGS = dict(rope=RopeSpec.gptj_tail(), softmax_scale=D**-0.5, head_scale=H**-0.5)
@@ -93,7 +93,7 @@ def _extend_case(seed):
 
 
 def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
-    from dispatch.extend import build_extend_plan
+    from dispatch.step.extend import build_extend_plan
 
     dispatcher = load_dispatcher(arch="gfx942")  # a what-if on this machine
     plan = build_extend_plan(dispatcher, _extend_case(3).batch, kv_fp8_dtype=torch.float8_e4m3fnuz)
@@ -108,8 +108,8 @@ def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
 
 @pytest.mark.parametrize("backend", ["torch.reference", "rocm.fnuz"])
 def test_e4m3fn_q_against_an_fnuz_cache_is_refused_in_prefill_too(backend):
-    from dispatch.extend import build_extend_plan
-    from dispatch.ops import gather_keys, ragged_mqa_logits
+    from dispatch.step.extend import build_extend_plan
+    from dispatch.step.ops import gather_keys, ragged_mqa_logits
 
     case = _extend_case(4)
     plan = build_extend_plan(load_dispatcher(arch="cpu"), case.batch, kv_fp8_dtype=torch.float8_e4m3fnuz,

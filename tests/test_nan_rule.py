@@ -13,17 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
+from dispatch.contract.paged_cache import build_paged_kv_cache
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
 from backends.reference.q_quant import NAN_BYTE, reference_indexer_q_quant as reference_quant
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.paged_mqa_logits import triton_paged_mqa_logits as triton_logits
 from backends.triton.q_quant import triton_indexer_q_quant as triton_quant
-from dispatch.fp8 import torch_dtype
-from dispatch.key import Fp8Dtype
-from dispatch.plan import layout_tensors
-from dispatch.layout import Layout
-from dispatch.rope import RopeSpec
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import Fp8Dtype
+from dispatch.step.plan import layout_tensors
+from dispatch.contract.layout import Layout
+from dispatch.contract.rope import RopeSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 # (name, fp8 dtype, the Triton fnuz mode or None for the torch reference / e4m3fn)

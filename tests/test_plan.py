@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.input_checks import check_logits_inputs
-from dispatch.errors import DtypeMismatchError, InvalidKeyError, LayoutError
-from dispatch.key import Arch, ForwardMode, Fp8Dtype, Op
-from dispatch.layout import Layout
-from dispatch.plan import ForwardBatch, build_plan, layout_tensors, visible_lengths
+from dispatch.contract.input_checks import check_logits_inputs
+from dispatch.contract.errors import DtypeMismatchError, InvalidKeyError, LayoutError
+from dispatch.contract.key import Arch, ForwardMode, Fp8Dtype, Op
+from dispatch.contract.layout import Layout
+from dispatch.step.plan import ForwardBatch, build_plan, layout_tensors, visible_lengths
 from tests.fakes import catalog_of, dispatcher, fake_backend
 from tests.plans import plan_for
 from tests.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match
@@ -74,7 +74,7 @@ def test_tokens_layout_has_no_paged_tensors():
 
 @pytest.fixture(scope="module")
 def cpu_dispatcher():
-    from dispatch.runtime import DEFAULT_REGISTRY, load_dispatcher
+    from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher
 
     return load_dispatcher(DEFAULT_REGISTRY, arch="cpu", cluster=None, plugins=None)
 
@@ -147,7 +147,7 @@ def lengths(*values, dtype=torch.int32):
     ],
 )
 def test_a_batch_that_cannot_occur_is_refused_where_built(fields, words):
-    from dispatch.errors import DispatchError
+    from dispatch.contract.errors import DispatchError
 
     values = {"seq_lens": SEQ_LENS, "pages": PAGES, "max_seq_len": 9, "mode": ForwardMode.TARGET_VERIFY, "next_n": 3}
     values.update(fields)
@@ -171,9 +171,9 @@ def test_lengths_on_a_device_are_left_to_the_kernels():
 
 
 def test_plan_through_the_ops_matches_the_reference(cpu_dispatcher):
-    from dispatch.bench.paged_cache import build_paged_kv_cache
+    from dispatch.contract.paged_cache import build_paged_kv_cache
     from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference
-    from dispatch.ops import paged_mqa_logits
+    from dispatch.step.ops import paged_mqa_logits
 
     generator = torch.Generator().manual_seed(7)
     seq_lens = torch.tensor([70, 3, 129], dtype=torch.int32)
@@ -354,7 +354,7 @@ def test_q_in_layout_refuses_the_wrong_token_count():
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 8), st.lists(st.integers(-3, 40), min_size=1, max_size=6), st.integers(-1, 45))
 def test_a_cpu_batch_is_accepted_exactly_when_every_request_can_occur(next_n, values, bound):
-    from dispatch.errors import InvalidBatchError
+    from dispatch.contract.errors import InvalidBatchError
 
     seq_lens = torch.tensor(values, dtype=torch.int32)
     pages = torch.zeros(len(values), 1, dtype=torch.int32)

@@ -87,7 +87,7 @@ def test_draw_refuses_a_report_with_nothing_to_draw(plot_bench, tmp_path):
 
 def test_it_reads_what_bench_writes(plot_bench, capsys):
     """The labels bench prints are the ones the tool parses (a quick CPU bench, reference only)."""
-    from dispatch.cli import main
+    from dispatch.cli.commands import main
 
     main(["bench", "--quick", "--op", "paged_mqa_logits", "--next-n", "1,2", "--backends", "torch.reference", "--json"])
     report = json.loads(capsys.readouterr().out)

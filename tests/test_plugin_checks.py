@@ -11,14 +11,14 @@ import textwrap
 
 import pytest
 
-from dispatch.backend import Availability, Backend, Support
-from dispatch.cli import main
-from dispatch.dispatcher import Dispatcher
-from dispatch.errors import PluginError
-from dispatch.explain import backend_row, decision_text
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.layout import Layout
-from dispatch.plugins import collect_backends, entry_point_plugins, normalized
+from dispatch.contract.backend import Availability, Backend, Support
+from dispatch.cli.commands import main
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.errors import PluginError
+from dispatch.cli.explain import backend_row, decision_text
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.layout import Layout
+from dispatch.contract.host import collect_backends, entry_point_plugins, normalized
 from tests.fakes import fake_plugin, registry
 from tests.test_plugins import Site
 
@@ -42,18 +42,18 @@ def backend(**changes) -> Backend:
 @pytest.mark.parametrize(
     "registration, words",
     [
-        (backend(supports=None), "supports=None; expected a dispatch.backend.Support"),
-        (backend(supports=Support(archs="sm90")), "supports.archs='sm90'; expected a frozenset of dispatch.key.Arch"),
+        (backend(supports=None), "supports=None; expected a dispatch.contract.Support"),
+        (backend(supports=Support(archs="sm90")), "supports.archs='sm90'; expected a frozenset of dispatch.contract.key.Arch"),
         (backend(supports=Support(archs=frozenset({"sm90"}))), "supports.archs=frozenset({'sm90'})"),
         (backend(supports=Support(forward_modes={ForwardMode.DECODE})), "supports.forward_modes={"),
-        (backend(supports=Support(fp8_dtypes=frozenset({Arch.SM90}))), "expected a frozenset of dispatch.key.Fp8Dtype"),
+        (backend(supports=Support(fp8_dtypes=frozenset({Arch.SM90}))), "expected a frozenset of dispatch.contract.key.Fp8Dtype"),
         (backend(supports=Support(next_n_min=0)), "supports.next_n_min=0; expected an int >= 1"),
         (backend(supports=Support(next_n_min=3, next_n_max=2)), "supports.next_n_max=2"),
         (backend(supports=Support(next_n_max=2.5)), "supports.next_n_max=2.5"),
         (backend(supports=Support(extra="next_n in {1, 2}")), "supports.extra='next_n in {1, 2}'"),
         (backend(name="trailing\n"), "backend name 'trailing\\n'; names are lowercase"),
         (backend(name=42), "backend name 42; names are lowercase"),
-        (backend(op="paged_mqa_logits"), "with op 'paged_mqa_logits'; expected a dispatch.key.Op"),
+        (backend(op="paged_mqa_logits"), "with op 'paged_mqa_logits'; expected a dispatch.contract.Op"),
         (backend(layout="native"), "with layout 'native'; that op takes: native, flatten"),
         (backend(run=None), "whose `run` is not callable"),
         (backend(probe=None), "whose `probe` is not callable"),
@@ -82,7 +82,7 @@ def test_a_probe_returning_something_else_is_a_plugin_error_when_it_runs(result)
         dispatcher.decide(Op.PAGED_MQA_LOGITS, KEY)
     message = str(error.value)
     assert message.startswith("plugin `liar` (distribution `dispatch-liar`): the probe of backend `liar` returned")
-    assert "expected dispatch.backend.Availability" in message
+    assert "expected dispatch.contract.backend.Availability" in message
 
 
 def test_a_probe_that_exits_means_unavailable_not_a_dead_process():
@@ -95,7 +95,7 @@ def test_a_probe_that_exits_means_unavailable_not_a_dead_process():
 
 
 HOOK = """\
-from dispatch.hookspecs import hookimpl
+from dispatch.contract.hookspecs import hookimpl
 
 
 @hookimpl
@@ -207,7 +207,7 @@ def test_the_plugin_version_is_the_distributions_and_the_library_version_stays_s
 
 
 def test_builtin_backends_show_the_library_version_apart_from_the_plugin_version():
-    from dispatch.runtime import load_plugins
+    from dispatch.deciding.runtime import load_plugins
 
     catalog = collect_backends(load_plugins(frozenset()))
     reference = catalog.get(Op.PAGED_MQA_LOGITS, "torch.reference")

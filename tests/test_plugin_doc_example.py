@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dispatch import load_dispatcher
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch, build_plan
+from dispatch.contract.key import ForwardMode
+from dispatch.step.plan import ForwardBatch, build_plan
 from tests.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match
 from tests.paged_batch import expected_logits, paged_batch
 
@@ -44,7 +44,7 @@ def test_the_documented_run_gives_the_reference_logits(lengths, next_n):
 
 
 def test_the_documented_plugin_registers_a_backend_the_contract_accepts():
-    from dispatch.backend import Backend
+    from dispatch.contract.backend import Backend
 
     registered: list[Backend] = []
     documented_plugin()["register_backends"](registered.append)

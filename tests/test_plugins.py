@@ -10,12 +10,12 @@ import uuid
 
 import pytest
 
-from dispatch.backend import Backend, Support
-from dispatch.dispatcher import Dispatcher
-from dispatch.errors import NoBackendError, PluginError
-from dispatch.key import Arch, ForwardMode, Op
-from dispatch.layout import Layout
-from dispatch.plugins import (
+from dispatch.contract.backend import Backend, Support
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.errors import NoBackendError, PluginError
+from dispatch.contract.key import Arch, ForwardMode, Op
+from dispatch.contract.layout import Layout
+from dispatch.contract.host import (
     BUILTIN_PLUGINS,
     ENTRY_POINT_GROUP,
     LoadedPlugin,
@@ -27,10 +27,10 @@ from dispatch.registry.checks import all_keys
 from tests.fakes import fake_backend, fake_plugin, registry
 
 PLUGIN_SOURCE = """\
-from dispatch.backend import Backend, Support
-from dispatch.hookspecs import hookimpl
-from dispatch.key import Op
-from dispatch.layout import Layout
+from dispatch.contract.backend import Backend, Support
+from dispatch.contract.hookspecs import hookimpl
+from dispatch.contract.key import Op
+from dispatch.contract.layout import Layout
 
 
 def run(plan, q, kv_cache, weights):
@@ -135,7 +135,7 @@ def test_allowlist_from_env_is_comma_separated(two_plugins, monkeypatch):
 
 
 def test_load_plugins_adds_the_allowlisted_to_the_builtins(two_plugins, monkeypatch):
-    from dispatch.runtime import load_plugins
+    from dispatch.deciding.runtime import load_plugins
 
     monkeypatch.setenv("DISPATCH_PLUGINS", "fake-two")
     loaded = load_plugins()
@@ -189,7 +189,7 @@ def test_broken_plugin_is_harmless_unless_allowlisted(site):
 
 def test_plugin_raising_in_register_backends_names_it(site):
     source = """\
-    from dispatch.hookspecs import hookimpl
+    from dispatch.contract.hookspecs import hookimpl
 
 
     @hookimpl
@@ -258,14 +258,14 @@ def _backend(**changes) -> Backend:
 @pytest.mark.parametrize(
     "registration, words",
     [
-        ({"name": "ok"}, "registered dict; expected dispatch.backend.Backend"),
-        ("triton", "registered str; expected dispatch.backend.Backend"),
+        ({"name": "ok"}, "registered dict; expected dispatch.contract.Backend"),
+        ("triton", "registered str; expected dispatch.contract.Backend"),
         (None, "registered NoneType"),
         (_backend(name="Triton"), "backend name `Triton`"),
         (_backend(name="has space"), "backend name `has space`"),
         (_backend(name=""), "backend name ``"),
         (_backend(name="-lead"), "backend name `-lead`"),
-        (_backend(op="paged_mqa_logits"), "expected a dispatch.key.Op"),
+        (_backend(op="paged_mqa_logits"), "expected a dispatch.contract.Op"),
         (_backend(layout=Layout.TOKENS), "for paged_mqa_logits with layout"),
         (_backend(op=Op.INDEXER_Q_QUANT, layout=Layout.NATIVE), "that op takes: tokens"),
         (_backend(op=Op.INDEXER_Q_QUANT, layout=Layout.FLATTEN), "that op takes: tokens"),

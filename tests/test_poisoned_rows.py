@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.triton.poisoned_rows import nan_poisoned_rows
-from dispatch.errors import LayoutError
+from backends.shared.poisoned_rows import nan_poisoned_rows
+from dispatch.contract.errors import LayoutError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.errors import LayoutError
-from dispatch.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch, build_ragged_metadata
+from dispatch.contract.errors import LayoutError
+from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch, build_ragged_metadata
 
 BLOCK_KV = 64
 

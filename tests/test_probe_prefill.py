@@ -10,7 +10,7 @@ import torch
 
 from backends.reference.kv_gather import reference_gather_keys as reference_gather
 from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
-from backends.triton.kv_gather import triton_gather_keys
+from backends.shared.kv_gather import triton_gather_keys
 from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "tools" / "probe_prefill.py"

@@ -22,9 +22,9 @@ import torch
 from backends.reference.q_quant import reference_indexer_q_quant as reference_quant
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.q_quant import triton_indexer_q_quant as triton_quant
-from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Fp8Dtype
-from dispatch.rope import RopeSpec
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import FP8_MAX, Fp8Dtype
+from dispatch.contract.rope import RopeSpec
 
 ROPES = [RopeSpec.neox_head(), RopeSpec.gptj_tail(), RopeSpec(interleaved=False, at_head=False),
          RopeSpec(interleaved=True, at_head=True)]

@@ -14,8 +14,8 @@ import torch
 from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.ragged_mqa_logits import LaunchConfig, triton_ragged_mqa_logits
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.key import Fp8Dtype
+from dispatch.contract.errors import DtypeMismatchError, LayoutError
+from dispatch.contract.key import Fp8Dtype
 from tests.prefill_batch import prefill_case
 
 ON_GPU = torch.cuda.is_available()

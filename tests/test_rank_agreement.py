@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dispatch.agreement import differences
-from dispatch.errors import RankDisagreementError
-from dispatch.key import DispatchKey
+from dispatch.engines.agreement import differences
+from dispatch.contract.errors import RankDisagreementError
+from dispatch.contract.key import DispatchKey
 
 KEYS = [DispatchKey("cpu", "decode", 1, "e4m3fn"), DispatchKey("cpu", "target_verify", 4, "e4m3fnuz")]
 
 
 def _outcome(dispatcher) -> str:
-    from dispatch.agreement import check_ranks_agree
+    from dispatch.engines.agreement import check_ranks_agree
 
     try:
         check_ranks_agree(dispatcher, KEYS)
@@ -30,7 +30,7 @@ def _outcome(dispatcher) -> str:
 
 
 def _rank(rank: int, world: int, folder: str, overlays: list, backend: str) -> None:
-    from dispatch.runtime import load_dispatcher
+    from dispatch.deciding.runtime import load_dispatcher
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -109,7 +109,7 @@ ops:
 def _failing_rank(rank: int, world: int, folder: str) -> None:
     import datetime
 
-    from dispatch.runtime import load_dispatcher
+    from dispatch.deciding.runtime import load_dispatcher
 
     # A short timeout: if a rank's failure left the others waiting, the test fails in a minute, not 30.
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,

@@ -12,13 +12,13 @@ import zlib
 import pytest
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
-from dispatch.kv_cache import quantize_keys, split_kv_cache
+from dispatch.contract.paged_cache import build_paged_kv_cache
+from dispatch.contract.kv_cache import quantize_keys, split_kv_cache
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
 from backends.reference.q_quant import apply_rope, reference_indexer_q_quant
-from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Fp8Dtype
-from dispatch.rope import RopeSpec
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import FP8_MAX, Fp8Dtype
+from dispatch.contract.rope import RopeSpec
 
 TOLERANCE = 1e-5  # ||out - ref|| / ||ref|| over visible positions: fp32 accumulation of exact fp8 products
 DTYPES = [Fp8Dtype.E4M3FN, Fp8Dtype.E4M3FNUZ]

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch.errors import RegistryError
-from dispatch.key import Op
-from dispatch.limits import MAX_MESSAGE_CHARS, MAX_REGISTRY_BYTES, MAX_REGISTRY_NODES, MAX_RULE_NEXT_N
+from dispatch.contract.errors import RegistryError
+from dispatch.contract.key import Op
+from dispatch.contract.limits import MAX_MESSAGE_CHARS, MAX_REGISTRY_BYTES, MAX_REGISTRY_NODES, MAX_RULE_NEXT_N
 from dispatch.registry.checks import coverage, lint
 from dispatch.registry.document import load_registry, parse_registry
 from tests.fakes import catalog_of, fake_backend
@@ -37,7 +37,7 @@ def load_in_a_child(path: str) -> subprocess.CompletedProcess:
     code = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-        "from dispatch.errors import RegistryError\n"
+        "from dispatch.contract.errors import RegistryError\n"
         "from dispatch.registry.document import load_registry\n"
         "try:\n"
         "    load_registry(sys.argv[1])\n"
@@ -94,7 +94,7 @@ def test_a_file_at_the_cap_still_loads(tmp_path):
 
 
 def _shipped() -> str:
-    from dispatch.runtime import DEFAULT_REGISTRY
+    from dispatch.deciding.runtime import DEFAULT_REGISTRY
 
     return shipped_registry_text()
 

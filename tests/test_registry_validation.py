@@ -9,9 +9,9 @@ import textwrap
 import pytest
 import yaml
 
-from dispatch.clusters import resolve_cluster
-from dispatch.errors import RegistryError
-from dispatch.key import Arch, ForwardMode, Op
+from dispatch.deciding.clusters import resolve_cluster
+from dispatch.contract.errors import RegistryError
+from dispatch.contract.key import Arch, ForwardMode, Op
 from dispatch.registry.checks import check_backend_names, lint
 from dispatch.registry.document import load_registry, parse_registry
 from tests.fakes import catalog_of, fake_backend
@@ -460,8 +460,8 @@ def test_lint_looks_past_next_n_bounds_in_the_catalog():
 
 
 def test_project_registry_validates_and_lints_clean_against_the_builtin_catalog(monkeypatch):
-    from dispatch.plugins import collect_backends
-    from dispatch.runtime import DEFAULT_REGISTRY, load_plugins
+    from dispatch.contract.host import collect_backends
+    from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_plugins
 
     monkeypatch.delenv("DISPATCH_PLUGINS", raising=False)
     document = load_registry(DEFAULT_REGISTRY)
@@ -472,8 +472,8 @@ def test_project_registry_validates_and_lints_clean_against_the_builtin_catalog(
 
 def test_schema_is_json_schema_of_the_registry(capsys):
     import jsonschema
-    from dispatch.cli import main
-    from dispatch.runtime import DEFAULT_REGISTRY
+    from dispatch.cli.commands import main
+    from dispatch.deciding.runtime import DEFAULT_REGISTRY
 
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch.errors import NoBackendError
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.errors import NoBackendError
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.registry.checks import all_keys
-from dispatch.reloading import LiveDispatcher
-from dispatch.runtime import DEFAULT_REGISTRY
+from dispatch.engines.reloading import LiveDispatcher
+from dispatch.deciding.runtime import DEFAULT_REGISTRY
 from tests.fakes import catalog_of, fake_backend
 from tests.shipped import shipped_registry_text
 
@@ -100,8 +100,8 @@ def test_a_reload_that_keeps_every_key_swaps_in(live):
 
 @functools.lru_cache(maxsize=None)
 def real_catalog():
-    from dispatch.plugins import collect_backends
-    from dispatch.runtime import load_plugins
+    from dispatch.contract.host import collect_backends
+    from dispatch.deciding.runtime import load_plugins
 
     return collect_backends(load_plugins(frozenset()))
 

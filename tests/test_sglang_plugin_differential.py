@@ -24,7 +24,7 @@ TOLERANCE = 2e-2
 def reference_logits(pool, metadata, q, weights, lengths, rows_table):
     """fp32 logits [T, max_len] over each token's visible keys, from page_table_1 (per token: its
     request's slots), the pool's bytes and q; -inf past a token's length."""
-    from dispatch.kv_cache import split_kv_cache
+    from dispatch.contract.kv_cache import split_kv_cache
 
     buffer = pool.get_index_k_with_scale_buffer(layer_id=0)
     keys, scales = split_kv_cache(buffer.view(buffer.shape[0], 64, 1, 132), "e4m3fn")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from dispatch.cli import main
+from dispatch.cli.commands import main
 from dispatch.engines.sglang.rules import sglang_choices
-from dispatch.key import Arch, DispatchKey, ForwardMode, Op
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Op
 
 pytestmark = pytest.mark.engines
 

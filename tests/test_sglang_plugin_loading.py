@@ -58,7 +58,7 @@ def test_inert_unless_named(sglang_env, tmp_path, monkeypatch, allowlist):
 
 def test_unknown_release_is_refused(sglang_env):
     from dispatch.engines.sglang.release import check_release
-    from dispatch.errors import EngineVersionError
+    from dispatch.contract.errors import EngineVersionError
 
     assert check_release() == "0.5.23"
     with pytest.raises(EngineVersionError, match=r"sglang 0\.5\.24 is not a release the dispatch plugin knows"):
@@ -73,7 +73,7 @@ def test_metadata_refilled_in_place_refills_its_plan_in_place(sglang_env):
 
     from dispatch.engines.sglang import plans
     from dispatch.engines.sglang.session import session
-    from dispatch.errors import GraphMismatchError, LayoutError
+    from dispatch.contract.errors import GraphMismatchError, LayoutError
 
     def fresh_at(attn):
         return plans.paged_batch(attn, plans.ForwardMode.TARGET_VERIFY, 3)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from dispatch import dispatcher as dispatcher_module
-from dispatch.detect import cuda_arch
-from dispatch.errors import InvalidKeyError
-from dispatch.key import Arch, DispatchKey, Op
-from dispatch.runtime import DEFAULT_REGISTRY, load_dispatcher
+from dispatch.deciding import dispatcher as dispatcher_module
+from dispatch.contract.detect import cuda_arch
+from dispatch.contract.errors import InvalidKeyError
+from dispatch.contract.key import Arch, DispatchKey, Op
+from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher
 from tests.shipped import shipped_registry_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_sm89_gets_the_triton_kernels(mode, next_n):
 @pytest.fixture
 def warnings_reset(monkeypatch, caplog):
     monkeypatch.setattr(dispatcher_module, "_warned_reference", set())
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
     caplog.set_level(logging.WARNING, logger="dispatch")
     return caplog
 

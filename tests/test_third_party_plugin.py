@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dispatch.key import DispatchKey, Op
-from dispatch.runtime import load_dispatcher, load_plugins
+from dispatch.contract.key import DispatchKey, Op
+from dispatch.deciding.runtime import load_dispatcher, load_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "examples" / "acme-dispatch-plugin"
@@ -51,9 +51,9 @@ def test_chosen_through_the_cluster_overlay(installed, monkeypatch):
 
 
 def test_plugin_backend_matches_the_reference(installed, monkeypatch):
-    from dispatch.bench.paged_cache import build_paged_kv_cache
-    from dispatch.ops import paged_mqa_logits
-    from dispatch.plan import ForwardBatch, build_plan
+    from dispatch.contract.paged_cache import build_paged_kv_cache
+    from dispatch.step.ops import paged_mqa_logits
+    from dispatch.step.plan import ForwardBatch, build_plan
 
     monkeypatch.setenv("DISPATCH_PLUGINS", "acme")
     dispatcher = load_dispatcher(PACKAGE / "registry.yaml", cluster="acme", arch="cpu")
@@ -77,7 +77,7 @@ def test_plugin_backend_matches_the_reference(installed, monkeypatch):
 def test_explain_shows_the_plugin_chosen_through_the_overlay(installed, monkeypatch, capsys):
     import json
 
-    from dispatch.cli import main
+    from dispatch.cli.commands import main
 
     monkeypatch.setenv("DISPATCH_PLUGINS", "acme")
     argv = ["explain", "--registry", str(PACKAGE / "registry.yaml"), "--arch", "cpu",

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from backends.reference.topk import topk_indices
-from dispatch.agreement import summary
+from dispatch.engines.agreement import summary
 from dispatch.bench.compare import compare_topk
-from dispatch.errors import GraphMismatchError, LayoutError
-from dispatch.graphs import check_replayable
-from dispatch.key import DispatchKey, ForwardMode, Op
-from dispatch.ops import topk
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.errors import GraphMismatchError, LayoutError
+from dispatch.engines.graphs import check_replayable
+from dispatch.contract.key import DispatchKey, ForwardMode, Op
+from dispatch.step.ops import topk
+from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.deciding.runtime import load_dispatcher
 from tests.fakes import catalog_of, dispatcher, fake_backend
 
 NAN, NEG_INF = float("nan"), float("-inf")

@@ -10,11 +10,12 @@ import pytest
 
 from dispatch.bench.overlay_file import check_writable, write_atomically
 from dispatch.bench.tune import _ties_in_rule_order
-from dispatch.errors import OptionError, RegistryError
-from dispatch.registry.document import END_MARKER, is_sealed, load_registry
+from dispatch.contract.errors import OptionError, RegistryError
+from dispatch.registry.document import load_registry
+from dispatch.registry.reading import END_MARKER, is_sealed
 from dispatch.registry.measured import parse_measured
-from dispatch.reloading import LiveDispatcher
-from dispatch.runtime import DEFAULT_REGISTRY
+from dispatch.engines.reloading import LiveDispatcher
+from dispatch.deciding.runtime import DEFAULT_REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_OVERLAY = ROOT / "measured" / "h200-mtp.yaml"

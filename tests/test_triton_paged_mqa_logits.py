@@ -12,15 +12,15 @@ import math
 import pytest
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
+from dispatch.contract.paged_cache import build_paged_kv_cache
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
 from backends.triton import availability, plugin
 from backends.triton.fp8_mode import Fp8Mode, fnuz_mode_for_here
 from backends.triton.paged_mqa_logits import LaunchConfig, default_config, triton_paged_mqa_logits
-from dispatch.errors import LayoutError
-from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Arch, Fp8Dtype, Op
-from dispatch.layout import Layout
+from dispatch.contract.errors import LayoutError
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import FP8_MAX, Arch, Fp8Dtype, Op
+from dispatch.contract.layout import Layout
 from tests.plans import plan_for
 
 ON_GPU = torch.cuda.is_available()

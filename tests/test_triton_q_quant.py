@@ -18,10 +18,10 @@ from backends.reference.q_quant import apply_rope, reference_indexer_q_quant as 
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.q_quant import triton_indexer_q_quant
 from backends.triton.plugin import q_quant_backends
-from dispatch.detect import rocm_gcn_arch
-from dispatch.errors import LayoutError
-from dispatch.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.rope import RopeSpec
+from dispatch.contract.detect import rocm_gcn_arch
+from dispatch.contract.errors import LayoutError
+from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.rope import RopeSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIM, ROT_DIM, MAX_POS = 128, 64, 4096
@@ -250,7 +250,7 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
     cpu_fnuz = DispatchKey(arch=Arch.CPU, forward_mode=ForwardMode.DECODE, next_n=1, fp8_dtype=Fp8Dtype.E4M3FNUZ)
     assert "fp8_dtype e4m3fnuz not supported" in triton_backend.supports.why_not(cpu_fnuz)
 
-    from dispatch.ops import indexer_q_quant as ops_indexer_q_quant
+    from dispatch.step.ops import indexer_q_quant as ops_indexer_q_quant
     from tests.plans import decision_for
 
     decision = decision_for(serving[0], key)

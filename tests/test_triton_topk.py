@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backends.triton.topk import launch, launch_config, topk_indices
-from dispatch.errors import LayoutError
+from dispatch.contract.errors import LayoutError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")

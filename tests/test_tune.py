@@ -14,20 +14,20 @@ import yaml
 import torch
 
 from backends.reference.plugin import run_paged_mqa_logits, run_ragged_mqa_logits
-from dispatch.backend import Backend, Support
+from dispatch.contract.backend import Backend, Support
 from dispatch.bench.tune import measure_overlay
-from dispatch.cli import main
+from dispatch.cli.commands import main
 from dispatch.contract import PAGED_MODES, Layout, Op
-from dispatch.errors import RegistryError
-from dispatch.extend import build_extend_plan
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode
-from dispatch.plan import EXTEND_STEP_OPS
-from dispatch.plugins import collect_backends
-from dispatch.prefill import ExtendBatch
+from dispatch.contract.errors import RegistryError
+from dispatch.step.extend import build_extend_plan
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode
+from dispatch.step.plan import EXTEND_STEP_OPS
+from dispatch.contract.host import collect_backends
+from dispatch.step.prefill import ExtendBatch
 from dispatch.registry.document import load_registry
 from dispatch.registry.measured import load_measured, parse_measured
-from dispatch.runtime import build_dispatcher, load_plugins
-from dispatch.version import dispatch_version
+from dispatch.deciding.runtime import build_dispatcher, load_plugins
+from dispatch.contract.version import dispatch_version
 from tests.documentation import documentation_text
 from tests.fakes import fake_plugin
 

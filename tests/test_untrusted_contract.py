@@ -12,12 +12,12 @@ import torch
 from backends.reference.q_quant import reference_indexer_q_quant
 from backends.reference.topk import topk_indices
 from backends.triton.topk import topk_indices as triton_topk_indices
-from dispatch.errors import BackendError, IndexBoundsError, InvalidBatchError, LayoutError
-from dispatch.key import ForwardMode, Op
-from dispatch.ops import paged_mqa_logits, topk_rows
-from dispatch.plan import ForwardBatch, build_plan, visible_lengths
-from dispatch.rope import RopeSpec
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.errors import BackendError, IndexBoundsError, InvalidBatchError, LayoutError
+from dispatch.contract.key import ForwardMode, Op
+from dispatch.step.ops import paged_mqa_logits, topk_rows
+from dispatch.step.plan import ForwardBatch, build_plan, visible_lengths
+from dispatch.contract.rope import RopeSpec
+from dispatch.deciding.runtime import load_dispatcher
 from tests.fakes import catalog_of, dispatcher, fake_backend
 from tests.paged_batch import paged_batch
 

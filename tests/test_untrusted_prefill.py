@@ -12,15 +12,15 @@ import torch
 from backends.reference.kv_gather import reference_gather_keys
 from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
 from backends.triton.fp8_mode import Fp8Mode
-from backends.triton.kv_gather import triton_gather_keys
+from backends.shared.kv_gather import triton_gather_keys
 from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
-from dispatch.bounds import BAD_LENGTH, BAD_PAGE
-from dispatch.errors import IndexBoundsError, LayoutError
-from dispatch.extend import build_extend_plan
-from dispatch.fp8 import torch_dtype
-from dispatch.key import Fp8Dtype
-from dispatch.prefill import ExtendBatch, build_ragged_metadata
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.bounds import BAD_LENGTH, BAD_PAGE
+from dispatch.contract.errors import IndexBoundsError, LayoutError
+from dispatch.step.extend import build_extend_plan
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import Fp8Dtype
+from dispatch.step.prefill import ExtendBatch, build_ragged_metadata
+from dispatch.deciding.runtime import load_dispatcher
 from tests.prefill_batch import prefill_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -126,13 +126,13 @@ def test_consistent_device_lengths_are_not_flagged_and_match_the_host_path():
 
 
 def test_an_extend_plan_carries_the_length_flag_into_its_error_flags(monkeypatch):
-    import dispatch.extend
+    import dispatch.step.extend
 
     batch = _unchecked(prefix_lens=torch.tensor([1, 2], dtype=torch.int32),
                        extend_lens=torch.tensor([3, -4], dtype=torch.int32),
                        page_table=torch.zeros(2, 2, dtype=torch.int32), total_tokens=7, total_keys=10)
     # The plan builds its metadata as it would from a GPU batch.
-    monkeypatch.setattr(dispatch.extend, "build_ragged_metadata", lambda b: build_ragged_metadata(b, host_checked=False))
+    monkeypatch.setattr(dispatch.step.extend, "build_ragged_metadata", lambda b: build_ragged_metadata(b, host_checked=False))
     plan = build_extend_plan(load_dispatcher(arch="cpu"), batch, kv_fp8_dtype="e4m3fn", prepare=False)
     with pytest.raises(IndexBoundsError, match="lengths are negative or disagree"):
         plan.check_errors()

@@ -15,9 +15,9 @@ import jsonschema
 import pytest
 import yaml
 
-from dispatch.cli import main
+from dispatch.cli.commands import main
 from dispatch.registry.document import parse_registry
-from dispatch.runtime import DEFAULT_REGISTRY
+from dispatch.deciding.runtime import DEFAULT_REGISTRY
 from tests.shipped import shipped_registry_text
 
 SHIPPED = shipped_registry_text()

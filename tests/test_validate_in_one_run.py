@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 
-from dispatch.cli import main
-from dispatch.errors import RegistryError
-from dispatch.key import ForwardMode
-from dispatch.registry.cluster_coverage import decided_in
+from dispatch.cli.commands import main
+from dispatch.contract.errors import RegistryError
+from dispatch.contract.key import ForwardMode
+from dispatch.deciding.cluster_coverage import decided_in
 from dispatch.registry.document import load_registry, parse_registry
-from dispatch.runtime import DEFAULT_REGISTRY, load_dispatcher
+from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher
 from tests.shipped import shipped_registry_text
 
 
@@ -21,7 +21,7 @@ from tests.shipped import shipped_registry_text
 def clean_environment(monkeypatch):
     for name in ("DISPATCH_REGISTRY", "DISPATCH_CLUSTER", "DISPATCH_PLUGINS", "DISPATCH_ARCH"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
 
 
 def validate(capsys, tmp_path, text: str) -> tuple[int, str, str]:
@@ -77,7 +77,7 @@ def test_a_cluster_that_leaves_every_key_served_passes(capsys, tmp_path):
 
 
 def test_decided_in_is_what_a_plan_decides():
-    from dispatch.plan import ops_for
+    from dispatch.step.plan import ops_for
 
     for mode in ForwardMode:
         assert set(decided_in(mode)) == set(ops_for(mode))
@@ -116,7 +116,7 @@ def test_extends_default_holds_only_what_differs(capsys, tmp_path):
     assert code == 0, err
     assert "3 clusters, 1 measured overlay " in out  # the packaged two, their overlay read from the package
     dispatcher = load_dispatcher(tmp_path / "registry.yaml", arch="sm100", cluster="b200-pool")
-    from dispatch.key import DispatchKey
+    from dispatch.contract.key import DispatchKey
 
     decision = dispatcher.decide("paged_mqa_logits", DispatchKey("sm100", "decode", 1, "e4m3fn"))
     assert (decision.backend, decision.rule) == ("triton", "sm100-deepgemm-native")
@@ -150,7 +150,7 @@ def test_extends_names_only_the_packaged_registry(tmp_path):
 
 
 def test_tune_leaves_a_packaged_clusters_overlay_alone(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("dispatch.clusters.gpu_name", lambda: "")
+    monkeypatch.setattr("dispatch.deciding.clusters.gpu_name", lambda: "")
     path = tmp_path / "registry.yaml"
     path.write_text("extends: default\n")
     before = (DEFAULT_REGISTRY.parent / "measured/h200-mtp.yaml").read_text()

@@ -1,4 +1,4 @@
-"""One answer for "this package's version" (dispatch.version): a source tree's pyproject version with
+"""One answer for "this package's version" (dispatch.contract.version): a source tree's pyproject version with
 the commit read from .git's files, an installed distribution's version, else "source"; used by
 `--version`, the plugin registry and tune's overlay alike; and a source tree's commit never makes
 validate call evidence stale."""
@@ -11,7 +11,7 @@ import pytest
 
 from dispatch.registry.document import load_registry
 from dispatch.registry.measured import stale_evidence
-from dispatch.version import dispatch_version, git_commit, release_of, version_at
+from dispatch.contract.version import dispatch_version, git_commit, release_of, version_at
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -75,8 +75,8 @@ def test_installed_is_the_distributions_version_and_neither_is_source(tmp_path, 
 
 
 def test_the_plugin_registry_and_the_cli_say_the_same_version(capsys):
-    from dispatch.cli import main
-    from dispatch.plugins import builtin_plugins
+    from dispatch.cli.commands import main
+    from dispatch.contract.host import builtin_plugins
 
     assert {plugin.version for plugin in builtin_plugins()} == {dispatch_version()}
     with pytest.raises(SystemExit):
@@ -127,8 +127,8 @@ clusters:
     ],
 )
 def test_only_a_changed_release_makes_the_evidence_stale(tmp_path, measured, current, stale):
-    from dispatch.plugins import collect_backends
-    from dispatch.runtime import load_plugins
+    from dispatch.contract.host import collect_backends
+    from dispatch.deciding.runtime import load_plugins
 
     (tmp_path / "overlay.yaml").write_text(OVERLAY.format(measured=measured))
     (tmp_path / "registry.yaml").write_text(REGISTRY)

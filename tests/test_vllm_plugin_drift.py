@@ -50,7 +50,7 @@ def test_the_pinned_release_is_the_one_the_plugin_knows(vllm_indexer):
 
 def test_an_unknown_release_is_refused_by_name():
     from dispatch.engines.vllm.version import check_vllm_version
-    from dispatch.errors import PluginError
+    from dispatch.contract.errors import PluginError
 
     with pytest.raises(PluginError, match=r"this is vllm 0\.34\.0"):
         check_vllm_version("0.34.0")

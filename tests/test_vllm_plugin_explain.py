@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from dispatch.cli import main
+from dispatch.cli.commands import main
 from dispatch.engines.vllm.rules import vllm_choice
-from dispatch.key import DispatchKey
+from dispatch.contract.key import DispatchKey
 
 
 @pytest.mark.parametrize("arch,next_n,layout", [

@@ -44,7 +44,7 @@ def call(metadata, q, weights, cache, buffer):
 
 
 def test_e4m3fn_q_against_the_fnuz_cache_is_refused(gfx942):
-    from dispatch.errors import DtypeMismatchError
+    from dispatch.contract.errors import DtypeMismatchError
 
     _, metadata, _, cache, generator = gfx942
     tokens = sum(QUERY_LENS)
@@ -71,7 +71,7 @@ def test_a_bf16_q_is_quantised_into_the_caches_fnuz(gfx942):
     from dispatch import load_dispatcher
     from dispatch.engines.vllm.forward_plan import build_forward_plans
     from dispatch.engines.vllm.topk_writer import QuantiseArgs, write_topk
-    from dispatch.rope import RopeSpec
+    from dispatch.contract.rope import RopeSpec
 
     _, metadata, table, cache, generator = gfx942
     tokens = sum(QUERY_LENS)

@@ -82,7 +82,7 @@ def test_another_plugins_layer_is_not_overridden(vllm_state, monkeypatch):
     from vllm.model_executor.custom_op import op_registry_oot
 
     from dispatch.engines.vllm import plugin
-    from dispatch.errors import PluginError
+    from dispatch.contract.errors import PluginError
 
     monkeypatch.setenv("VLLM_PLUGINS", "dispatch")
     op_registry_oot["SparseAttnIndexer"] = type("TheirIndexer", (), {})

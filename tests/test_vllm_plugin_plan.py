@@ -29,8 +29,8 @@ def plans(metadata, num_blocks=64):
 
 @pytest.mark.parametrize("seq_lens,next_n", [([130, 64, 7], 1), ([130, 65, 9, 2], 2), ([300, 4], 4)])
 def test_decode_plan_is_vllms_decode(vllm_indexer, seq_lens, next_n):
-    from dispatch.layout import Layout
-    from dispatch.plan import visible_lengths
+    from dispatch.contract.layout import Layout
+    from dispatch.step.plan import visible_lengths
 
     table = torch.arange(len(seq_lens) * 5, dtype=torch.int32).view(len(seq_lens), 5)
     metadata = vllm_metadata(vllm_indexer, seq_lens, [next_n] * len(seq_lens), len(seq_lens), table)

@@ -79,7 +79,7 @@ def fresh_venv(folder: Path) -> Path:
 _IN_THE_INSTALL = """
 import contextlib, io, json, os, sys
 import backends, dispatch
-from dispatch.cli import main
+from dispatch.cli.commands import main
 
 def run(argv, **env):
     os.environ.update(env)

@@ -30,8 +30,8 @@ def import_vllm():
 
 def kv_cache_and_keys(num_blocks: int, fp8: torch.dtype, generator: torch.Generator):
     """vLLM's per-layer indexer cache uint8 [blocks, 64, 132] with random fp8 keys and fp32 scales."""
-    from dispatch.key import FP8_MAX, Fp8Dtype
-    from dispatch.fp8 import fp8_dtype_of
+    from dispatch.contract.key import FP8_MAX, Fp8Dtype
+    from dispatch.contract.fp8 import fp8_dtype_of
 
     fp8_max = FP8_MAX[Fp8Dtype(fp8_dtype_of(fp8, "cache"))]
     keys = (torch.randn(num_blocks * BLOCK, HEAD_DIM, generator=generator) * fp8_max / 4).clamp(-fp8_max, fp8_max)

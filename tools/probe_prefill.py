@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 tools/probe_prefill.py --resources  # no GPU: sm_90 registers of each config
 
 For each shape (several requests; M query tokens, S = prefix + new keys, H = 64, D = 128) it builds a
-shuffled paged cache, the batch's metadata (dispatch.prefill), gathers K with the Triton kernel and
+shuffled paged cache, the batch's metadata (dispatch.step.prefill), gathers K with the Triton kernel and
 checks it byte for byte against the torch gather, then times the Triton ragged logits in a few
 launch configs and deep_gemm's fp8_mqa_logits (clean_logits=True: both write -inf outside each row's
 range) on the same inputs, then both once with clean_logits=False. Each is checked first against the
@@ -32,9 +32,9 @@ from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as 
 from backends.triton.ragged_mqa_logits import LaunchConfig, default_config  # noqa: E402
 from dispatch.bench.ceilings import measure_ceilings  # noqa: E402
 from dispatch.bench.compare import compare_logits  # noqa: E402
-from dispatch.key import Fp8Dtype  # noqa: E402
-from dispatch.kv_cache import BLOCK_KV, quantize_keys  # noqa: E402
-from dispatch.prefill import ExtendBatch, build_ragged_metadata  # noqa: E402
+from dispatch.contract.key import Fp8Dtype  # noqa: E402
+from dispatch.contract.kv_cache import BLOCK_KV, quantize_keys  # noqa: E402
+from dispatch.step.prefill import ExtendBatch, build_ragged_metadata  # noqa: E402
 
 HEADS, HEAD_DIM = 64, 128
 TOLERANCE = 1e-3  # fp8 dot on the GPU
@@ -85,7 +85,7 @@ def check(out: torch.Tensor, ref: torch.Tensor, clean: bool = True) -> tuple[flo
 def probe(args) -> None:
     from triton.testing import do_bench
 
-    from backends.triton.kv_gather import triton_gather_keys
+    from backends.shared.kv_gather import triton_gather_keys
     from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
 
     started = time.time()

@@ -14,14 +14,14 @@ import argparse
 
 import torch
 
-from backends.triton.page_guard import PageGuard
+from backends.shared.page_guard import PageGuard
 from dispatch.bench.timing import time_cuda, time_host
 from dispatch.bench.workload import LogitsShape, logits_inputs
-from dispatch.bounds import new_error_flags
-from dispatch.key import Fp8Dtype, ForwardMode, Op
-from dispatch.layout import Layout
-from dispatch.plan import ForwardBatch, build_plan, layout_tensors
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.bounds import new_error_flags
+from dispatch.contract.key import Fp8Dtype, ForwardMode, Op
+from dispatch.contract.layout import Layout
+from dispatch.step.plan import ForwardBatch, build_plan, layout_tensors
+from dispatch.deciding.runtime import load_dispatcher
 
 
 def guard_seconds(inputs, next_n: int, layout: Layout) -> float:

@@ -22,7 +22,7 @@ The paged logits API, tolerant of the generations in the field:
 Every function takes the module as its first argument, so tests can hand in a recording stand-in.
 
 Bounds: deep_gemm follows every table entry a length covers without checking it, so prepare, once per
-batch, launches backends/triton/page_guard.py (one small kernel, no sync; at the first layer call when
+batch, launches backends/shared/page_guard.py (one small kernel, no sync; at the first layer call when
 the engine did not give the plan its pool size): every layer's deep_gemm call gets the guard's copy of
 the table, whose out-of-range entries point at block 0, the masking pass makes an affected token's row
 all NaN, and the plan's error flag is set. What the guard cannot fix: a length past max_context_len. The lens must stay
@@ -42,15 +42,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dispatch.bounds import check_pages, debug_bounds_on
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.input_checks import check_logits_inputs, check_ragged_logits_inputs
-from dispatch.kv_cache import BLOCK_KV
-from dispatch.layout import Layout
-from dispatch.plan import IndexerPlan
+from dispatch.contract.bounds import check_pages, debug_bounds_on
+from dispatch.contract.errors import DtypeMismatchError, LayoutError
+from dispatch.contract.input_checks import check_logits_inputs, check_ragged_logits_inputs
+from dispatch.contract.kv_cache import BLOCK_KV
+from dispatch.contract.layout import Layout
+from dispatch.step.plan import IndexerPlan
 
 if TYPE_CHECKING:
-    from backends.triton.page_guard import PageGuard
+    from backends.shared.page_guard import PageGuard
 
 MODULE_NAME = "deep_gemm"
 SCHEDULE = "get_paged_mqa_logits_metadata"
@@ -190,7 +190,7 @@ class DeepGemmPagedLogits:
 
     def prepare(self, plan: IndexerPlan) -> DeepGemmState:
         """The batch's schedule, built from plan.context_lens itself, and its page guard."""
-        from backends.triton.page_guard import prepare_page_guard  # triton ships with torch on CUDA
+        from backends.shared.page_guard import prepare_page_guard  # triton ships with torch on CUDA
 
         module = self.load()
         lens = plan.context_lens
@@ -199,9 +199,9 @@ class DeepGemmPagedLogits:
     @staticmethod
     def refresh_state(captured: DeepGemmState, fresh: DeepGemmState) -> None:
         """Write a fresh batch's schedule into the captured plan's (same shape: [num_sms + 1, 2]) and guard
-        the captured plan's lens and table, already refreshed by dispatch.graphs, in place."""
+        the captured plan's lens and table, already refreshed by dispatch.engines.graphs, in place."""
         # The guard first: it refuses another pool before anything is written, so a refused update
-        # leaves the schedule as it was (dispatch.graphs restores the rest).
+        # leaves the schedule as it was (dispatch.engines.graphs restores the rest).
         captured.guard.refresh(fresh.guard.num_blocks)
         captured.schedule.copy_(fresh.schedule)
 
@@ -225,7 +225,7 @@ class DeepGemmPagedLogits:
             return mask_past_lengths(logits, guard.lens, guard.fill)
         # No -inf tail, but a poisoned token's row (deep_gemm scored it through the guard's safe table)
         # must still become NaN: one small launch instead of the pass over every logit.
-        from backends.triton.poisoned_rows import nan_poisoned_rows  # triton ships with torch on CUDA
+        from backends.shared.poisoned_rows import nan_poisoned_rows  # triton ships with torch on CUDA
 
         return nan_poisoned_rows(logits, guard.lens)
 
@@ -323,7 +323,7 @@ class DeepGemmRaggedLogits:
 
     @staticmethod
     def prepare(plan):
-        from backends.triton.kv_gather import TritonKeyGather  # triton ships with every CUDA torch
+        from backends.shared.kv_gather import TritonKeyGather  # triton ships with every CUDA torch
 
         return TritonKeyGather.for_plan(plan)
 

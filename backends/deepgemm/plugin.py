@@ -19,7 +19,7 @@ import importlib.metadata
 from collections.abc import Callable
 from types import ModuleType
 
-from dispatch import detect
+from dispatch.contract import detect
 from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, Verified, hookimpl
 
 _E4M3FN = frozenset({Fp8Dtype.E4M3FN})

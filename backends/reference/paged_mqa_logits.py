@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from dispatch.bounds import check_pages
-from dispatch.kv_cache import split_kv_cache
-from dispatch.key import Fp8Dtype
+from dispatch.contract.bounds import check_pages
+from dispatch.contract.kv_cache import split_kv_cache
+from dispatch.contract.key import Fp8Dtype
 
 
 def reference_paged_mqa_logits(

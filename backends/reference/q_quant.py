@@ -14,11 +14,11 @@ import math
 
 import torch
 
-from dispatch.bounds import check_positions
-from dispatch.fp8 import torch_dtype
-from dispatch.input_checks import check_q_quant_inputs
-from dispatch.key import FP8_MAX, Fp8Dtype
-from dispatch.rope import RopeSpec
+from dispatch.contract.bounds import check_positions
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.input_checks import check_q_quant_inputs
+from dispatch.contract.key import FP8_MAX, Fp8Dtype
+from dispatch.contract.rope import RopeSpec
 
 
 def apply_rope(

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from dispatch.input_checks import check_topk_inputs
-from dispatch.kv_cache import BLOCK_KV
+from dispatch.contract.input_checks import check_topk_inputs
+from dispatch.contract.kv_cache import BLOCK_KV
 
 
 def topk_indices(

@@ -13,8 +13,8 @@ import functools
 
 import torch
 
-from dispatch.detect import rocm_gcn_arch
-from dispatch.key import Fp8Dtype
+from dispatch.contract.detect import rocm_gcn_arch
+from dispatch.contract.key import Fp8Dtype
 
 
 class Fp8Mode(str, enum.Enum):

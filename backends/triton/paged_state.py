@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backends.triton.page_guard import PageGuard, prepare_page_guard
+from backends.shared.page_guard import PageGuard, prepare_page_guard
 from backends.triton.paged_mqa_logits import schedule_for
 from backends.triton.paged_schedule import PagedSchedule
-from dispatch.kv_cache import BLOCK_KV
+from dispatch.contract.kv_cache import BLOCK_KV
 
 if TYPE_CHECKING:
-    from dispatch.plan import IndexerPlan
+    from dispatch.step.plan import IndexerPlan
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def prepare_triton_paged(plan: "IndexerPlan") -> TritonPagedState:
 
 
 def refresh_triton_paged(captured: TritonPagedState, fresh: TritonPagedState) -> None:
-    """Under CUDA graphs, after dispatch.graphs has copied the new batch's lens and table into the captured
+    """Under CUDA graphs, after dispatch.engines.graphs has copied the new batch's lens and table into the captured
     plan's tensors: guard them again and cut the schedule again, into the same outputs. Cut, not copied
     from `fresh`: the fresh plan's width is its own max_seq_len, which may be below the captured width
     the graph's kernel covers, and cuts made for a narrower width would leave the last columns unwritten."""

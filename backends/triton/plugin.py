@@ -211,7 +211,7 @@ def ragged_runner(fnuz_mode: Fp8Mode | None = None) -> Callable:
 
 def triton_key_gather(plan):
     """The extend plan's K gather: the Triton copy kernel (bytes, so e4m3fn and e4m3fnuz alike)."""
-    from backends.triton.kv_gather import TritonKeyGather  # imports triton, which the probe found
+    from backends.shared.kv_gather import TritonKeyGather  # imports triton, which the probe found
 
     return TritonKeyGather.for_plan(plan)
 

@@ -8,7 +8,7 @@ import argparse
 import re
 from typing import Callable
 
-from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, cut
+from dispatch.contract.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, cut
 
 MAX_LIST = 16  # values per list, as a workload takes
 _SHAPE = re.compile(r"(\d{1,8})x(\d{1,8})(?:\+(\d{1,8}))?")

@@ -9,7 +9,7 @@ import platform
 import sys
 
 from dispatch.bench.arguments import BATCH_SIZES, K, LENGTHS, NEXT_N, TOKENS, positive_int, prefill_shapes
-from dispatch.key import Fp8Dtype, Op
+from dispatch.contract.key import Fp8Dtype, Op
 
 
 # M in {4K, 16K} query rows, S from 4K to 64K keys, several requests (issue 12's prefill shapes).
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + " (--quick: " + ",".join(QUICK_PREFILL_SHAPES) + ")",
     )
     parser.add_argument("--logits-budget", type=positive_int(1 << 40), default=None, metavar="BYTES",
-                        help="the prefill step's logits byte budget (default: dispatch.prefill's, 512 MiB)")
+                        help="the prefill step's logits byte budget (default: dispatch.step.prefill's, 512 MiB)")
     parser.add_argument("--heads", type=positive_int(1024), default=64,
                         help="indexer heads H, 1 to 1024 (default: %(default)s)")
     parser.add_argument("--head-dim", type=positive_int(1024), default=128,
@@ -60,7 +60,7 @@ def _progress(message: str) -> None:
 
 def _cpu_note() -> None:
     """On a CPU, say what the report can and cannot show, before the user waits for it."""
-    from dispatch.detect import triton_interpreter_on
+    from dispatch.contract.detect import triton_interpreter_on
 
     _progress("no GPU visible to torch: CPU timings show no kernel's GPU speed")
     if not triton_interpreter_on():
@@ -78,9 +78,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from dispatch.bench.runner import bench_logits, bench_quant, bench_topk, dispatch_overhead
     from dispatch.bench.prefill_runner import bench_extend_step, bench_ragged
     from dispatch.bench.workload import LogitsShape, QuantShape, RaggedShape
-    from dispatch.prefill import DEFAULT_LOGITS_BYTES
-    from dispatch.detect import platform_fp8_dtype
-    from dispatch.runtime import load_dispatcher
+    from dispatch.step.prefill import DEFAULT_LOGITS_BYTES
+    from dispatch.contract.detect import platform_fp8_dtype
+    from dispatch.deciding.runtime import load_dispatcher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:

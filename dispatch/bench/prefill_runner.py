@@ -12,14 +12,14 @@ from dispatch.bench.compare import compare_logits, compare_ragged_topk, compare_
 from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_host, time_rotating
 from dispatch.bench.workload import RaggedInputs, RaggedShape, ragged_floor_counts, ragged_inputs, ragged_topk_floor_bytes
-from dispatch.calling import call_backend
-from dispatch.dispatcher import Dispatcher
-from dispatch.extend import ExtendPlan, build_extend_plan
-from dispatch.indexer import IndexerStep
-from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.ops import gather_keys, ragged_mqa_logits, topk_rows
-from dispatch.prefill import DEFAULT_LOGITS_BYTES
-from dispatch.rope import RopeSpec
+from dispatch.contract.calling import call_backend
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.step.extend import ExtendPlan, build_extend_plan
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.step.ops import gather_keys, ragged_mqa_logits, topk_rows
+from dispatch.step.prefill import DEFAULT_LOGITS_BYTES
+from dispatch.contract.rope import RopeSpec
 
 # Rows of the whole step checked against the reference (evenly spaced): the reference scores them
 # over every key, which at 16K x 64K would be slow and large.

@@ -19,16 +19,16 @@ from dispatch.bench.workload import (
     quant_inputs,
     topk_floor_bytes,
 )
-from dispatch.calling import call_backend
-from dispatch.dispatcher import Dispatcher
-from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.ops import paged_mqa_logits, topk
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.rope import RopeSpec
+from dispatch.contract.calling import call_backend
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.step.ops import paged_mqa_logits, topk
+from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.contract.rope import RopeSpec
 
 L2_BYTES = 60 << 20  # H200; only sizes how many input sets to rotate through
 REFERENCE = "torch.reference"
-# A row's check when its backend refused the call (dispatch.errors.UnservedCallError).
+# A row's check when its backend refused the call (dispatch.contract.errors.UnservedCallError).
 UNSERVED = "cannot serve"
 
 
@@ -49,7 +49,7 @@ class Row:
     def failed(self, error: Exception) -> None:
         """Record a backend that raised: a benchmark reports it and goes on with the others. A kernel
         that refuses the call (UnservedCallError: its k, rows or starts) is not wrong, only unable."""
-        from dispatch.errors import UnservedCallError
+        from dispatch.contract.errors import UnservedCallError
 
         prefix = UNSERVED if isinstance(error, UnservedCallError) else "failed"
         self.check = f"{prefix}: {type(error).__name__}: {error}"
@@ -236,7 +236,7 @@ def bench_topk(
 
 def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 128, next_n: int = 4) -> dict[str, float]:
     """Host cost of a cached decide, and of building a B=128 plan, in microseconds."""
-    from dispatch.detect import platform_fp8_dtype
+    from dispatch.contract.detect import platform_fp8_dtype
 
     fp8 = platform_fp8_dtype(dispatcher.target_arch)
     key = DispatchKey(dispatcher.target_arch, ForwardMode.TARGET_VERIFY, next_n, fp8)

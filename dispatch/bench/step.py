@@ -24,12 +24,12 @@ from dispatch.bench.workload import (
     quant_inputs,
     topk_floor_bytes,
 )
-from dispatch.dispatcher import Dispatcher
-from dispatch.indexer import IndexerStep
-from dispatch.key import DispatchKey, Fp8Dtype, Op
-from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.rope import RopeSpec
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import DispatchKey, Fp8Dtype, Op
+from dispatch.step.ops import indexer_q_quant, paged_mqa_logits, topk
+from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.contract.rope import RopeSpec
 
 STEP = "indexer_step"
 

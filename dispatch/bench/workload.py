@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
-from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Fp8Dtype, ForwardMode
+from dispatch.contract.paged_cache import build_paged_kv_cache
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import FP8_MAX, Fp8Dtype, ForwardMode
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class RaggedShape:
 
 @dataclass(frozen=True)
 class RaggedInputs:
-    batch: "ExtendBatch"  # noqa: F821 (dispatch.prefill; imported where built)
+    batch: "ExtendBatch"  # noqa: F821 (dispatch.step.prefill; imported where built)
     kv_cache: torch.Tensor  # uint8 [num_blocks, BLOCK_KV, 1, D + 4]
     q: torch.Tensor  # bf16 [M, H, D], before quantisation (the step's input)
     weights: torch.Tensor  # fp32 [M, H]
@@ -160,7 +160,7 @@ class RaggedInputs:
 
 def ragged_inputs(shape: RaggedShape, fp8_dtype: Fp8Dtype, device: str, seed: int) -> RaggedInputs:
     """One extend batch on `device`: every request's keys quantised into shuffled pages, bf16 q."""
-    from dispatch.prefill import ExtendBatch
+    from dispatch.step.prefill import ExtendBatch
 
     on = torch.Generator(device=device).manual_seed(seed)
     total = shape.prefix + shape.extend

@@ -10,7 +10,7 @@ import logging
 from dispatch.engines.sglang import indexer, plans
 from dispatch.engines.sglang.release import check_release
 from dispatch.engines.sglang.session import session
-from dispatch.key import ForwardMode
+from dispatch.contract.key import ForwardMode
 
 logger = logging.getLogger("dispatch.engines.sglang")
 

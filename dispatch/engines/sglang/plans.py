@@ -11,12 +11,12 @@ import weakref
 
 import torch
 
-from dispatch.errors import LayoutError
-from dispatch.extend import ExtendPlan
-from dispatch.graphs import refresh_captured_plan
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch, IndexerPlan
-from dispatch.prefill import ExtendBatch
+from dispatch.contract.errors import LayoutError
+from dispatch.step.extend import ExtendPlan
+from dispatch.engines.graphs import refresh_captured_plan
+from dispatch.contract.key import ForwardMode
+from dispatch.step.plan import ForwardBatch, IndexerPlan
+from dispatch.step.prefill import ExtendBatch
 
 PAGE_SIZE = 64  # SGLang's DSA pages (its indexer asserts it on CUDA), dispatch's BLOCK_KV
 

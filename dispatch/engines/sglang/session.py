@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from dispatch.indexer import IndexerStep
-from dispatch.rope import RopeSpec
-from dispatch.runtime import load_dispatcher, registry_path
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.rope import RopeSpec
+from dispatch.deciding.runtime import load_dispatcher, registry_path
 
 
 @functools.lru_cache(maxsize=1)

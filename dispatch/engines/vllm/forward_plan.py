@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from dispatch.dispatcher import Dispatcher
-from dispatch.extend import ExtendPlan, build_extend_plan
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch, IndexerPlan, build_plan
-from dispatch.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.step.extend import ExtendPlan, build_extend_plan
+from dispatch.contract.key import ForwardMode
+from dispatch.step.plan import ForwardBatch, IndexerPlan, build_plan
+from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
 
 
 @dataclass(frozen=True)

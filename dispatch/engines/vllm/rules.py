@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatch.key import Arch, DispatchKey, ForwardMode
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode
 
 SM90_NATIVE_NEXT_N = frozenset({1, 2, 4})  # native_next_n_supported on SM90
 

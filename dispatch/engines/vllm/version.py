@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from dispatch.errors import EngineVersionError, PluginError
+from dispatch.contract.errors import EngineVersionError, PluginError
 
 KNOWN_VLLM_VERSIONS = ("0.33.0",)
 
