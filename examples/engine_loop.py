@@ -16,24 +16,19 @@ ForwardBatch the paged one; the same plan / select pair serves both.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 
 import torch
 
-from dispatch import load_dispatcher
-from dispatch.engines.indexer_step import IndexerStep
-from dispatch.contract.key import ForwardMode
-from dispatch.contract.kv_cache import BLOCK_KV
-from dispatch.cli.logs import show_logs
-from dispatch.step.plan import ForwardBatch
-from dispatch.step.prefill import ExtendBatch
-from dispatch.contract.rope import RopeSpec
+from dispatch import ExtendBatch, ForwardBatch, IndexerStep, RopeSpec, load_dispatcher
 
 HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
+BLOCK_KV = 64  # tokens per KV page: the engines' DSA caches and dispatch's kernels use pages of 64
 # After the two prefill steps, (forward mode, tokens scored per request): plain decode, MTP
 # verification of 3 drafts, draft extension.
-SCHEDULE = [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 2)]
+SCHEDULE = [("decode", 1), ("target_verify", 4), ("draft_extend", 2)]
 PREFILL_STEPS = 2
 
 
@@ -73,7 +68,7 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     if args.device == "cuda" and not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
         sys.exit(f"engine_loop.py: --device cuda, but torch sees no CUDA GPU ({build}); use --device cpu")
-    show_logs(0 if args.quiet else 1)
+    show_decisions(quiet=args.quiet)
     generator = torch.Generator().manual_seed(0)
     # A small logits budget so the example's prefill runs in several chunks, as long prompts do.
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
@@ -101,6 +96,17 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     return selected
 
 
+def show_decisions(*, quiet: bool) -> None:
+    """dispatch logs each new decision at INFO on its `dispatch` logger and installs no handler: an
+    engine attaches its own. This one prints them on stderr unless quiet."""
+    logger = logging.getLogger("dispatch")
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def prefill_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[int], device: str):
     """An extend batch: each request's `new` prompt tokens after its `cached` ones (their keys written
     to the cache before the indexer runs)."""
@@ -114,14 +120,14 @@ def prefill_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[in
     return plan, sum(new), positions
 
 
-def paged_plan(step: IndexerStep, kv: PagedKV, lengths: list[int], mode: ForwardMode, next_n: int, device: str):
+def paged_plan(step: IndexerStep, kv: PagedKV, lengths: list[int], mode: str, next_n: int, device: str):
     for request, length in enumerate(lengths):
         kv.grow(request, length)
     batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32, device=device), kv.table(device),
                          max_seq_len=max(lengths), forward_mode=mode, next_n=next_n,
                          num_kv_blocks=kv.caches.shape[1])  # the pool: its page table is checked once per batch
     plan = step.plan(batch)  # once per batch: the decision, its layout's tensors, the page checks
-    print(f"step: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
+    print(f"step: {mode:13s} next_n={next_n} -> logits {plan.logits.backend} "
           f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.indexer_q_quant.backend}")
     positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=device)
     return plan, len(lengths) * next_n, positions

@@ -440,7 +440,7 @@ def test_indexer_step_without_the_tail_still_gives_poisoned_tokens_no_keys(logit
     from dispatch import load_dispatcher
     from dispatch.engines.indexer_step import IndexerStep
     from dispatch.contract.key import ForwardMode, Op
-    from dispatch.step.ops import paged_mqa_logits, topk
+    from dispatch.contract.ops import paged_mqa_logits, topk
     from dispatch.step.plan import ForwardBatch, build_plan
 
     seq_lens, next_n, k = [100, 70, 130], 2, 8

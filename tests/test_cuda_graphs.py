@@ -55,7 +55,7 @@ def _static_inputs(generator):
 
 def _selected_values(plan, inputs, indices):
     """Each row's selected logits, sorted, with -inf for a -1 slot."""
-    from dispatch.step.ops import indexer_q_quant, paged_mqa_logits
+    from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits
 
     step_settings = dict(rope=RopeSpec.neox_head(), softmax_scale=D**-0.5, head_scale=H**-0.5)
     q_fp8, folded = indexer_q_quant(plan, inputs.q, inputs.weights, inputs.positions, inputs.cos_sin_cache,

@@ -9,7 +9,7 @@ import torch
 
 from backends.deepgemm.plugin import deepgemm_backends
 from dispatch.contract.detect import detect_arch
-from dispatch.step.ops import paged_mqa_logits
+from dispatch.contract.ops import paged_mqa_logits
 from tests.paged_batch import expected_logits, paged_batch
 from tests.plans import plan_for
 

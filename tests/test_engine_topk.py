@@ -19,7 +19,7 @@ from backends.sglang_topk.plugin import sglang_topk_backends
 from backends.vllm_topk.plugin import vllm_topk_backends
 from dispatch.contract.errors import LayoutError, UnservedCallError
 from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.step.ops import topk as topk_through_plan
+from dispatch.contract.ops import topk as topk_through_plan
 from dispatch.step.plan import IndexerPlan, layout_tensors, page_rows
 from tests.fake_engine_topk import FakeSglangV2, FakeSglKernel, FakeVllmOps
 from tests.plans import decision_for

@@ -15,7 +15,7 @@ from dispatch.step.extend import ExtendPlan, build_extend_plan
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import Fp8Dtype, Op
 from dispatch.contract.kv_cache import split_kv_cache
-from dispatch.step.ops import gather_keys, ragged_mqa_logits
+from dispatch.contract.ops import gather_keys, ragged_mqa_logits
 from dispatch.step.plan import EXTEND_STEP_OPS, ops_for
 from dispatch.step.prefill import ExtendBatch
 from dispatch.contract.rope import RopeSpec

@@ -9,7 +9,7 @@ import torch
 
 from dispatch.contract.errors import BackendError, DtypeMismatchError, LayoutError, RegistryError
 from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
-from dispatch.step.ops import indexer_q_quant, paged_mqa_logits
+from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits
 from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.engines.reloading import LiveDispatcher, ReloadResult
 from dispatch.contract.rope import RopeSpec
@@ -63,8 +63,15 @@ def plan_with(logits_error: Exception, quant_error: Exception | None = None):
     return build_plan(dispatcher(FAULTS, catalog), batch, kv_fp8_dtype="e4m3fn")
 
 
+def logits_inputs(tokens: int):
+    """Inputs that pass the op's checks (they run before any backend): fp8 q [T, 16, 32], a one-block
+    cache, fp32 weights; the faulty backend never reads them."""
+    q = torch.zeros(tokens, 16, 32).to(torch.float8_e4m3fn)
+    return q, torch.zeros(1, 64, 1, 36, dtype=torch.uint8), torch.zeros(tokens, 16)
+
+
 def call_logits(plan):
-    return paged_mqa_logits(plan, torch.zeros(4, 16, 32), torch.zeros(1), torch.zeros(4, 16))
+    return paged_mqa_logits(plan, *logits_inputs(4))
 
 
 def test_a_backend_that_raises_is_a_backend_error_naming_backend_op_key_and_rule():
@@ -118,7 +125,7 @@ def test_a_pinned_backend_fault_says_pinned():
     batch = ForwardBatch(torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 3, "decode", 1)
     plan = build_plan(dispatcher(text, catalog), batch, kv_fp8_dtype="e4m3fn", pinned={LOGITS: "faulty"})
     with pytest.raises(BackendError, match="chosen by pinned: x$"):
-        paged_mqa_logits(plan, torch.zeros(1, 16, 32), torch.zeros(1), torch.zeros(1, 16))
+        paged_mqa_logits(plan, *logits_inputs(1))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from dispatch.contract.kv_cache import BLOCK_KV
 from dispatch.contract.backend import PAGED_MODES
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, ForwardMode, Fp8Dtype, Op, arch_can_hold
-from dispatch.step.ops import paged_mqa_logits
+from dispatch.contract.ops import paged_mqa_logits
 from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher, load_plugins
 from tests.paged_batch import PagedBatch, expected_logits

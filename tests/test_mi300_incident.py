@@ -9,7 +9,7 @@ from dispatch.contract.paged_cache import build_paged_kv_cache
 from backends.reference.q_quant import reference_indexer_q_quant
 from dispatch.contract.errors import DtypeMismatchError, InvalidKeyError, RegistryError
 from dispatch.contract.key import DispatchKey, ForwardMode, Op
-from dispatch.step.ops import indexer_q_quant, paged_mqa_logits
+from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits
 from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.registry import parse_registry
 from dispatch.contract.rope import RopeSpec
@@ -109,7 +109,7 @@ def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
 @pytest.mark.parametrize("backend", ["torch.reference", "rocm.fnuz"])
 def test_e4m3fn_q_against_an_fnuz_cache_is_refused_in_prefill_too(backend):
     from dispatch.step.extend import build_extend_plan
-    from dispatch.step.ops import gather_keys, ragged_mqa_logits
+    from dispatch.contract.ops import gather_keys, ragged_mqa_logits
 
     case = _extend_case(4)
     plan = build_extend_plan(load_dispatcher(arch="cpu"), case.batch, kv_fp8_dtype=torch.float8_e4m3fnuz,

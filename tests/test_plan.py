@@ -173,7 +173,7 @@ def test_lengths_on_a_device_are_left_to_the_kernels():
 def test_plan_through_the_ops_matches_the_reference(cpu_dispatcher):
     from dispatch.contract.paged_cache import build_paged_kv_cache
     from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference
-    from dispatch.step.ops import paged_mqa_logits
+    from dispatch.contract.ops import paged_mqa_logits
 
     generator = torch.Generator().manual_seed(7)
     seq_lens = torch.tensor([70, 3, 129], dtype=torch.int32)

@@ -18,7 +18,7 @@ from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as re
 from backends.reference.plugin import register_backends as register_reference
 from dispatch.contract.errors import LayoutError
 from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Fp8Dtype
-from dispatch.step.ops import paged_mqa_logits
+from dispatch.contract.ops import paged_mqa_logits
 from tests.fake_deep_gemm import FakeDeepGemm
 from tests.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match, relative_error
 from tests.paged_batch import expected_logits, paged_batch

@@ -52,7 +52,7 @@ def test_chosen_through_the_cluster_overlay(installed, monkeypatch):
 
 def test_plugin_backend_matches_the_reference(installed, monkeypatch):
     from dispatch.contract.paged_cache import build_paged_kv_cache
-    from dispatch.step.ops import paged_mqa_logits
+    from dispatch.contract.ops import paged_mqa_logits
     from dispatch.step.plan import ForwardBatch, build_plan
 
     monkeypatch.setenv("DISPATCH_PLUGINS", "acme")

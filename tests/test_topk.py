@@ -13,7 +13,7 @@ from dispatch.bench.compare import compare_topk
 from dispatch.contract.errors import GraphMismatchError, LayoutError
 from dispatch.engines.graphs import check_replayable
 from dispatch.contract.key import DispatchKey, ForwardMode, Op
-from dispatch.step.ops import topk
+from dispatch.contract.ops import topk
 from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.deciding.runtime import load_dispatcher
 from tests.fakes import catalog_of, dispatcher, fake_backend

@@ -250,7 +250,7 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
     cpu_fnuz = DispatchKey(arch=Arch.CPU, forward_mode=ForwardMode.DECODE, next_n=1, fp8_dtype=Fp8Dtype.E4M3FNUZ)
     assert "fp8_dtype e4m3fnuz not supported" in triton_backend.supports.why_not(cpu_fnuz)
 
-    from dispatch.step.ops import indexer_q_quant as ops_indexer_q_quant
+    from dispatch.contract.ops import indexer_q_quant as ops_indexer_q_quant
     from tests.plans import decision_for
 
     decision = decision_for(serving[0], key)

@@ -14,7 +14,7 @@ from backends.reference.topk import topk_indices
 from backends.triton.topk import topk_indices as triton_topk_indices
 from dispatch.contract.errors import BackendError, IndexBoundsError, InvalidBatchError, LayoutError
 from dispatch.contract.key import ForwardMode, Op
-from dispatch.step.ops import paged_mqa_logits, topk_rows
+from dispatch.contract.ops import paged_mqa_logits, topk_rows
 from dispatch.step.plan import ForwardBatch, build_plan, visible_lengths
 from dispatch.contract.rope import RopeSpec
 from dispatch.deciding.runtime import load_dispatcher

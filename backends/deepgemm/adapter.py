@@ -42,12 +42,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dispatch.contract.bounds import check_pages, debug_bounds_on
-from dispatch.contract.errors import DtypeMismatchError, LayoutError
-from dispatch.contract.input_checks import check_logits_inputs, check_ragged_logits_inputs
-from dispatch.contract.kv_cache import BLOCK_KV
-from dispatch.contract.layout import Layout
-from dispatch.step.plan import IndexerPlan
+from dispatch.contract import (
+    BLOCK_KV,
+    DtypeMismatchError,
+    IndexerPlan,
+    Layout,
+    LayoutError,
+    check_logits_inputs,
+    check_pages,
+    check_ragged_logits_inputs,
+    debug_bounds_on,
+)
 
 if TYPE_CHECKING:
     from backends.shared.page_guard import PageGuard

@@ -19,8 +19,19 @@ import importlib.metadata
 from collections.abc import Callable
 from types import ModuleType
 
-from dispatch.contract import detect
-from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, Verified, hookimpl
+from dispatch.contract import (
+    PAGED_MODES,
+    Arch,
+    Availability,
+    Backend,
+    Fp8Dtype,
+    Layout,
+    Op,
+    Support,
+    Verified,
+    detect,
+    hookimpl,
+)
 
 _E4M3FN = frozenset({Fp8Dtype.E4M3FN})
 

@@ -11,9 +11,7 @@ import dataclasses
 
 import torch
 
-from dispatch.contract.kv_cache import split_kv_cache
-from dispatch.contract.errors import LayoutError
-from dispatch.contract.key import Fp8Dtype
+from dispatch.contract import Fp8Dtype, LayoutError, split_kv_cache
 
 
 def reference_gather_keys(

@@ -19,9 +19,7 @@ import math
 
 import torch
 
-from dispatch.contract.bounds import check_pages
-from dispatch.contract.kv_cache import split_kv_cache
-from dispatch.contract.key import Fp8Dtype
+from dispatch.contract import Fp8Dtype, check_pages, split_kv_cache
 
 
 def reference_paged_mqa_logits(

@@ -14,11 +14,7 @@ import math
 
 import torch
 
-from dispatch.contract.bounds import check_positions
-from dispatch.contract.fp8 import torch_dtype
-from dispatch.contract.input_checks import check_q_quant_inputs
-from dispatch.contract.key import FP8_MAX, Fp8Dtype
-from dispatch.contract.rope import RopeSpec
+from dispatch.contract import FP8_MAX, Fp8Dtype, RopeSpec, check_positions, check_q_quant_inputs, torch_dtype
 
 
 def apply_rope(

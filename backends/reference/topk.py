@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dispatch.contract.input_checks import check_topk_inputs
-from dispatch.contract.kv_cache import BLOCK_KV
+from dispatch.contract import BLOCK_KV, check_topk_inputs
 
 
 def topk_indices(

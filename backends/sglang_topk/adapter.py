@@ -34,7 +34,7 @@ from types import ModuleType
 import torch
 
 from backends.adapted_topk import CallLimits, aligned_rows, clamped_lengths, finish
-from dispatch.contract.input_checks import check_topk_inputs
+from dispatch.contract import check_topk_inputs
 
 V2_MAX_K = 2048
 FAST_TOPK_K = 2048

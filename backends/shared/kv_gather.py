@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dispatch.contract.errors import LayoutError
-from dispatch.contract.fp8 import torch_dtype
-from dispatch.contract.key import Fp8Dtype
+from dispatch.contract import Fp8Dtype, LayoutError, torch_dtype
 
 _NAN_BITS = 0x7FC00000  # the fp32 quiet NaN, as the int32 the kernel moves
 BLOCK_S = 64

@@ -31,12 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dispatch.contract.bounds import BAD_PAGE, LENGTH_PAST_BOUND
-from dispatch.contract.errors import GraphMismatchError, LayoutError
-from dispatch.contract.kv_cache import BLOCK_KV
+from dispatch.contract import BAD_PAGE, BLOCK_KV, LENGTH_PAST_BOUND, GraphMismatchError, LayoutError
 
 if TYPE_CHECKING:
-    from dispatch.step.plan import IndexerPlan
+    from dispatch.contract import IndexerPlan
 
 SCAN_PAGES = 128  # table entries per step of a row's scan
 

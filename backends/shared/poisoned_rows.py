@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dispatch.contract.errors import LayoutError
+from dispatch.contract import LayoutError
 
 
 @triton.jit

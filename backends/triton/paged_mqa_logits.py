@@ -37,11 +37,15 @@ import triton.language as tl
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from backends.shared.page_guard import PageGuard, guard_pages
 from backends.triton.paged_schedule import PagedSchedule, program_count, schedule_pages
-from dispatch.contract.bounds import check_pages, debug_bounds_on, scratch_error_flags
-from dispatch.contract.detect import triton_interpreter_on
-from dispatch.contract.errors import LayoutError
-from dispatch.contract.fp8 import torch_dtype
-from dispatch.contract.key import Fp8Dtype
+from dispatch.contract import (
+    Fp8Dtype,
+    LayoutError,
+    check_pages,
+    debug_bounds_on,
+    scratch_error_flags,
+    torch_dtype,
+    triton_interpreter_on,
+)
 
 
 # Where the dot reads an fp8 NaN byte as a number, the kernel finds NaN bytes itself (q once per program,

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from backends.shared.page_guard import PageGuard, prepare_page_guard
 from backends.triton.paged_mqa_logits import schedule_for
 from backends.triton.paged_schedule import PagedSchedule
-from dispatch.contract.kv_cache import BLOCK_KV
+from dispatch.contract import BLOCK_KV
 
 if TYPE_CHECKING:
-    from dispatch.step.plan import IndexerPlan
+    from dispatch.contract import IndexerPlan
 
 
 @dataclass(frozen=True)

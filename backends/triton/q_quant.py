@@ -26,12 +26,18 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
-from dispatch.contract.bounds import BAD_POSITION, check_positions, debug_bounds_on, scratch_error_flags
-from dispatch.contract.detect import triton_interpreter_on
-from dispatch.contract.fp8 import torch_dtype
-from dispatch.contract.input_checks import check_q_quant_inputs
-from dispatch.contract.key import FP8_MAX, Fp8Dtype
-from dispatch.contract.rope import RopeSpec
+from dispatch.contract import (
+    BAD_POSITION,
+    FP8_MAX,
+    Fp8Dtype,
+    RopeSpec,
+    check_positions,
+    check_q_quant_inputs,
+    debug_bounds_on,
+    scratch_error_flags,
+    torch_dtype,
+    triton_interpreter_on,
+)
 
 STORE_E4M3FN: tl.constexpr = tl.constexpr(0)
 STORE_FNUZ_NATIVE: tl.constexpr = tl.constexpr(1)

@@ -53,9 +53,7 @@ from backends.triton.topk_keys import (
     _row_window,
     _sample_window,
 )
-from dispatch.contract.detect import triton_interpreter_on
-from dispatch.contract.errors import LayoutError
-from dispatch.contract.input_checks import check_topk_inputs
+from dispatch.contract import LayoutError, check_topk_inputs, triton_interpreter_on
 
 
 @triton.jit(do_not_specialize=ROW_STRIDE_NOT_SPECIALISED)

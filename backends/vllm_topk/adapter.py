@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from backends.adapted_topk import CallLimits, aligned_rows, clamped_lengths, finish
-from dispatch.contract.input_checks import check_topk_inputs
+from dispatch.contract import check_topk_inputs
 
 RADIX_K = frozenset({512, 1024, 2048})
 PER_ROW_MAX_K = 2048

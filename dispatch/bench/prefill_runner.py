@@ -17,7 +17,7 @@ from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.step.extend import ExtendPlan, build_extend_plan
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.step.ops import gather_keys, ragged_mqa_logits, topk_rows
+from dispatch.contract.ops import gather_keys, ragged_mqa_logits, topk_rows
 from dispatch.step.prefill import DEFAULT_LOGITS_BYTES
 from dispatch.contract.rope import RopeSpec
 

@@ -22,7 +22,7 @@ from dispatch.bench.workload import (
 from dispatch.contract.calling import call_backend
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.step.ops import paged_mqa_logits, topk
+from dispatch.contract.ops import paged_mqa_logits, topk
 from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.contract.rope import RopeSpec
 

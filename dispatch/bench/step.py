@@ -27,7 +27,7 @@ from dispatch.bench.workload import (
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import DispatchKey, Fp8Dtype, Op
-from dispatch.step.ops import indexer_q_quant, paged_mqa_logits, topk
+from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk
 from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.contract.rope import RopeSpec
 

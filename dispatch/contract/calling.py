@@ -6,16 +6,18 @@ out-of-memory pass through unchanged. There is no fallback to another backend.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
-from dispatch.contract.decision import Decision
 from dispatch.contract.errors import BackendError, DispatchError
+
+if TYPE_CHECKING:
+    from dispatch.contract.decision import Decision
 
 
 def call_backend(decision: Decision, *args: Any, entry: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     """Call `entry` (default: the decided backend's `run`) and name the backend if it fails."""
+    import torch  # here, not at the top: the contract loads without torch (`validate` runs without it)
+
     function = entry or decision.impl.run
     try:
         return function(*args, **kwargs)

@@ -20,7 +20,7 @@ import pluggy
 from dispatch.contract import hookspecs
 from dispatch.contract.backend import BACKEND_NAME, Backend, Support
 from dispatch.contract.catalog import Catalog
-from dispatch.contract import OP_CONTRACTS
+from dispatch.contract.ops import OP_CONTRACTS
 from dispatch.contract.errors import PluginError
 from dispatch.contract.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.contract.layout import Layout

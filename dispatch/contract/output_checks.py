@@ -5,18 +5,22 @@ sparse attention; here it is a BackendError naming the backend and what it retur
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from dispatch.contract.decision import Decision
 from dispatch.contract.errors import BackendError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the contract loads without it
+    import torch
+
+    from dispatch.contract.decision import Decision
 
 
 def check_output(decision: Decision, what: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, *, min_columns: bool = False) -> None:
     """Raise BackendError unless `value` is a tensor of `dtype` on `device` with `shape` (with
     `min_columns`, the last dim may be wider: logits may be a slice of a wider buffer's rows)."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         actual = tuple(value.shape)
         shape_ok = actual == shape or (min_columns and len(actual) == len(shape) and actual[:-1] == shape[:-1]

@@ -15,7 +15,7 @@ from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.errors import LayoutError
 from dispatch.step.extend import ExtendPlan, build_extend_plan
 from dispatch.contract.key import Fp8Dtype
-from dispatch.step.ops import gather_keys, indexer_q_quant, paged_mqa_logits, ragged_mqa_logits, topk, topk_rows
+from dispatch.contract.ops import gather_keys, indexer_q_quant, paged_mqa_logits, ragged_mqa_logits, topk, topk_rows
 from dispatch.step.plan import ForwardBatch, IndexerPlan, build_plan
 from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
 from dispatch.contract.rope import RopeSpec

@@ -15,7 +15,7 @@ import torch
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.engines.indexer_step import select_extend
-from dispatch.step.ops import indexer_q_quant, paged_mqa_logits, topk
+from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk
 from dispatch.contract.rope import RopeSpec
 
 from dispatch.engines.vllm.forward_plan import ForwardPlans

@@ -1,0 +1,55 @@
+"""The ops, one file each (q_quant.py, paged_logits.py, ragged_logits.py, top_k.py): an op's call
+convention, the layouts it accepts, its input and output checks and the host-side call through a
+plan's decision. OP_CONTRACTS and the indexer's step tables are built here from those files' CONTRACT,
+so adding an op is its file plus its row in OP_FILES."""
+
+from __future__ import annotations
+
+from dispatch.contract.key import ForwardMode, Op
+from dispatch.contract.ops import paged_logits, q_quant, ragged_logits, top_k
+from dispatch.contract.ops.op_contract import EXTEND_STEP, PAGED_STEP, OpContract
+from dispatch.contract.ops.paged_logits import PagedMqaLogitsRun, paged_mqa_logits
+from dispatch.contract.ops.q_quant import IndexerQQuantRun, indexer_q_quant
+from dispatch.contract.ops.ragged_logits import RaggedKeyGather, RaggedMqaLogitsRun, gather_keys, ragged_mqa_logits
+from dispatch.contract.ops.top_k import TopkRun, topk, topk_rows
+
+OP_FILES = (q_quant, paged_logits, top_k, ragged_logits)
+
+OP_CONTRACTS: dict[Op, OpContract] = {module.CONTRACT.op: module.CONTRACT for module in OP_FILES}
+
+
+def step_ops(step: str) -> tuple[Op, ...]:
+    """The ops a step runs, in stage order (Q quant, logits, top-k): what its plan decides."""
+    return tuple(c.op for c in sorted(OP_CONTRACTS.values(), key=lambda c: c.stage) if step in c.steps)
+
+
+PAGED_STEP_OPS: tuple[Op, ...] = step_ops(PAGED_STEP)
+EXTEND_STEP_OPS: tuple[Op, ...] = step_ops(EXTEND_STEP)
+
+
+def ops_for(mode: ForwardMode | str) -> tuple[Op, ...]:
+    """The ops a batch of `mode` runs, so its plan decides exactly these (and explain, validate's
+    callers and rank agreement ask for these): extend the ragged step, every other mode the paged one."""
+    return EXTEND_STEP_OPS if ForwardMode(mode) is ForwardMode.EXTEND else PAGED_STEP_OPS
+
+
+__all__ = [
+    "EXTEND_STEP_OPS",
+    "OP_CONTRACTS",
+    "OP_FILES",
+    "PAGED_STEP_OPS",
+    "IndexerQQuantRun",
+    "OpContract",
+    "PagedMqaLogitsRun",
+    "RaggedKeyGather",
+    "RaggedMqaLogitsRun",
+    "TopkRun",
+    "gather_keys",
+    "indexer_q_quant",
+    "ops_for",
+    "paged_mqa_logits",
+    "ragged_mqa_logits",
+    "step_ops",
+    "topk",
+    "topk_rows",
+]
