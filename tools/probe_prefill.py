@@ -38,7 +38,7 @@ from dispatch.step.prefill import ExtendBatch, build_ragged_metadata  # noqa: E4
 
 HEADS, HEAD_DIM = 64, 128
 TOLERANCE = 1e-3  # fp8 dot on the GPU
-DEVICE = "cuda"  # tests/test_probe_prefill.py builds inputs on the CPU
+DEVICE = "cuda"  # tests/cli/test_probe_prefill.py builds inputs on the CPU
 C = LaunchConfig
 CONFIGS = [C(4, 64, 1024, 4, 3), C(4, 64, 1024, 4, 4), C(2, 64, 1024, 4, 3), C(2, 128, 1024, 4, 3),
            C(8, 64, 1024, 8, 3), C(4, 128, 1024, 8, 3)]

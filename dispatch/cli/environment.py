@@ -1,5 +1,5 @@
 """Every environment variable dispatch reads, in one table: the CLI's `--help` prints it and docs/cli.md
-carries it as generated here (tests/test_cli_conventions.py keeps the two, and the code, in step)."""
+carries it as generated here (tests/cli/test_cli_conventions.py keeps the two, and the code, in step)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The plugin's hooks, registered with SGLang's own HookRegistry (sglang/srt/plugins/hook_registry.py):
-the only mechanism it uses to change SGLang. tests/test_sglang_plugin_drift.py checks every target and
+the only mechanism it uses to change SGLang. tests/engines/test_sglang_plugin_drift.py checks every target and
 signature here against the pinned release."""
 
 from __future__ import annotations
