@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     # A small logits budget so the example's prefill runs in several chunks, as long prompts do.
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, topk=256, logits_byte_budget=1 << 18)
+                       softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, index_topk=256, logits_byte_budget=1 << 18)
     kv = PagedKV(args.layers, num_blocks=512, device=args.device, generator=generator)
     prompts = torch.randint(40, 400, (args.requests,), generator=generator).tolist()  # ragged prompts
     # Two extend steps: the prompt's first part (a one-token first part for request 0), then the rest.

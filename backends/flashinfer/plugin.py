@@ -63,10 +63,7 @@ def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:
     def run(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False):
         import torch
 
-        from dispatch.contract import check_topk_inputs
-
-        check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                          block_size=block_size)
+        
         if starts is not None:
             raise LayoutError("backend `flashinfer` reads every row from column 0; ragged rows (starts) need "
                               "another top-k backend")

@@ -39,9 +39,7 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
     choose."""
 
     def run(plan, q, kv_cache, weights, *, clean_logits=True):
-        from dispatch.contract import check_logits_inputs
-
-        check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
+        # The inputs passed the op's checks against this layout first (dispatch/contract/ops/paged_logits.py).
         from backends.triton.paged_mqa_logits import triton_paged_mqa_logits
 
         return triton_paged_mqa_logits(
@@ -200,10 +198,8 @@ def ragged_runner(fnuz_mode: Fp8Mode | None = None) -> Callable:
 
     def run(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
         from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
-        from dispatch.contract import check_ragged_logits_inputs
 
-        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
-
+        # The inputs passed the op's checks first (dispatch/contract/ops/ragged_logits.py).
         return triton_ragged_mqa_logits(q, k, scales, weights, ks, ke, clean_logits=clean_logits, fnuz_mode=fnuz_mode)
 
     return run

@@ -145,7 +145,7 @@ def bench_extend_step(
     plan's host time, and STEP_CHECK_ROWS of its rows checked against torch.topk on reference logits."""
     key = DispatchKey(dispatcher.target_arch, ForwardMode.EXTEND, 1, fp8_dtype)
     inputs = ragged_inputs(shape, fp8_dtype, device, seed=1)
-    step = IndexerStep(dispatcher, kv_fp8_dtype=fp8_dtype, topk=k, logits_byte_budget=logits_byte_budget,
+    step = IndexerStep(dispatcher, kv_fp8_dtype=fp8_dtype, index_topk=k, logits_byte_budget=logits_byte_budget,
                        **_settings(shape))
     _, flops = ragged_floor_counts(shape)
     row = Row("extend_step", "", "ragged", f"{shape.label()} k={k}", flops=flops, floor_seconds=floor_seconds_of(0.0, flops, ceilings))

@@ -80,7 +80,7 @@ def bench_step(
         try:
             plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, allow_disabled=True,
                               pinned={Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: topk_backend})
-            step = IndexerStep(dispatcher, fp8_dtype, topk=k, **step_settings)
+            step = IndexerStep(dispatcher, fp8_dtype, index_topk=k, **step_settings)
             stages, scored = _stages(plan, paged, activations, step_settings, k)
 
             def run_step(plan=plan, step=step):

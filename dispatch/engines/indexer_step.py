@@ -20,7 +20,7 @@ from dispatch.step.plan import ForwardBatch, IndexerPlan, build_plan
 from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
 from dispatch.contract.rope import RopeSpec
 
-DEFAULT_TOPK = 2048
+DEFAULT_INDEX_TOPK = 2048
 
 
 def check_paged_q(plan: IndexerPlan, q: torch.Tensor) -> None:
@@ -43,7 +43,7 @@ class IndexerStep:
     rope: RopeSpec
     softmax_scale: float
     head_scale: float
-    topk: int = DEFAULT_TOPK
+    index_topk: int = DEFAULT_INDEX_TOPK  # keys kept per token (DeepSeek V3.2's index_topk)
     # Return physical KV slots (page_table[b, i // block] * block + i % block) instead of positions,
     # as sparse attention reads them next; fused into the top-k backend.
     transform_to_slots: bool = False
@@ -69,7 +69,7 @@ class IndexerStep:
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Per layer: quantise q [T, H, D], score every visible cached key, keep the top-k per token:
-        int32 [T, topk], -1 past what a token sees; each step through the plan's decision for it.
+        int32 [T, index_topk], -1 past what a token sees; each step through the plan's decision for it.
         T is B*N for a paged plan, the batch's new tokens M (request after request) for an extend plan;
         positions are then relative to each request's first key (or physical slots with transform_to_slots)."""
         if isinstance(plan, ExtendPlan):
@@ -95,7 +95,7 @@ class IndexerStep:
         check_paged_q(plan, q_fp8)
         # The top-k reads only each token's visible keys, so the logits need no -inf tail.
         logits = paged_mqa_logits(plan, q_fp8, kv_cache, weights, clean_logits=False)
-        return topk(plan, logits, self.topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])
+        return topk(plan, logits, self.index_topk, transform_to_slots=self.transform_to_slots, block_size=kv_cache.shape[1])
 
     def _quantise(self, plan, q, weights, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
         return indexer_q_quant(
@@ -120,7 +120,7 @@ class IndexerStep:
             )
 
     def _select_extend(self, plan: ExtendPlan, kv_cache, quantised_rows) -> torch.Tensor:
-        return select_extend(plan, kv_cache, quantised_rows, self.topk, transform_to_slots=self.transform_to_slots)
+        return select_extend(plan, kv_cache, quantised_rows, self.index_topk, transform_to_slots=self.transform_to_slots)
 
 
 def select_extend(plan: ExtendPlan, kv_cache: torch.Tensor, quantised_rows, k: int, *,

@@ -112,7 +112,7 @@ def test_the_extend_step_through_deepgemm_sm90_with_the_stand_in():
                             check_availability=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton gather and Q quant: compiled or interpreted
     case = prefill_case([70, 0, 5], [6, 40, 1], heads=32, head_dim=64, seed=4, device=device)
-    step = IndexerStep(dispatcher, kv_fp8_dtype=Fp8Dtype.E4M3FN, topk=40, logits_byte_budget=4 * 2000, **SETTINGS)
+    step = IndexerStep(dispatcher, kv_fp8_dtype=Fp8Dtype.E4M3FN, index_topk=40, logits_byte_budget=4 * 2000, **SETTINGS)
     plan = step.plan(case.batch)
     assert plan.ragged_logits.backend == "deepgemm.sm90" and plan.ragged_logits.rule == "sm90-deepgemm-ragged"
     inputs = {name: value.to(device) for name, value in layer_inputs_at(case, 32, 64).items()}

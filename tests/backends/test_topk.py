@@ -13,10 +13,11 @@ from dispatch.bench.compare import compare_topk
 from dispatch.contract.errors import GraphMismatchError, LayoutError
 from dispatch.engines.graphs import check_replayable
 from dispatch.contract.key import DispatchKey, ForwardMode, Op
-from dispatch.contract.ops import topk
+from dispatch.contract.ops import topk, topk_rows
 from dispatch.step.plan import ForwardBatch, build_plan
 from dispatch.deciding.runtime import load_dispatcher
 from tests.support.fakes import catalog_of, dispatcher, fake_backend
+from tests.support.plans import one_op_plan
 
 NAN, NEG_INF = float("nan"), float("-inf")
 
@@ -138,18 +139,24 @@ def test_page_transform_gives_physical_slots():
             assert s == expected
 
 
+def through_the_op(*args, **kwargs):
+    """The top-k op's host-side call onto the reference: its input checks run there, once, before any
+    backend (dispatch/contract/ops/top_k.py), so every top-k backend refuses alike."""
+    return topk_rows(one_op_plan(Op.TOPK, topk_indices), *args, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: topk_indices(torch.zeros(2, 8, dtype=torch.float16), i32([1, 1]), 4), "fp32 logits"),
-        (lambda: topk_indices(torch.zeros(2, 8), i32([1]), 4), "lengths int32 \\[2\\]"),
-        (lambda: topk_indices(torch.zeros(2, 8), torch.tensor([1, 1]), 4), "lengths int32"),
-        (lambda: topk_indices(torch.zeros(2, 8), i32([1, 9]), 4), "reach column 9"),
-        (lambda: topk_indices(torch.zeros(2, 8), i32([4, 4]), 4, starts=i32([0, 5])), "reach column 9"),
-        (lambda: topk_indices(torch.zeros(2, 8), i32([1, -1]), 4), ">= 0"),
-        (lambda: topk_indices(torch.zeros(2, 8), i32([1, 1]), 0), "k an integer >= 1"),
-        (lambda: topk_indices(torch.zeros(2, 8).t(), i32([1] * 8), 1), "contiguous last dim"),
-        (lambda: topk_indices(torch.zeros(2, 8), i32([1, 1]), 4, page_table=i32([[0]])), "both page_table"),
+        (lambda: through_the_op(torch.zeros(2, 8, dtype=torch.float16), i32([1, 1]), 4), "fp32 logits"),
+        (lambda: through_the_op(torch.zeros(2, 8), i32([1]), 4), "lengths int32 \\[2\\]"),
+        (lambda: through_the_op(torch.zeros(2, 8), torch.tensor([1, 1]), 4), "lengths int32"),
+        (lambda: through_the_op(torch.zeros(2, 8), i32([1, 9]), 4), "reach column 9"),
+        (lambda: through_the_op(torch.zeros(2, 8), i32([4, 4]), 4, starts=i32([0, 5])), "reach column 9"),
+        (lambda: through_the_op(torch.zeros(2, 8), i32([1, -1]), 4), ">= 0"),
+        (lambda: through_the_op(torch.zeros(2, 8), i32([1, 1]), 0), "k an integer >= 1"),
+        (lambda: through_the_op(torch.zeros(2, 8).t(), i32([1] * 8), 1), "contiguous last dim"),
+        (lambda: through_the_op(torch.zeros(2, 8), i32([1, 1]), 4, page_table=i32([[0]])), "both page_table"),
     ],
 )
 def test_bad_input_is_a_layout_error_naming_the_tensor(call, message):

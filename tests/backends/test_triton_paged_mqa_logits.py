@@ -18,6 +18,7 @@ from backends.triton import availability, plugin
 from backends.triton.fp8_mode import Fp8Mode, fnuz_mode_for_here
 from backends.triton.paged_mqa_logits import LaunchConfig, default_config, triton_paged_mqa_logits
 from dispatch.contract.errors import LayoutError
+from dispatch.contract.input_checks import check_logits_inputs
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import FP8_MAX, Arch, Fp8Dtype, Op
 from dispatch.contract.layout import Layout
@@ -205,11 +206,13 @@ def test_fnuz_mode_here_is_emulated_off_gfx94x():
 def test_wrong_layout_raises():
     native = BACKENDS["triton"]
     plan, q, cache, weights = make_case([70, 20], 2, native, seed=9)
+    # The host runs these checks against the decision's layout before any backend (the op's call,
+    # dispatch/contract/ops/paged_logits.py); a backend handed another layout's tensors is refused there.
     with pytest.raises(LayoutError, match="native"):
-        native.run(plan, q.reshape(4, 1, *q.shape[2:]), cache, weights)
+        check_logits_inputs(plan, q.reshape(4, 1, *q.shape[2:]), cache, weights, consumes=native.layout)
     flat_plan, flat_q, _, _ = make_case([70, 20], 2, BACKENDS["triton.flatten"], seed=9)
     with pytest.raises(LayoutError, match="consumes layout `native`; the plan is tagged `flatten`"):
-        native.run(flat_plan, flat_q, cache, weights)
+        check_logits_inputs(flat_plan, flat_q, cache, weights, consumes=native.layout)
 
 
 def test_wrapper_rejects_bad_tensors():

@@ -21,7 +21,9 @@ from backends.triton.plugin import q_quant_backends
 from dispatch.contract.detect import rocm_gcn_arch
 from dispatch.contract.errors import LayoutError
 from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.ops import indexer_q_quant
 from dispatch.contract.rope import RopeSpec
+from tests.support.plans import one_op_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIM, ROT_DIM, MAX_POS = 128, 64, 4096
@@ -271,9 +273,10 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
 
 def test_rejects_mismatched_weights():
     q, weights, positions, cache = make_inputs(4, 8, seed=1)
+    # The op's checks run in the host's call, before the kernel (dispatch/contract/ops/q_quant.py).
     with pytest.raises(LayoutError, match=r"weights \[4, 8\]"):
-        triton_indexer_q_quant(q, weights[:, :4], positions, cache, fp8_dtype=Fp8Dtype.E4M3FN, rope=RopeSpec(),
-                        softmax_scale=1.0, head_scale=1.0)
+        indexer_q_quant(one_op_plan(Op.INDEXER_Q_QUANT, triton_indexer_q_quant), q, weights[:, :4], positions,
+                        cache, rope=RopeSpec(), softmax_scale=1.0, head_scale=1.0)
 
 
 def test_plugin_registers_both_backends():

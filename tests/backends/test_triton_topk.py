@@ -14,6 +14,9 @@ import torch
 
 from backends.triton.topk import launch, launch_config, topk_indices
 from dispatch.contract.errors import LayoutError
+from dispatch.contract.key import Op
+from dispatch.contract.ops import topk_rows
+from tests.support.plans import one_op_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
@@ -251,8 +254,10 @@ def test_sorted_is_descending_with_minus_ones_last(sort_max, monkeypatch):
 def test_bad_inputs_name_the_tensor(change, message):
     args = {"logits": torch.randn(3, 64), "lengths": torch.tensor([1, 2, 3], dtype=torch.int32), "k": 8}
     change(args)
+    # The op's checks run in the host's call, then the kernel's own (one device, a contiguous table).
     with pytest.raises(LayoutError, match=message):
-        topk_indices(args.pop("logits"), args.pop("lengths"), args.pop("k"), block_size=16, **args)
+        topk_rows(one_op_plan(Op.TOPK, topk_indices), args.pop("logits"), args.pop("lengths"), args.pop("k"),
+                  block_size=16, **args)
 
 
 def test_bad_launch_config_is_rejected():

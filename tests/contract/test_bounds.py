@@ -261,7 +261,7 @@ def test_indexer_step_on_the_reference_raises_naming_the_entry():
     seq_lens, next_n = [100, 20], 2
     batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=8)
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=32**-0.5, head_scale=16**-0.5, topk=8)
+                       softmax_scale=32**-0.5, head_scale=16**-0.5, index_topk=8)
     table = batch.page_table.clone()
     table[0, 1] = 2**31 - 1
     plan = step.plan(ForwardBatch(batch.seq_lens, table, 100, ForwardMode.TARGET_VERIFY, next_n=next_n))
@@ -447,7 +447,7 @@ def test_indexer_step_without_the_tail_still_gives_poisoned_tokens_no_keys(logit
     batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=12)
     dispatcher = load_dispatcher()
     step = IndexerStep(dispatcher, kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=32**-0.5, head_scale=16**-0.5, topk=k)
+                       softmax_scale=32**-0.5, head_scale=16**-0.5, index_topk=k)
     table = batch.page_table.clone()
     table[1, 0] = 2**31 - 1  # request 1 needs a page outside the pool: its two tokens are poisoned
     forward = ForwardBatch(batch.seq_lens, table, 192, ForwardMode.TARGET_VERIFY, next_n=next_n,

@@ -14,12 +14,13 @@ from backends.reference.topk import topk_indices
 from backends.triton.topk import topk_indices as triton_topk_indices
 from dispatch.contract.errors import BackendError, IndexBoundsError, InvalidBatchError, LayoutError
 from dispatch.contract.key import ForwardMode, Op
-from dispatch.contract.ops import paged_mqa_logits, topk_rows
+from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk_rows
 from dispatch.step.plan import ForwardBatch, build_plan, visible_lengths
 from dispatch.contract.rope import RopeSpec
 from dispatch.deciding.runtime import load_dispatcher
 from tests.support.fakes import catalog_of, dispatcher, fake_backend
 from tests.support.paged_batch import paged_batch
+from tests.support.plans import one_op_plan
 
 INT32_MAX = 2**31 - 1
 
@@ -67,10 +68,11 @@ def test_a_page_table_narrower_than_max_seq_len_is_a_clear_error():
                           ((3, 8), (1,), r"positions \[3\]")])
 def test_the_reference_q_quant_refuses_broadcast_shapes(weights_shape, positions_shape, match):
     cache = torch.ones(16, 32, dtype=torch.bfloat16)
+    # The op's checks run in the host's call, before the reference (dispatch/contract/ops/q_quant.py).
     with pytest.raises(LayoutError, match=match):
-        reference_indexer_q_quant(torch.randn(3, 8, 64), torch.randn(weights_shape),
-                                  torch.zeros(positions_shape, dtype=torch.int32), cache, fp8_dtype="e4m3fn",
-                                  rope=RopeSpec.neox_head(), softmax_scale=1.0, head_scale=1.0)
+        indexer_q_quant(one_op_plan(Op.INDEXER_Q_QUANT, reference_indexer_q_quant), torch.randn(3, 8, 64),
+                        torch.randn(weights_shape), torch.zeros(positions_shape, dtype=torch.int32), cache,
+                        rope=RopeSpec.neox_head(), softmax_scale=1.0, head_scale=1.0)
 
 
 @pytest.mark.parametrize("which", ["reference", "triton"])

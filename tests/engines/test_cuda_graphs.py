@@ -32,7 +32,7 @@ def step():
     from dispatch.deciding.runtime import load_dispatcher
 
     return IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=D**-0.5, head_scale=H**-0.5, topk=256)
+                       softmax_scale=D**-0.5, head_scale=H**-0.5, index_topk=256)
 
 
 def _static_inputs(generator):

@@ -51,7 +51,7 @@ def test_a_refused_update_leaves_the_captured_plan_as_it_was(tmp_path, declared)
     path = tmp_path / "registry.yaml"
     path.write_text(REGISTRY)
     step = IndexerStep(load_dispatcher(path, arch="cpu"), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=DIM**-0.5, head_scale=HEADS**-0.5, topk=16)
+                       softmax_scale=DIM**-0.5, head_scale=HEADS**-0.5, index_topk=16)
     first = paged_batch([70, 20], 2, heads=HEADS, head_dim=DIM, seed=1)
     blocks = first.kv_cache.shape[0]
     batch = ForwardBatch(first.seq_lens, first.page_table, 72, ForwardMode.TARGET_VERIFY, 2,

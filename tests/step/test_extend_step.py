@@ -51,7 +51,7 @@ PATHS = [
 
 def step_for(dispatcher, fp8: Fp8Dtype, *, k: int = 48, budget: int | None = None, slots: bool = False) -> IndexerStep:
     extra = {} if budget is None else {"logits_byte_budget": budget}
-    return IndexerStep(dispatcher, kv_fp8_dtype=fp8, topk=k, transform_to_slots=slots, **SETTINGS, **extra)
+    return IndexerStep(dispatcher, kv_fp8_dtype=fp8, index_topk=k, transform_to_slots=slots, **SETTINGS, **extra)
 
 
 def layer_inputs(case, seed: int):
@@ -249,7 +249,7 @@ def test_the_step_never_waits_on_the_device(backend):
     if backend not in {b.name for b in dispatcher.eligible(Op.RAGGED_MQA_LOGITS, _extend_key(dispatcher))}:
         pytest.skip(f"{backend} cannot run here")
     case = prefill_case([300, 0, 64], [40, 200, 1], heads=64, head_dim=128, device="cuda", seed=12)
-    step = IndexerStep(dispatcher, kv_fp8_dtype=case.fp8_dtype, topk=64, **SETTINGS)
+    step = IndexerStep(dispatcher, kv_fp8_dtype=case.fp8_dtype, index_topk=64, **SETTINGS)
     inputs = {name: value.cuda() for name, value in layer_inputs_at(case, 64, 128).items()}
     build_extend_plan(dispatcher, case.batch, kv_fp8_dtype=case.fp8_dtype, pinned={Op.RAGGED_MQA_LOGITS: backend},
                       logits_byte_budget=4 * 400 * 64)  # warm-up: compile the kernels outside the check

@@ -19,7 +19,7 @@ B, N, H, D = 2, 3, 8, 128
 
 def step_and_inputs():
     step = IndexerStep(load_dispatcher(arch="cpu"), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=D**-0.5, head_scale=H**-0.5, topk=16)
+                       softmax_scale=D**-0.5, head_scale=H**-0.5, index_topk=16)
     seq_lens = torch.tensor([70, 9], dtype=torch.int32)
     plan = step.plan(ForwardBatch(seq_lens, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), max_seq_len=128,
                                   forward_mode=ForwardMode.TARGET_VERIFY, next_n=N))

@@ -57,3 +57,31 @@ def plan_for(
     if backend.prepare is None:
         return plan
     return dataclasses.replace(plan, states={backend.op: backend.prepare(plan)})
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOpPlan:
+    """A plan that decides one backend for one op and holds nothing else: the op's host-side call (its
+    input checks, the backend, its output check; dispatch/contract/ops/) on explicit tensors, as the
+    step runs it, without a batch. How kernel tests meet the checks the host runs before a backend."""
+
+    decisions: dict
+    states: dict = dataclasses.field(default_factory=dict)
+    error_flags: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
+
+    def decision(self, op: Op) -> Decision:
+        return self.decisions[op]
+
+    def state_of(self, op: Op):
+        return self.states.get(op)
+
+
+def one_op_plan(op: Op, run, *, layout=None, fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN, arch: Arch = Arch.CPU) -> OneOpPlan:
+    """A OneOpPlan whose decision for `op` runs `run` (a kernel entry point, or a backend's run)."""
+    from dispatch.contract.backend import ALL_ARCHS, ALL_MODES, Support
+    from dispatch.contract.ops import OP_CONTRACTS
+
+    backend = Backend(name="under-test", op=op, layout=layout or OP_CONTRACTS[op].layouts[0],
+                      supports=Support(archs=ALL_ARCHS, forward_modes=ALL_MODES), run=run)
+    mode = ForwardMode.EXTEND if op is Op.RAGGED_MQA_LOGITS else ForwardMode.DECODE
+    return OneOpPlan({op: decision_for(backend, DispatchKey(arch=arch, forward_mode=mode, next_n=1, fp8_dtype=fp8_dtype))})

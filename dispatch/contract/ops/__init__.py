@@ -1,21 +1,32 @@
 """The ops, one file each (q_quant.py, paged_logits.py, ragged_logits.py, top_k.py): an op's call
 convention, the layouts it accepts, its input and output checks and the host-side call through a
-plan's decision. OP_CONTRACTS and the indexer's step tables are built here from those files' CONTRACT,
-so adding an op is its file plus its row in OP_FILES."""
+plan's decision. OP_CONTRACTS and the indexer's step tables are built here from every file of this
+package that declares a CONTRACT, so adding an op adds its file and edits nothing here."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from dispatch.contract.key import ForwardMode, Op
-from dispatch.contract.ops import paged_logits, q_quant, ragged_logits, top_k
 from dispatch.contract.ops.op_contract import EXTEND_STEP, PAGED_STEP, OpContract
 from dispatch.contract.ops.paged_logits import PagedMqaLogitsRun, paged_mqa_logits
 from dispatch.contract.ops.q_quant import IndexerQQuantRun, indexer_q_quant
 from dispatch.contract.ops.ragged_logits import RaggedKeyGather, RaggedMqaLogitsRun, gather_keys, ragged_mqa_logits
 from dispatch.contract.ops.top_k import TopkRun, topk, topk_rows
 
-OP_FILES = (q_quant, paged_logits, top_k, ragged_logits)
+# This package's own files, found by name (sorted, so every machine reads them alike); nothing is
+# imported from outside it.
+OP_FILES = tuple(
+    module
+    for module in (importlib.import_module(f"{__name__}.{info.name}") for info in sorted(pkgutil.iter_modules(__path__)))
+    if hasattr(module, "CONTRACT")
+)
+_DECLARED = {module.CONTRACT.op: module.CONTRACT for module in OP_FILES}
+if set(_DECLARED) != set(Op):
+    raise ImportError(f"every Op needs a file in dispatch/contract/ops/; none for {sorted(set(Op) - set(_DECLARED))}")
 
-OP_CONTRACTS: dict[Op, OpContract] = {module.CONTRACT.op: module.CONTRACT for module in OP_FILES}
+OP_CONTRACTS: dict[Op, OpContract] = {op: _DECLARED[op] for op in Op}  # in Op's order
 
 
 def step_ops(step: str) -> tuple[Op, ...]:

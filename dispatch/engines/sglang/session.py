@@ -33,7 +33,7 @@ class Session:
 
     def step(self, topk: int, *, to_slots: bool) -> IndexerStep:
         if (topk, to_slots) not in self._steps:
-            self._steps[topk, to_slots] = dataclasses.replace(self._step, topk=topk, transform_to_slots=to_slots)
+            self._steps[topk, to_slots] = dataclasses.replace(self._step, index_topk=topk, transform_to_slots=to_slots)
         return self._steps[topk, to_slots]
 
     def describe(self) -> str:
