@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -82,6 +83,39 @@ def missing_symbols(module: ModuleType) -> list[str]:
     missing = [] if hasattr(module, SCHEDULE) else [f"`{SCHEDULE}`"]
     if not (hasattr(module, LOGITS_FP8_FP4) or hasattr(module, LOGITS_FP8)):
         missing.append(f"`{LOGITS_FP8_FP4}` or `{LOGITS_FP8}`")
+    return missing
+
+
+# --- SM90 next_n 4: the 2-CTA KV-multicast kernel ------------------------------------------------------
+# Some builds (tokenspeed-deepgemm 2.5.0.post20260604 and post20260629, the DeepGEMM vLLM 0.33 bundles)
+# run SM90 next_n 4 natively: a cluster of two CTAs shares each KV page (TMA multicast) and each CTA
+# scores two of the four tokens. Their host code then asserts a schedule of num_sms / 2 + 1 rows, one
+# task per cluster. Earlier builds (sgl-deep-gemm 0.1.3-0.1.5, tokenspeed-deepgemm 2.3.0.post20251110 and
+# 2.5.0.post20260424) assert next_n in {1, 2}. No build has an SM90 next_n 3 kernel (DeepGEMM issue 340).
+# DeepGEMM compiles its kernels at first use from the headers it ships, so the shipped SM90 kernel source
+# says which kernel a build runs; its multicast template parameter is read without loading the extension.
+SM90_PAGED_SOURCE = ("include", "deep_gemm", "impls", "sm90_fp8_paged_mqa_logits.cuh")
+SM90_KV_MULTICAST_MARK = "kNumKVMulticast"
+SM90_NEXT_N4_KV_MULTICAST = 2
+
+
+def sm90_paged_source(module: ModuleType) -> Path | None:
+    """The SM90 paged logits kernel source shipped beside `module`, or None when it ships none."""
+    package = getattr(module, "__file__", None)
+    if not package:
+        return None
+    source = Path(package).parent.joinpath(*SM90_PAGED_SOURCE)
+    return source if source.is_file() else None
+
+
+def missing_sm90_next_n4(module: ModuleType) -> list[str]:
+    """missing_symbols, plus the SM90 next_n 4 kernel when this build does not ship it."""
+    missing = missing_symbols(module)
+    source = sm90_paged_source(module)
+    if source is None:
+        missing.append(f"SM90 paged logits source `{'/'.join(SM90_PAGED_SOURCE)}`")
+    elif SM90_KV_MULTICAST_MARK not in source.read_text(errors="replace"):
+        missing.append(f"SM90 next_n 4 kernel (its `{SM90_PAGED_SOURCE[-1]}` has no KV multicast)")
     return missing
 
 
@@ -192,6 +226,9 @@ class DeepGemmPagedLogits:
 
     layout: Layout
     load: Callable[[], ModuleType]
+    # CTAs sharing each KV page: the kernel runs one scheduler task per cluster of this many CTAs, so the
+    # schedule has num_sms / kv_multicast + 1 rows (2 for SM90 next_n 4; 1 everywhere else).
+    kv_multicast: int = 1
 
     def prepare(self, plan: IndexerPlan) -> DeepGemmState:
         """The batch's schedule, built from plan.context_lens itself, and its page guard."""
@@ -199,7 +236,18 @@ class DeepGemmPagedLogits:
 
         module = self.load()
         lens = plan.context_lens
-        return DeepGemmState(build_schedule(module, lens, num_sms(module, lens.device)), prepare_page_guard(plan))
+        return DeepGemmState(build_schedule(module, lens, self.schedule_slots(module, lens.device)),
+                             prepare_page_guard(plan))
+
+    def schedule_slots(self, module: ModuleType, device: torch.device) -> int:
+        """The scheduler tasks the kernel launches: one per SM, or per cluster of kv_multicast SMs."""
+        sms = num_sms(module, device)
+        if sms % self.kv_multicast:
+            raise LayoutError(
+                f"deep_gemm's {self.kv_multicast}-CTA cluster kernel needs an SM count divisible by "
+                f"{self.kv_multicast}; get_num_sms() is {sms}"
+            )
+        return sms // self.kv_multicast
 
     @staticmethod
     def refresh_state(captured: DeepGemmState, fresh: DeepGemmState) -> None:

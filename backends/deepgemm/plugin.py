@@ -3,12 +3,16 @@
 | backend               | op                | layout  | arch  | next_n | why                                        |
 | deepgemm.sm100        | paged_mqa_logits  | native  | sm100 | >= 1   | SM100 kernels take any next_n (odd padded) |
 | deepgemm.sm90         | paged_mqa_logits  | native  | sm90  | 1, 2   | SM90 kernels exist for next_n 1 and 2      |
+| deepgemm.sm90.n4      | paged_mqa_logits  | native  | sm90  | 4      | builds with the 2-CTA KV-multicast kernel  |
 | deepgemm.sm90.flatten | paged_mqa_logits  | flatten | sm90  | >= 1   | every token its own request: next_n 1      |
 | deepgemm.sm100        | ragged_mqa_logits | ragged  | sm100 | any    | fp8_mqa_logits, every mode                 |
 | deepgemm.sm90         | ragged_mqa_logits | ragged  | sm90  | any    | fp8_mqa_logits, every mode                 |
 
 All take e4m3fn only (the kernels read OCP fp8); the paged ones in the paged modes (decode,
 target_verify, draft_extend), the ragged ones in any (extend is what they are for).
+`deepgemm.sm90.n4` is its own backend rather than a wider `deepgemm.sm90` because only some builds have
+its kernel (adapter.py's SM90 next_n 4 section): its probe says no, with the reason, on the others, while
+`deepgemm.sm90` keeps serving next_n 1 and 2 there.
 The availability probe checks the cheap facts first (a GPU, its arch), so a machine that could never
 run the kernel does not load deep_gemm's CUDA extension just to say no.
 """
@@ -16,7 +20,10 @@ run the kernel does not load deep_gemm's CUDA extension just to say no.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from dispatch.contract import (
@@ -35,11 +42,24 @@ from dispatch.contract import (
 
 _E4M3FN = frozenset({Fp8Dtype.E4M3FN})
 
-# name, layout, arch, next_n_max, description
+
+@dataclass(frozen=True)
+class _Row:
+    name: str
+    layout: Layout
+    arch: Arch
+    next_n: tuple[int, int | None]  # (min, max); max None is unbounded
+    description: str
+    kv_multicast: int = 1  # CTAs per scheduler task (adapter.DeepGemmPagedLogits.kv_multicast)
+    sm90_next_n4: bool = False  # the build must ship the SM90 next_n 4 kernel
+
+
 _TABLE = (
-    ("deepgemm.sm100", Layout.NATIVE, Arch.SM100, None, "DeepGEMM fp8 paged MQA logits, SM100, native"),
-    ("deepgemm.sm90", Layout.NATIVE, Arch.SM90, 2, "DeepGEMM fp8 paged MQA logits, SM90, native (next_n 1-2)"),
-    ("deepgemm.sm90.flatten", Layout.FLATTEN, Arch.SM90, None, "DeepGEMM fp8 paged MQA logits, SM90, flatten"),
+    _Row("deepgemm.sm100", Layout.NATIVE, Arch.SM100, (1, None), "DeepGEMM fp8 paged MQA logits, SM100, native"),
+    _Row("deepgemm.sm90", Layout.NATIVE, Arch.SM90, (1, 2), "DeepGEMM fp8 paged MQA logits, SM90, native (next_n 1-2)"),
+    _Row("deepgemm.sm90.n4", Layout.NATIVE, Arch.SM90, (4, 4),
+         "DeepGEMM fp8 paged MQA logits, SM90, native next_n 4 (2-CTA KV multicast)", kv_multicast=2, sm90_next_n4=True),
+    _Row("deepgemm.sm90.flatten", Layout.FLATTEN, Arch.SM90, (1, None), "DeepGEMM fp8 paged MQA logits, SM90, flatten"),
 )
 
 
@@ -54,8 +74,8 @@ def import_deep_gemm() -> ModuleType:
 class _OnFirstUse:
     """The adapter's DeepGemmPagedLogits for one layout, built on first use."""
 
-    def __init__(self, layout: Layout, load: Callable[[], ModuleType]) -> None:
-        self._args = (layout, load)
+    def __init__(self, layout: Layout, load: Callable[[], ModuleType], kv_multicast: int = 1) -> None:
+        self._args = (layout, load, kv_multicast)
         self._impl = None
 
     def _built(self):
@@ -103,6 +123,12 @@ def missing_paged_symbols(module: ModuleType) -> list[str]:
     from backends.deepgemm.adapter import missing_symbols
 
     return missing_symbols(module)
+
+
+def missing_sm90_next_n4(module: ModuleType) -> list[str]:
+    from backends.deepgemm.adapter import missing_sm90_next_n4 as missing
+
+    return missing(module)
 
 
 def missing_ragged_symbols(module: ModuleType) -> list[str]:
@@ -160,40 +186,68 @@ DISTRIBUTIONS = ("sgl-deep-gemm", "tokenspeed-deepgemm", "deep-gemm")
 
 def library_version() -> str:
     """"sgl-deep-gemm 0.1.5": the installed distribution, read from its metadata without importing
-    deep_gemm (a CUDA extension); "" when none is installed. A measurement records it (Backend.version)."""
-    for distribution in DISTRIBUTIONS:
+    deep_gemm (a CUDA extension); "" when none is installed. A measurement records it (Backend.version).
+    Where several are installed (each ships a `deep_gemm` package), the one whose package Python would
+    import: SM90 next_n 4 runs only on some builds, so the record must name the build that ran."""
+    installed = []
+    for name in DISTRIBUTIONS:
         try:
-            return f"{distribution} {importlib.metadata.version(distribution)}"
+            installed.append((name, importlib.metadata.distribution(name)))
         except importlib.metadata.PackageNotFoundError:
             continue
-    return ""
+    if not installed:
+        return ""
+    if len(installed) > 1:
+        imported = _deep_gemm_init()
+        for name, distribution in installed:
+            if imported is not None and _resolved(distribution.locate_file("deep_gemm/__init__.py")) == imported:
+                return f"{name} {distribution.version}"
+    name, distribution = installed[0]
+    return f"{name} {distribution.version}"
 
 
-# SM90 ran on the H200 with sgl-deep-gemm 0.1.5; SM100 only against the recording stand-in (no SM100 here).
+def _deep_gemm_init() -> Path | None:
+    """The deep_gemm/__init__.py an import would run, found without running it."""
+    try:
+        spec = importlib.util.find_spec("deep_gemm")
+    except (ImportError, ValueError):
+        return None
+    return _resolved(spec.origin) if spec is not None and spec.origin else None
+
+
+def _resolved(path) -> Path:
+    return Path(str(path)).resolve()
+
+
+# SM90 ran on the H200 with sgl-deep-gemm 0.1.5 (next_n 4: tokenspeed-deepgemm 2.5.0.post20260629); SM100
+# only against the recording stand-in (no SM100 here).
 VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.SM100: Verified.CONTRACT}
 
 
 def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
-    """The three paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
+    """The four paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
-    for name, layout, arch, next_n_max, description in _TABLE:
-        impl = _OnFirstUse(layout, load)
+    for row in _TABLE:
+        impl = _OnFirstUse(row.layout, load, row.kv_multicast)
+        next_n_min, next_n_max = row.next_n
         support = Support(
-            archs=frozenset({arch}), forward_modes=PAGED_MODES, fp8_dtypes=_E4M3FN, next_n_max=next_n_max
+            archs=frozenset({row.arch}), forward_modes=PAGED_MODES, fp8_dtypes=_E4M3FN,
+            next_n_min=next_n_min, next_n_max=next_n_max,
         )
+        missing = missing_sm90_next_n4 if row.sm90_next_n4 else missing_paged_symbols
         backends.append(
             Backend(
-                name=name,
+                name=row.name,
                 op=Op.PAGED_MQA_LOGITS,
-                layout=layout,
+                layout=row.layout,
                 supports=support,
                 run=impl.run,
-                probe=probe_for(arch, load),
+                probe=probe_for(row.arch, load, missing),
                 prepare=impl.prepare,
                 refresh_state=impl.refresh_state,
                 version=library_version(),
-                description=description,
-                verified={arch: VERIFIED[arch]},
+                description=row.description,
+                verified={row.arch: VERIFIED[row.arch]},
             )
         )
     return backends

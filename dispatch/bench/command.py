@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int(1000), default=30,
                         help="timed calls per backend and shape, 1 to 1000 (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a CPU smoke run")
+    parser.add_argument("--host-time", action="store_true",
+                        help="only the host time of building a plan (build_plan at B=128, an extend plan at "
+                             "M=16K), medians against their targets (50 and 200 us)")
     parser.add_argument("--cluster", help="cluster overlay (default: DISPATCH_CLUSTER, else a declared match)")
     parser.add_argument("--registry", help="registry file (default: DISPATCH_REGISTRY, else the packaged registry.yaml)")
     parser.add_argument("--json", action="store_true", help="print the report (or {\"error\": ...}) as JSON")
@@ -91,6 +94,8 @@ def run_bench(args: argparse.Namespace) -> int:
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
+    if args.host_time:
+        return _host_time(dispatcher, device, fp8, json_out=args.json)
     if device == "cpu":
         _cpu_note()
     ceilings = measure_ceilings(device) if device == "cuda" else None
@@ -163,6 +168,38 @@ def run_bench(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2) if args.json else report_text(report))
     failed = [row for row in report["rows"] if row["check"] != "ok"]
     return 1 if failed else 0
+
+
+def _host_time(dispatcher, device: str, fp8: Fp8Dtype, *, json_out: bool) -> int:
+    """`bench --host-time`: each plan's median host time against its target (exit 0 either way: a
+    measurement, not a check; the report says which are over)."""
+    from dispatch.bench.host_time import plan_host_times
+
+    _progress("timing the host cost of building plans (medians of many calls)")
+    times = plan_host_times(dispatcher, device=device, fp8_dtype=fp8)
+    report = {**_provenance(device, fp8), "host_time": [t.as_dict() for t in times]}
+    if json_out:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join([_provenance_line(report), *(t.line() for t in times)]))
+    return 0
+
+
+def _provenance(device: str, fp8: Fp8Dtype) -> dict:
+    import torch
+
+    return {
+        "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "fp8_dtype": fp8.value,
+    }
+
+
+def _provenance_line(report: dict) -> str:
+    return (f"machine {report['machine']}, {report['date']}, torch {report['torch']}, triton {report['triton']}, "
+            f"fp8 {report['fp8_dtype']}")
 
 
 def _triton_version() -> str | None:

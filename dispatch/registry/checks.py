@@ -62,7 +62,9 @@ def _unknown(name: str, known: list[str], op: Op | None) -> str:
     from dispatch.contract.host import not_allowed_hint  # reads entry-point metadata only when a name is unknown
 
     registered = ", ".join(known) or "none"
-    return f"unknown backend `{cut(name)}`{hint} (registered {scope}: {registered}){not_allowed_hint(name)}"
+    # The plugin hint (what to set) before the list of names, which grows with every backend and is what
+    # the message's length limit cuts.
+    return f"unknown backend `{cut(name)}`{hint}{not_allowed_hint(name)} (registered {scope}: {registered})"
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def build_extend_plan(
         key=key,
         decisions=decisions,
         metadata=metadata,
-        chunks=tuple(chunk_tensors(metadata, chunk) for chunk in metadata.chunks(logits_byte_budget)),
+        chunks=chunk_tensors(metadata, metadata.chunks(logits_byte_budget)),
         page_table=batch.page_table,
         block_kv=batch.block_kv,
         logits_byte_budget=logits_byte_budget,
@@ -143,13 +143,24 @@ def build_extend_plan(
     return dataclasses.replace(plan, states=states) if states else plan
 
 
-def chunk_tensors(metadata: RaggedMetadata, chunk: Chunk) -> ChunkTensors:
-    """The chunk's per-row tensors (device ops on slices: no sync)."""
-    ks, ke = metadata.chunk_ranges(chunk)
-    return ChunkTensors(
-        chunk=chunk,
-        ks=ks.contiguous(),
-        ke=ke.contiguous(),
-        lengths=(ke - ks).contiguous(),
-        page_rows=metadata.row_request[chunk.rows].contiguous(),
-    )
+def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
+    """Every chunk's per-row tensors, as views of three per-batch tensors (device ops, no sync): the
+    top-k lengths ke - ks once for all rows (a shift does not change them), and the ranges relative to
+    each chunk's window in one subtraction per chunk that starts past key 0 (a chunk at key 0 views the
+    metadata's own). The plan is built every batch on the host's critical path: few ops, few launches."""
+    ks, ke = metadata.ks, metadata.ke
+    ranges = metadata.ranges if metadata.ranges is not None else torch.stack((ks, ke))
+    lengths = ke - ks
+    shifted = None
+    out = []
+    for chunk in chunks:
+        begin, count = chunk.row_begin, chunk.row_end - chunk.row_begin
+        pair = ranges.narrow(1, begin, count)
+        if chunk.key_begin:
+            if shifted is None:
+                shifted = torch.empty_like(ranges)
+            pair = torch.sub(pair, chunk.key_begin, out=shifted.narrow(1, begin, count))
+        chunk_ks, chunk_ke = pair.unbind()
+        out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths.narrow(0, begin, count),
+                                page_rows=metadata.row_request.narrow(0, begin, count)))
+    return tuple(out)

@@ -25,6 +25,7 @@ from dispatch.contract.errors import LayoutError
 # vLLM's VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default: the fp32 logits of one chunk stay under 512 MiB.
 DEFAULT_LOGITS_BYTES = 512 * 1024 * 1024
 _FP32 = 4
+MAX_KEYS = 2**30  # gathered keys: int32 ks / ke, and ks + a row index, never wrap (141 GB of fp8 keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,9 @@ class RaggedMetadata:
     # int32 [1]: BAD_LENGTH where lengths on the device were negative or disagreed with the host totals
     # (every gather slot is then -1); None where the host checked the lengths (dispatch/contract/bounds.py).
     length_flags: torch.Tensor | None = None
+    # int32 [2, M]: ks and ke as the rows of one tensor (ks and ke are its views), so a chunk's ranges
+    # shift in one op (dispatch.step.extend.chunk_tensors).
+    ranges: torch.Tensor | None = None
 
     def chunk_ranges(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """ks / ke of the chunk's rows, relative to its first key (device ops, no sync)."""
@@ -163,63 +167,101 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     one is taken as 0, rows and keys are assigned by searching the offsets (never by trusting a count),
     and if the lengths disagree with the host totals every gather slot is -1 and BAD_LENGTH is flagged,
     so nothing is read or written outside a tensor and nothing wrong is selected. Page entries are
-    checked in 64-bit, before the slots narrow to int32: one outside the pool (or past int32) is -1.
+    checked against the pool before any slot is formed: one outside it (or whose slot would pass int32)
+    is -1.
 
     `host_checked` (default: whether the lengths are on the CPU, where _check_batch read them) False runs
-    the device path's guards on any device, which is how the CPU tests exercise them."""
+    the device path's guards on any device, which is how the CPU tests exercise them.
+
+    Engines build this every batch on the host's critical path, and on a GPU each torch op costs the host
+    a launch, so the work is laid out for few ops: per-request values [B] are built first and every
+    per-row and per-key tensor takes one gather of them; the page table is turned into slot bases once
+    per entry [B, P] rather than once per key; counted by tests/step/test_plan_host_cost.py."""
     device = batch.prefix_lens.device
-    requests = batch.num_requests
+    requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
     on_host = device.type == "cpu" if host_checked is None else host_checked
-    prefix = batch.prefix_lens.long()
-    extend = batch.extend_lens.long()
+    # [2, B] in 64 bits: each request's new tokens, and its keys (prefix + new); offsets are their sums.
+    lengths = torch.stack((batch.extend_lens, batch.prefix_lens)).long()
     if not on_host:
-        prefix, extend = prefix.clamp(min=0), extend.clamp(min=0)
-    totals = prefix + extend
-    key_offsets = torch.zeros(requests + 1, dtype=torch.long, device=device)
-    torch.cumsum(totals, 0, out=key_offsets[1:])
-    row_offsets = torch.zeros(requests + 1, dtype=torch.long, device=device)
-    torch.cumsum(extend, 0, out=row_offsets[1:])
-    last = max(requests - 1, 0)
+        lengths.clamp_(min=0)
+    lengths[1].add_(lengths[0])  # (not `+=`: on a subscript that writes back with a second op)
+    offsets = torch.nn.functional.pad(lengths.cumsum(1), (1, 0))  # [2, B + 1], from 0
+    # Narrowed only once bounded: offsets past the totals (garbage device lengths) stop at them, which
+    # keeps them sorted, so every search below still lands on a request.
+    row_offsets = offsets[0].clamp(max=rows).to(torch.int32)
+    key_offsets = offsets[1].clamp(max=keys).to(torch.int32)
+    # Row i of request r sees ks = key_offsets[r] and ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1]
+    # (its request's first key, its prefix, and its own tokens 0..j).
+    bases = torch.stack((key_offsets[:-1], key_offsets[1:] - row_offsets[1:] + 1))  # [2, B]
+    exact = on_host and device.type == "cpu"  # counts checked on this host: repeat by them directly
+    row_index = torch.arange(rows, dtype=torch.int32, device=device)
+    # repeat_interleave of the counts alone gives the request ids, and is the fastest form on a CPU.
+    row_request = (torch.repeat_interleave(lengths[0], output_size=rows).to(torch.int32) if exact
+                   else _request_of(row_offsets, row_index, requests))
+    ranges = bases.index_select(1, row_request)
+    ranges[1].add_(row_index)
+    if not on_host:
+        ranges.clamp_(0, keys)
 
-    rows = torch.arange(batch.total_tokens, device=device)
-    row_request = torch.searchsorted(row_offsets[1:], rows, right=True).clamp_(max=last)
-    token = rows - row_offsets[row_request]
-    ks = key_offsets[row_request]
-    ke = ks + prefix[row_request] + token + 1
-
-    keys = torch.arange(batch.total_keys, device=device)
-    key_request = torch.searchsorted(key_offsets[1:], keys, right=True).clamp_(max=last)
-    position = keys - key_offsets[key_request]
-    page = position // batch.block_kv
-    pages = batch.page_table.shape[1]
-    block = batch.page_table[key_request, page.clamp(max=max(pages - 1, 0))].long()
-    # A key past the table's width has no page; an entry outside the pool names none. Either is slot -1,
-    # which the gather refuses (reference) or poisons and flags (GPU). int32 slots hold at most 2^31.
-    pool = batch.num_kv_blocks if batch.num_kv_blocks is not None else (2**31 - 1) // batch.block_kv
-    valid = (page < pages) & (block >= 0) & (block < pool)
+    key_index = torch.arange(keys, dtype=torch.int32, device=device)
+    key_request = (torch.repeat_interleave(lengths[1], output_size=keys) if exact
+                   else _request_of(key_offsets, key_index, requests))
+    position = key_index.sub_(key_offsets.index_select(0, key_request))  # >= 0: a key's request starts at or before it
     length_flags = None
+    fault = None
     if not on_host:
-        fault = (batch.prefix_lens < 0).any() | (batch.extend_lens < 0).any()
-        fault = fault | (row_offsets[-1] != batch.total_tokens) | (key_offsets[-1] != batch.total_keys)
-        valid = valid & ~fault
-        length_flags = (fault.to(torch.int32) * BAD_LENGTH).reshape(1)
-        ks, ke = ks.clamp(0, batch.total_keys), ke.clamp(0, batch.total_keys)
-    slots = torch.where(valid, block * batch.block_kv + position % batch.block_kv, -1)
+        negative = (torch.stack((batch.extend_lens, batch.prefix_lens)).amin() < 0) if requests else False
+        fault = negative | (offsets[0, -1] != rows) | (offsets[1, -1] != keys)
+        length_flags = fault.to(torch.int32).mul_(BAD_LENGTH).reshape(1)
+    slot_bases = _slot_bases(batch, fault)  # [B, P + 1]: column P is the no-page sentinel
+    width = slot_bases.shape[1]
+    page = (position >> (batch.block_kv.bit_length() - 1)).clamp_(max=width - 1)
+    entry = torch.add(page, key_request, alpha=width)
+    slots = slot_bases.view(-1).index_select(0, entry).add_(position & (batch.block_kv - 1)).clamp_(min=-1)
 
     host_ranges = None
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
     return RaggedMetadata(
-        ks=ks.to(torch.int32),
-        ke=ke.to(torch.int32),
-        gather_slots=slots.to(torch.int32),
-        row_request=row_request.to(torch.int32),
-        key_offsets=key_offsets.to(torch.int32),
-        total_tokens=batch.total_tokens,
-        total_keys=batch.total_keys,
+        ks=ranges[0],
+        ke=ranges[1],
+        gather_slots=slots,
+        row_request=row_request,
+        key_offsets=key_offsets,
+        total_tokens=rows,
+        total_keys=keys,
         host_ranges=host_ranges,
         length_flags=length_flags,
+        ranges=ranges,
     )
+
+
+# A slot base no page has: int32's least, so adding an offset within a page stays negative and clamping
+# at -1 turns every key without a page into slot -1.
+_NO_SLOT = -(2**31)
+
+
+def _request_of(offsets: torch.Tensor, index: torch.Tensor, requests: int) -> torch.Tensor:
+    """The request owning each row or key, by searching the offsets [B + 1] (any values: the result is
+    a request, clamped to the last one)."""
+    found = torch.searchsorted(offsets[1:], index, right=True, out_int32=True)
+    return found.clamp_(max=max(requests - 1, 0))
+
+
+def _slot_bases(batch: ExtendBatch, fault: torch.Tensor | None) -> torch.Tensor:
+    """int32 [B, P + 1]: each page entry's first cache slot, or _NO_SLOT where the entry is outside the
+    pool, its slots would pass int32, or (`fault`, on the device) the batch's lengths cannot be trusted;
+    column P, for keys past the table's width, is _NO_SLOT."""
+    block_kv = batch.block_kv
+    limit = (2**31 - 1) // block_kv
+    if batch.num_kv_blocks is not None:
+        limit = min(limit, batch.num_kv_blocks)
+    if fault is not None:
+        limit = torch.where(fault, 0, limit)
+    table = batch.page_table
+    inside = (table >= 0) & (table < limit)
+    bases = torch.where(inside, table * block_kv, _NO_SLOT)
+    return torch.nn.functional.pad(bases, (0, 1), value=_NO_SLOT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +342,9 @@ def _check_batch(batch: ExtendBatch) -> None:
         value = getattr(batch, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise LayoutError(f"{name} must be a host int >= 0; got {value!r}")
+    if batch.total_keys > MAX_KEYS:
+        raise LayoutError(f"total_keys={batch.total_keys} is past {MAX_KEYS}: a row's ks / ke and a key's index "
+                          "are int32, with room for a row's offset added")
     if batch.total_keys < batch.total_tokens:
         raise LayoutError(f"total_keys={batch.total_keys} < total_tokens={batch.total_tokens}: every new token "
                           f"is a key too")

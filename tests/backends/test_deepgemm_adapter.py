@@ -29,7 +29,7 @@ def backend_named(name: str, fake: FakeDeepGemm):
 
 
 def run_once(name: str, next_n: int, *, generation: str = "fp8_fp4", garbage: str = "nan"):
-    fake = FakeDeepGemm(generation, num_sms=NUM_SMS, garbage=garbage)
+    fake = FakeDeepGemm(generation, num_sms=NUM_SMS, garbage=garbage, sm90_next_n4=name == "deepgemm.sm90.n4")
     backend = backend_named(name, fake)
     batch = paged_batch(SEQ_LENS, next_n)
     arch = Arch.SM100 if name == "deepgemm.sm100" else Arch.SM90
@@ -45,7 +45,7 @@ def causal_lens(seq_lens: list[int], next_n: int) -> torch.Tensor:
 # --- registration and import --------------------------------------------------------------------
 
 
-def test_package_registers_five_backends_without_importing_deep_gemm():
+def test_package_registers_six_backends_without_importing_deep_gemm():
     code = (
         "import sys; from backends.deepgemm.plugin import register_backends; seen = []; "
         "register_backends(seen.append); print([(b.op.value, b.name) for b in seen]); print('deep_gemm' in sys.modules)"
@@ -53,7 +53,8 @@ def test_package_registers_five_backends_without_importing_deep_gemm():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     names, imported = result.stdout.splitlines()
     assert names == str([("paged_mqa_logits", "deepgemm.sm100"), ("paged_mqa_logits", "deepgemm.sm90"),
-                         ("paged_mqa_logits", "deepgemm.sm90.flatten"), ("ragged_mqa_logits", "deepgemm.sm100"),
+                         ("paged_mqa_logits", "deepgemm.sm90.n4"), ("paged_mqa_logits", "deepgemm.sm90.flatten"),
+                         ("ragged_mqa_logits", "deepgemm.sm100"),
                          ("ragged_mqa_logits", "deepgemm.sm90")])
     assert imported == "False"
 
@@ -76,9 +77,14 @@ def test_backend_table():
     seen = [b for b in seen if b.op is Op.PAGED_MQA_LOGITS]
     by_name = {b.name: b for b in seen}
     sm100, sm90, flatten = by_name["deepgemm.sm100"], by_name["deepgemm.sm90"], by_name["deepgemm.sm90.flatten"]
-    assert (sm100.layout, sm90.layout, flatten.layout) == (Layout.NATIVE, Layout.NATIVE, Layout.FLATTEN)
-    assert sm100.supports.archs == {Arch.SM100} and sm90.supports.archs == flatten.supports.archs == {Arch.SM90}
-    assert (sm100.supports.next_n_max, sm90.supports.next_n_max, flatten.supports.next_n_max) == (None, 2, None)
+    n4 = by_name["deepgemm.sm90.n4"]
+    assert (sm100.layout, sm90.layout, n4.layout, flatten.layout) == (
+        Layout.NATIVE, Layout.NATIVE, Layout.NATIVE, Layout.FLATTEN
+    )
+    assert sm100.supports.archs == {Arch.SM100}
+    assert sm90.supports.archs == n4.supports.archs == flatten.supports.archs == {Arch.SM90}
+    ranges = [(b.supports.next_n_min, b.supports.next_n_max) for b in (sm100, sm90, n4, flatten)]
+    assert ranges == [(1, None), (1, 2), (4, 4), (1, None)]
     for backend in seen:
         assert backend.prepare is not None
         assert backend.supports.forward_modes == {
@@ -329,3 +335,158 @@ def test_probe_reads_the_detected_arch(monkeypatch):
     assert probe_for(Arch.SM90, lambda: fake)().ok
     mismatch = probe_for(Arch.SM100, lambda: fake)()
     assert not mismatch.ok and "this machine is sm90" in mismatch.reason
+
+
+# --- SM90 next_n 4: the 2-CTA KV-multicast kernel -------------------------------------------------
+
+
+def test_next_n4_arguments_and_a_schedule_of_one_task_per_cluster():
+    fake, plan, batch, out = run_once("deepgemm.sm90.n4", 4)
+    (schedule_call,) = fake.calls_to("get_paged_mqa_logits_metadata")
+    lens, block_kv, slots = schedule_call.args
+    assert lens is plan.context_lens and (block_kv, slots) == (64, NUM_SMS // 2)
+    (call,) = fake.calls_to("fp8_fp4_paged_mqa_logits")
+    (q, scales), _, _, context_lens, block_table, schedule, max_len, clean = call.args
+    assert scales is None and tuple(q.shape) == (len(SEQ_LENS), 4, 32, 32) and q.is_contiguous()
+    assert q.data_ptr() == batch.q_tokens.data_ptr()  # native: a view of the caller's q
+    assert context_lens is plan.context_lens and torch.equal(context_lens, causal_lens(SEQ_LENS, 4))
+    assert block_table.shape[0] == len(SEQ_LENS)  # each request's pages once, not per token
+    assert schedule is plan.state.schedule and tuple(schedule.shape) == (NUM_SMS // 2 + 1, 2)
+    assert (max_len, clean) == (max(SEQ_LENS), False)
+    expected = expected_logits(batch)
+    assert torch.equal(out == float("-inf"), expected == float("-inf"))
+    assert_logits_match(out, expected, tolerance=CPU_LOGITS_TOLERANCE)
+
+
+def test_a_schedule_per_sm_is_what_the_multicast_kernel_refuses():
+    # The stand-in asserts what the real host code does; the per-SM schedule of deepgemm.sm90 would fail.
+    from backends.deepgemm.adapter import DeepGemmPagedLogits
+    from tests.support.fake_deep_gemm import FakeKernelError
+
+    fake = FakeDeepGemm(num_sms=NUM_SMS, sm90_next_n4=True)
+    per_sm = DeepGemmPagedLogits(Layout.NATIVE, lambda: fake)  # kv_multicast 1
+    backend = backend_named("deepgemm.sm90.n4", fake)
+    batch = paged_batch(SEQ_LENS, 4)
+    plan = plan_for(backend, batch.seq_lens, batch.page_table, 4, arch=Arch.SM90)
+    wrong = type(plan)(**{**plan.__dict__, "states": {Op.PAGED_MQA_LOGITS: per_sm.prepare(plan)}})
+    with pytest.raises(FakeKernelError, match="num_sms / 2"):
+        backend.run(wrong, wrong.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
+
+
+@pytest.mark.parametrize("garbage", ["nan", "random"])
+def test_next_n4_graph_refresh_and_no_clean_logits(garbage):
+    fake = FakeDeepGemm(num_sms=NUM_SMS, garbage=garbage, sm90_next_n4=True)
+    backend = backend_named("deepgemm.sm90.n4", fake)
+    first, second = paged_batch([70, 5, 130], 4, seed=3), paged_batch([30, 129, 64], 4, seed=4)
+    plan = plan_for(backend, first.seq_lens, first.page_table, 4, arch=Arch.SM90)
+    backend.run(plan, plan.q_in_layout(first.q_tokens), first.kv_cache, first.weights)
+    fresh = plan_for(backend, second.seq_lens, second.page_table, 4, arch=Arch.SM90)
+    plan.context_lens.copy_(fresh.context_lens)
+    plan.block_table.copy_(fresh.block_table)
+    backend.refresh_state(plan.state, fresh.state)
+    assert tuple(plan.state.schedule.shape) == (NUM_SMS // 2 + 1, 2)
+    spare = first.kv_cache.shape[0] - second.kv_cache.shape[0]
+    cache = torch.cat([second.kv_cache, torch.zeros_like(first.kv_cache[: max(spare, 0)])])
+    out = backend.run(plan, plan.q_in_layout(second.q_tokens), cache, second.weights, clean_logits=False)
+    width = second.max_seq_len
+    visible = expected_logits(second) > float("-inf")
+    assert_logits_match(out[:, :width], expected_logits(second), tolerance=CPU_LOGITS_TOLERANCE, where=visible)
+
+
+def test_next_n4_refuses_an_odd_sm_count():
+    fake = FakeDeepGemm(num_sms=7, sm90_next_n4=True)
+    backend = backend_named("deepgemm.sm90.n4", fake)
+    batch = paged_batch(SEQ_LENS, 4)
+    with pytest.raises(LayoutError, match="divisible by 2; get_num_sms\\(\\) is 7"):
+        plan_for(backend, batch.seq_lens, batch.page_table, 4, arch=Arch.SM90)
+    assert not fake.calls_to("get_paged_mqa_logits_metadata")
+
+
+def n4_key(next_n: int, arch: Arch = Arch.SM90):
+    from dispatch.contract.key import DispatchKey, Fp8Dtype
+
+    return DispatchKey(arch=arch, forward_mode=ForwardMode.TARGET_VERIFY, next_n=next_n, fp8_dtype=Fp8Dtype.E4M3FN)
+
+
+@pytest.mark.parametrize("next_n,arch,reason", [
+    (3, Arch.SM90, "next_n 3 not supported (supports 4)"),
+    (2, Arch.SM90, "next_n 2 not supported (supports 4)"),
+    (8, Arch.SM90, "next_n 8 not supported (supports 4)"),
+    (4, Arch.SM100, "arch sm100 not supported"),
+])
+def test_next_n4_serves_next_n_4_on_sm90_only(next_n, arch, reason):
+    backend = backend_named("deepgemm.sm90.n4", FakeDeepGemm())
+    assert backend.supports.why_not(n4_key(4)) is None
+    assert reason in backend.supports.why_not(n4_key(next_n, arch))
+
+
+def test_availability_of_next_n4_reads_the_shipped_kernel_source(tmp_path, monkeypatch):
+    monkeypatch.setattr(availability.detect, "detect_arch", lambda: Arch.SM90)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with_kernel = FakeDeepGemm(sm90_next_n4=True, package_dir=tmp_path / "new")
+    without = FakeDeepGemm(package_dir=tmp_path / "old")
+    bare = FakeDeepGemm()  # no __file__: nothing shipped to read
+    assert backend_named("deepgemm.sm90.n4", with_kernel).probe().ok
+    old = backend_named("deepgemm.sm90.n4", without).probe()
+    assert not old.ok and "has no SM90 next_n 4 kernel" in old.reason and "fake-fp8_fp4" in old.reason
+    assert "sm90_fp8_paged_mqa_logits.cuh` has no KV multicast" in old.reason
+    assert backend_named("deepgemm.sm90", without).probe().ok  # next_n 1-2 still served by that build
+    none = backend_named("deepgemm.sm90.n4", bare).probe()
+    assert not none.ok and "SM90 paged logits source" in none.reason
+
+
+# --- the version a measurement records ----------------------------------------------------------
+
+
+class _Distribution:
+    def __init__(self, version: str, root):
+        self.version, self._root = version, root
+
+    def locate_file(self, path):
+        return self._root / path
+
+
+@pytest.mark.parametrize("imported", ["sgl", "ts"])
+def test_with_two_builds_installed_the_version_names_the_one_imported(tmp_path, monkeypatch, imported):
+    import importlib.machinery
+    import importlib.metadata
+
+    roots = {"sgl-deep-gemm": tmp_path / "sgl", "tokenspeed-deepgemm": tmp_path / "ts"}
+    versions = {"sgl-deep-gemm": "0.1.5", "tokenspeed-deepgemm": "2.5.0.post20260629"}
+    for root in roots.values():
+        (root / "deep_gemm").mkdir(parents=True)
+        (root / "deep_gemm" / "__init__.py").write_text("")
+
+    def distribution(name):
+        if name not in roots:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return _Distribution(versions[name], roots[name])
+
+    origin = str(tmp_path / imported / "deep_gemm" / "__init__.py")
+    spec = importlib.machinery.ModuleSpec("deep_gemm", None, origin=origin)
+    monkeypatch.setattr(availability.importlib.metadata, "distribution", distribution)
+    monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: spec if name == "deep_gemm" else None)
+    expected = {"sgl": "sgl-deep-gemm 0.1.5", "ts": "tokenspeed-deepgemm 2.5.0.post20260629"}[imported]
+    assert availability.library_version() == expected
+
+
+def test_with_one_build_or_none_the_version_is_its_metadata(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    def only_tokenspeed(name):
+        if name != "tokenspeed-deepgemm":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return _Distribution("2.5.0.post20260629", tmp_path)
+
+    def find_spec(name):
+        raise AssertionError("one build installed: nothing to disambiguate")
+
+    monkeypatch.setattr(availability.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(availability.importlib.metadata, "distribution", only_tokenspeed)
+    assert availability.library_version() == "tokenspeed-deepgemm 2.5.0.post20260629"
+
+    def none(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(availability.importlib.metadata, "distribution", none)
+    assert availability.library_version() == ""

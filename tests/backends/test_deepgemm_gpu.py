@@ -23,6 +23,7 @@ SEQ_LENS = [
 CASES = [
     ("deepgemm.sm90", 1),
     ("deepgemm.sm90", 2),
+    ("deepgemm.sm90.n4", 4),
     ("deepgemm.sm90.flatten", 1),
     ("deepgemm.sm90.flatten", 3),
     ("deepgemm.sm90.flatten", 4),

@@ -95,3 +95,22 @@ def test_compare_window_topk_checks_every_row_against_its_own_range():
         assert compare_window_topk(absolute, logits, starts, lengths, k, block=block) == (
             wrong_rows / rows, f"{wrong_rows} of {rows} rows differ from torch.topk over [ks, ke)")
     assert compare_window_topk(good[:, :-1], logits, starts, lengths, k)[1].startswith("got torch.int32")
+
+
+def test_host_time_reports_each_plan_against_its_target(capsys):
+    """bench --host-time: build_plan at B=128 (pool deferred and given) and the extend plans at M=16K
+    (S=16K, 64K), each a median of many calls with its target, and the machine and UTC time they ran."""
+    code = main(["bench", "--host-time", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["date"].endswith("UTC") and report["machine"]
+    plans = {entry["plan"]: entry for entry in report["host_time"]}
+    assert set(plans) == {
+        "build_plan B=128 N=4 (pool deferred to the first layer)",
+        "build_plan B=128 N=4 (pool given)",
+        "extend plan M=16K S=16K R=4",
+        "extend plan M=16K S=64K R=4",
+    }
+    for name, entry in plans.items():
+        assert entry["median_us"] > 0 and entry["repeats"] >= 100
+        assert entry["target_us"] == (50.0 if name.startswith("build_plan") else 200.0)
+        assert entry["within"] == (entry["median_us"] <= entry["target_us"])

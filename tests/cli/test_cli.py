@@ -69,7 +69,8 @@ def test_explain_sm100_target_verify(capsys):
 
 @pytest.mark.parametrize(
     "next_n, backend, rule",
-    [(2, "deepgemm.sm90", "sm90-deepgemm-measured"), (4, "triton", "sm90-beyond-deepgemm")],
+    [(2, "deepgemm.sm90", "sm90-deepgemm-measured"), (3, "triton", "sm90-beyond-deepgemm"),
+     (4, "deepgemm.sm90.n4", "sm90-deepgemm-next-n4")],
 )
 def test_explain_sm90(capsys, next_n, backend, rule):
     payload = explain_json(capsys, "--arch", "sm90", "--forward-mode", "target_verify", "--next-n", str(next_n))
@@ -84,7 +85,7 @@ def test_explain_sm90_on_an_h200_applies_its_cluster(capsys, clean_environment):
     assert (payload["backend"], payload["cluster"]) == ("triton", "h200-mtp")
     reasons = {r["backend"]: r["reason"] for r in payload["rejected"]}
     assert (
-        reasons["deepgemm.sm90.flatten"] == "rule `sm90-beyond-deepgemm` names it, but disabled by cluster `h200-mtp`"
+        reasons["deepgemm.sm90.flatten"] == "rule `sm90-deepgemm-next-n4` names it, but disabled by cluster `h200-mtp`"
     )
 
 

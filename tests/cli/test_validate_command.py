@@ -52,7 +52,7 @@ def test_every_schema_error_in_one_run_in_file_order(capsys, tmp_path):
     assert lines[0].startswith("dispatch: R:")
     assert [re.search(r"R:\d+: (\S+):", line).group(1) for line in lines] == [
         "ops.paged_mqa_logits.rules[0].when.arch[0]",
-        "ops.paged_mqa_logits.rules[2].when.colour",
+        "ops.paged_mqa_logits.rules[3].when.colour",
         "clusters.h200-mtp.match.arch[0]",
     ]
     numbers = [int(re.search(r"R:(\d+):", line).group(1)) for line in lines]
@@ -71,7 +71,7 @@ def test_unknown_names_and_lint_together_in_file_order(capsys, tmp_path):
         "        use: [deepgemm.sm90, tritn]", "      - id: cpu-reference", "    prefer: [Torch.Reference]")}
     assert lines[0].startswith(f"dispatch: R:{line['        use: [deepgemm.sm90, tritn]']}: ops.paged_mqa_logits.rules[1].use[1]: "
                                "unknown backend `tritn`; did you mean `triton`?")
-    assert lines[1].startswith(f"lint: R:{line['      - id: cpu-reference']}: ops.paged_mqa_logits.rules[6]: "
+    assert lines[1].startswith(f"lint: R:{line['      - id: cpu-reference']}: ops.paged_mqa_logits.rules[7]: "
                                "rule `cpu-reference` can never fire: earlier rules `never`")
     assert lines[2].startswith(f"dispatch: R:{line['    prefer: [Torch.Reference]']}: clusters.reference-only.prefer[0]: "
                                "unknown backend `Torch.Reference`; did you mean `torch.reference`?")
@@ -90,7 +90,7 @@ def test_a_duplicate_rule_id_points_at_the_duplicate(capsys, tmp_path):
     duplicate_line = text.splitlines().index("      - id: sm90-deepgemm-measured", 20) + 1
     first_line = text.splitlines().index("      - id: sm90-deepgemm-measured") + 1
     assert code == 2
-    assert err.startswith(f"dispatch: R:{duplicate_line}: ops.paged_mqa_logits.rules[5].id: duplicate rule id")
+    assert err.startswith(f"dispatch: R:{duplicate_line}: ops.paged_mqa_logits.rules[6].id: duplicate rule id")
     assert f"(first used on line {first_line})" in err
 
 

@@ -172,3 +172,17 @@ def test_prefill_follows_the_paged_nan_rule(which, fp8, fault):
         assert torch.isnan(logits[2]).all() and not torch.isnan(logits[torch.arange(rows) != 2]).any()
     else:
         assert torch.isnan(logits[:, 7]).all() and not torch.isnan(logits[:, torch.arange(keys) != 7]).any()
+
+
+def test_a_page_entry_whose_slots_pass_int32_is_no_slot_even_inside_a_huge_pool():
+    # 2^25 + 3 blocks of 64 start at slot 2^31 + 192: an int32 slot would wrap to a negative garbage value.
+    table = torch.tensor([[2**25 + 3, 1]], dtype=torch.int32)
+    batch = ExtendBatch.from_lengths([64], [1], table, num_kv_blocks=2**30)
+    slots = build_ragged_metadata(batch).gather_slots
+    assert (slots[:64] == -1).all() and slots[64].item() == 64
+
+
+def test_total_keys_past_the_int32_room_is_refused():
+    with pytest.raises(LayoutError, match="total_keys=1073741825 is past 1073741824"):
+        ExtendBatch(prefix_lens=torch.zeros(0, dtype=torch.int32), extend_lens=torch.zeros(0, dtype=torch.int32),
+                    page_table=torch.zeros(0, 1, dtype=torch.int32), total_tokens=0, total_keys=2**30 + 1)

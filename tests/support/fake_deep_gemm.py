@@ -5,6 +5,11 @@ real host code asserts on, and computes the logits with the torch reference, the
 random values) past each token's length and hands back a slice of a wider 256-aligned buffer, as the
 real kernel does. A backend that passes tests against it must mask on its own.
 
+`sm90_next_n4=True` stands for a build with SM90's 2-CTA KV-multicast next_n 4 kernel (tokenspeed-deepgemm
+2.5.0.post20260629): it ships that kernel's source beside its `__file__` (the adapter's probe reads it)
+and, at next_n 4, asserts a schedule of num_sms / 2 + 1 rows, one task per cluster, as the real host
+code does. Without it the stand-in ships an SM90 source without the multicast kernel.
+
 The ragged (prefill) logits follow the same generations: "fp8_fp4" exposes fp8_fp4_mqa_logits (q as a
 (values, scales) pair), "fp8" the first-generation fp8_mqa_logits (q a bare tensor, no max_seqlen_k).
 Without clean_logits they leave garbage outside each row's [ks, ke); with it, -inf.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -39,8 +45,13 @@ class FakeDeepGemm(types.ModuleType):
     "fp8" exposes only the first-generation fp8_paged_mqa_logits (q a bare tensor)."""
 
     def __init__(self, generation: str = "fp8_fp4", *, num_sms: int = 8, has_get_num_sms: bool = True,
-                 garbage: str = "nan", has_schedule: bool = True):
+                 garbage: str = "nan", has_schedule: bool = True, sm90_next_n4: bool = False,
+                 package_dir: Path | None = None):
         super().__init__("deep_gemm")
+        self._sm90_next_n4 = sm90_next_n4
+        if package_dir is not None:
+            ship_sm90_source(package_dir, multicast=sm90_next_n4)
+            self.__file__ = str(package_dir / "__init__.py")
         self.__version__ = f"fake-{generation}"
         self.calls: list[Call] = []
         self.outputs: list[torch.Tensor] = []  # each logits call's returned tensor
@@ -97,7 +108,11 @@ class FakeDeepGemm(types.ModuleType):
         _require(tuple(context_lens.shape) == (rows, next_n) and context_lens.dtype == torch.int32, "lens [B, N]")
         _require(block_table.dim() == 2 and block_table.shape[0] == rows, "block_table [B, M]")
         _require(block_table.dtype == torch.int32 and block_table.stride(1) == 1, "int32 block_table")
-        _require(tuple(schedule.shape) == (self._num_sms + 1, 2), "schedule [num_sms + 1, 2]")
+        if self._sm90_next_n4 and next_n == 4:
+            _require(self._num_sms % 2 == 0, "num_sms % 2 == 0")
+            _require(tuple(schedule.shape) == (self._num_sms // 2 + 1, 2), "schedule [num_sms / 2 + 1, 2]")
+        else:
+            _require(tuple(schedule.shape) == (self._num_sms + 1, 2), "schedule [num_sms + 1, 2]")
         _require(self._schedules.get(id(schedule)) is context_lens, "schedule built from these very lens")
         _require(not clean_logits, "clean_logits only with 1-D lens")
         exact = reference_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
@@ -157,6 +172,18 @@ class FakeDeepGemm(types.ModuleType):
         out[visible] = exact[visible]
         self.outputs.append(out)
         return out
+
+
+def ship_sm90_source(package_dir: Path, *, multicast: bool) -> Path:
+    """A stand-in for the SM90 paged logits kernel source a build ships under include/ (only the
+    template parameter the probe looks for, or its absence)."""
+    source = package_dir.joinpath("include", "deep_gemm", "impls", "sm90_fp8_paged_mqa_logits.cuh")
+    source.parent.mkdir(parents=True, exist_ok=True)
+    parameters = "uint32_t kNumTMAThreads, uint32_t kNumMathThreads,"
+    if multicast:
+        parameters += " uint32_t kNumKVMulticast,"
+    source.write_text(f"template <uint32_t kNextN, uint32_t kNumHeads, {parameters} typename logits_dtype_t>\n")
+    return source
 
 
 class FakeKernelError(RuntimeError):
