@@ -74,13 +74,23 @@ def _cpu_note() -> None:
         )
 
 
+def job_table() -> dict:
+    """op -> jobs(BenchRun): every runner module's JOBS, one row per op of OP_CONTRACTS."""
+    from dispatch.bench import prefill_runner, runner
+    from dispatch.contract.ops import OP_CONTRACTS
+
+    table = {**runner.JOBS, **prefill_runner.JOBS}
+    missing = [op.value for op in OP_CONTRACTS if op not in table]
+    assert not missing, f"every op needs a way to be measured: no JOBS row for {missing}"
+    return {op: table[op] for op in OP_CONTRACTS}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from dispatch.bench.ceilings import measure_ceilings
-    from dispatch.bench.runner import bench_logits, bench_quant, bench_topk, dispatch_overhead
-    from dispatch.bench.prefill_runner import bench_extend_step, bench_ragged
-    from dispatch.bench.workload import LogitsShape, QuantShape, RaggedShape
+    from dispatch.bench.runner import dispatch_overhead
+    from dispatch.bench.workload import BenchRun, LogitsShape, QuantShape, RaggedShape
     from dispatch.step.prefill import DEFAULT_LOGITS_BYTES
     from dispatch.contract.detect import platform_fp8_dtype
     from dispatch.deciding.runtime import load_dispatcher
@@ -100,7 +110,6 @@ def run_bench(args: argparse.Namespace) -> int:
         _cpu_note()
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
-    common = dict(device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
 
     logits_shapes = [
         LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
@@ -110,40 +119,17 @@ def run_bench(args: argparse.Namespace) -> int:
     ]
     ragged_shapes = [RaggedShape.parse(text, args.heads, args.head_dim) for text in args.prefill_shapes]
     budget = DEFAULT_LOGITS_BYTES if args.logits_budget is None else args.logits_budget
-    # One job per (op, shape), labelled for the progress line on stderr.
-    jobs = {
-        Op.INDEXER_Q_QUANT: [
-            (shape.label(), lambda shape=shape: bench_quant(dispatcher, shape, fp8, **common))
-            for shape in (QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens)
-        ],
-        Op.PAGED_MQA_LOGITS: [
-            (shape.label(), lambda shape=shape: bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common))
-            for shape in logits_shapes
-        ],
-        Op.TOPK: [
-            (f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(dispatcher, shape, fp8, k=k, **common))
-            for shape in logits_shapes
-            for k in args.k
-        ],
-    }
-    # The ragged op's jobs: the op per eligible backend, then the whole prefill step per shape and k
-    # (gather + quant + logits + top-k through the decided backends, with its peak memory).
-    jobs[Op.RAGGED_MQA_LOGITS] = [
-        (shape.label(), lambda shape=shape: bench_ragged(dispatcher, shape, fp8, tolerance=tolerance, **common))
-        for shape in ragged_shapes
-    ] + [
-        (f"{shape.label()} k={k} step", lambda shape=shape, k=k: bench_extend_step(
-            dispatcher, shape, fp8, k=k, device=device, ceilings=ceilings, repeats=args.repeats,
-            tolerance=tolerance, logits_byte_budget=budget))
-        for shape in ragged_shapes
-        for k in args.k
-    ]
+    run = BenchRun(dispatcher, fp8, device, ceilings, args.repeats, wanted, tolerance,
+                   [QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens], logits_shapes,
+                   ragged_shapes, args.k, budget)
+    # One job per (op, shape), labelled for the progress line on stderr; each op's from its runner's JOBS.
+    jobs = {op: build(run) for op, build in job_table().items()}
     chosen = [(op.value, label, job) for op in Op if args.op in ("all", op.value) for label, job in jobs[op]]
     if args.op in ("all", "step"):
         from dispatch.bench.step import bench_step
 
         chosen += [
-            ("step", f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_step(dispatcher, shape, fp8, k=k, **common))
+            ("step", f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_step(dispatcher, shape, fp8, k=k, **run.common))
             for shape in logits_shapes
             for k in args.k
         ]

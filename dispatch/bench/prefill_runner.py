@@ -11,7 +11,7 @@ from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_logits, compare_ragged_topk, compare_window_topk
 from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_host, time_rotating
-from dispatch.bench.workload import RaggedInputs, RaggedShape, ragged_floor_counts, ragged_inputs, ragged_topk_floor_bytes
+from dispatch.bench.workload import BenchRun, RaggedInputs, RaggedShape, ragged_floor_counts, ragged_inputs, ragged_topk_floor_bytes
 from dispatch.contract.calling import call_backend
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.step.extend import ExtendPlan, build_extend_plan
@@ -207,3 +207,22 @@ def _check_step(dispatcher, key, inputs, shape, plan, out, k, tolerance):
     ks, ke = plan.metadata.ks[rows].contiguous(), plan.metadata.ke[rows].contiguous()
     logits = ragged_mqa_logits(reference_plan, q_fp8, k_all, scales, folded, ks, ke)
     return compare_ragged_topk(out[rows].cpu(), logits.cpu(), ks.cpu(), ke.cpu(), k, tolerance)
+
+
+def _ragged_jobs(run: BenchRun):
+    """The op per eligible backend, then the whole extend step per shape and k (gather + quant + logits
+    + top-k through the decided backends, with its peak memory)."""
+    return [
+        (shape.label(), lambda shape=shape: bench_ragged(run.dispatcher, shape, run.fp8, tolerance=run.tolerance,
+                                                         **run.common))
+        for shape in run.ragged_shapes
+    ] + [
+        (f"{shape.label()} k={k} step", lambda shape=shape, k=k: bench_extend_step(
+            run.dispatcher, shape, run.fp8, k=k, device=run.device, ceilings=run.ceilings, repeats=run.repeats,
+            tolerance=run.tolerance, logits_byte_budget=run.logits_budget))
+        for shape in run.ragged_shapes
+        for k in run.ks
+    ]
+
+
+JOBS = {Op.RAGGED_MQA_LOGITS: _ragged_jobs}

@@ -11,6 +11,7 @@ from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_logits, compare_q_quant, compare_topk
 from dispatch.bench.timing import time_host, time_rotating
 from dispatch.bench.workload import (
+    BenchRun,
     LogitsShape,
     QuantShape,
     logits_floor_counts,
@@ -253,3 +254,24 @@ def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 
     plan_s = time_host(lambda: build_plan(dispatcher, batch, kv_fp8_dtype=fp8), repeats=200, warmup=20)
     return {"decide_cached_us": decide_s * 1e6, "build_plan_B128_us": plan_s * 1e6}
 
+
+# --- the jobs of this module's ops: (label, job) per shape, for `bench` (dispatch/bench/command.py) ---
+
+
+def _quant_jobs(run: BenchRun):
+    return [(shape.label(), lambda shape=shape: bench_quant(run.dispatcher, shape, run.fp8, **run.common))
+            for shape in run.quant_shapes]
+
+
+def _logits_jobs(run: BenchRun):
+    return [(shape.label(), lambda shape=shape: bench_logits(run.dispatcher, shape, run.fp8, tolerance=run.tolerance,
+                                                            **run.common))
+            for shape in run.logits_shapes]
+
+
+def _topk_jobs(run: BenchRun):
+    return [(f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(run.dispatcher, shape, run.fp8, k=k, **run.common))
+            for shape in run.logits_shapes for k in run.ks]
+
+
+JOBS = {Op.INDEXER_Q_QUANT: _quant_jobs, Op.PAGED_MQA_LOGITS: _logits_jobs, Op.TOPK: _topk_jobs}

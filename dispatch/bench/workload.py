@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -196,3 +197,26 @@ def ragged_floor_counts(shape: RaggedShape) -> tuple[float, float]:
     visible = ragged_visible_count(shape)
     bytes_ = shape.keys * (shape.head_dim + 4) + shape.rows * shape.keys * 4 + shape.rows * shape.heads * (shape.head_dim + 4)
     return float(bytes_), 2.0 * shape.heads * shape.head_dim * visible
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One `bench` run's settings: what each op's jobs are built from (the JOBS table of each runner
+    module, keyed by op; `bench` takes one row per op of dispatch.contract.OP_CONTRACTS)."""
+
+    dispatcher: Any
+    fp8: Fp8Dtype
+    device: str
+    ceilings: Any
+    repeats: int
+    wanted: set[str] | None
+    tolerance: float
+    quant_shapes: list[QuantShape]
+    logits_shapes: list[LogitsShape]
+    ragged_shapes: list[RaggedShape]
+    ks: list[int]
+    logits_budget: int
+
+    @property
+    def common(self) -> dict[str, Any]:
+        return dict(device=self.device, ceilings=self.ceilings, repeats=self.repeats, wanted=self.wanted)
