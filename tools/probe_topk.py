@@ -1,6 +1,6 @@
-"""GPU probe for the Triton top-k kernels: times them (a sweep of launch configs), torch.topk and
-FlashInfer's top_k_ragged_transform on indexer-like logits, checks each against torch.topk, prints a
-table last.
+"""GPU probe for the Triton top-k kernels: times them (a sweep of launch configs), torch.topk,
+FlashInfer's top_k_ragged_transform and dispatch's CUDA top-k (`cuda.radix`, where it compiles) on
+indexer-like logits, checks each against torch.topk, prints a table last.
 
     PYTHONPATH=. python3 tools/probe_topk.py            # details to $OUT/probe_topk.json if OUT is set
     PYTHONPATH=/opt/triton36:. python3 tools/probe_topk.py --resources   # no GPU: sm_90 registers
@@ -138,6 +138,19 @@ def flashinfer_ragged():
         return None
 
 
+def cuda_radix():
+    """backends/cuda_topk's radix_topk where its probe compiles it on this machine, else None (why, printed)."""
+    from backends.cuda_topk.build import probe
+
+    availability = probe()
+    if not availability.ok:
+        print(f"cuda.radix not measured: {availability.reason}")
+        return None
+    from backends.cuda_topk.radix_topk import radix_topk
+
+    return radix_topk
+
+
 def label(config):
     return ",".join(str(config[key]) for key in KEYS)
 
@@ -145,6 +158,7 @@ def label(config):
 def probe() -> None:
     started = time.time()
     fi = None if SMOKE else flashinfer_ragged()
+    radix = None if SMOKE else cuda_radix()
     rows_out, table = [], []
     for name, batch, next_n, context in SHAPES:
         logits, lengths = make_batch(batch, next_n, context)
@@ -181,6 +195,8 @@ def probe() -> None:
         fallback = {**default, **FALLBACK}
         record("triton two-pass", fallback, lambda: launch(logits, lengths, K, **fallback))
         record("torch.topk", {}, lambda: torch.topk(logits, K, dim=1).indices, graph=False)
+        if radix is not None:  # dispatch's CUDA top-k, where it compiled here
+            record("cuda.radix", {}, lambda: radix(logits, lengths, K))
         if fi is not None:
             offsets = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
             record("flashinfer ragged", {}, lambda: fi(logits, offsets, lengths, K), graph=False)

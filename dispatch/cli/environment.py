@@ -17,6 +17,12 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("DISPATCH_DEBUG_BOUNDS", "`dispatch/contract/bounds.py`",
      "`1` makes the Triton and DeepGEMM wrappers check pages, lengths and positions on the host before each launch "
      "(one sync a call) and raise `IndexBoundsError` at once"),
+    ("DISPATCH_CACHE_DIR", "`backends/cuda_topk/build.py`",
+     "where `cuda.radix` keeps its compiled kernel (default `$XDG_CACHE_HOME/dispatch`, else `~/.cache/dispatch`)"),
+    ("XDG_CACHE_HOME", "`backends/cuda_topk/build.py`",
+     "the per-user cache root `cuda.radix` builds under when `DISPATCH_CACHE_DIR` is unset"),
+    ("CUDA_HOME", "`backends/cuda_topk/build.py` (and torch's C++-extension tooling)",
+     "the CUDA toolkit whose `bin/nvcc` compiles `cuda.radix` (else the first `nvcc` on PATH, else /usr/local/cuda's)"),
     ("TRITON_INTERPRET", "`dispatch/contract/detect.py` (and Triton)",
      "`1` runs the Triton kernels on the CPU under Triton's interpreter; the Triton backends are then available without a GPU"),
     ("VLLM_PLUGINS", "`dispatch/engines/vllm/plugin.py` (and vLLM)",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dispatch.contract import detect
 from dispatch.contract.backend import ALL_ARCHS, ALL_FP8_DTYPES, ALL_MODES, PAGED_MODES, Availability, Backend, Support
-from dispatch.contract.detect import detect_arch, platform_fp8_dtype, rocm_gcn_arch, triton_interpreter_on
 from dispatch.contract.errors import (
     BackendError,
     DispatchError,
@@ -49,6 +48,30 @@ from dispatch.contract.ops import (
 )
 from dispatch.contract.rope import RopeSpec
 from dispatch.contract.verification import Verified
+
+
+
+# Machine detection, looked up in dispatch.contract.detect at each call: a test that patches that
+# module (an arch it is not on) is seen by every plugin, which imports these names from here.
+def detect_arch():
+    """This machine's arch (dispatch.contract.detect.detect_arch)."""
+    return detect.detect_arch()
+
+
+def platform_fp8_dtype(arch):
+    """The arch's platform fp8 dtype (dispatch.contract.detect.platform_fp8_dtype)."""
+    return detect.platform_fp8_dtype(arch)
+
+
+def rocm_gcn_arch():
+    """The ROCm GPU's gcnArchName (dispatch.contract.detect.rocm_gcn_arch)."""
+    return detect.rocm_gcn_arch()
+
+
+def triton_interpreter_on():
+    """Whether Triton runs under its CPU interpreter (dispatch.contract.detect.triton_interpreter_on)."""
+    return detect.triton_interpreter_on()
+
 
 # Names whose modules import torch: loaded on first use (module attribute lookup, PEP 562).
 _LAZY = {

@@ -34,6 +34,7 @@ ENTRY_POINT_GROUP = "dispatch.backends"
 BUILTIN_PLUGINS = (
     "backends.reference.plugin",
     "backends.triton.plugin",
+    "backends.cuda_topk.plugin",
     "backends.deepgemm.plugin",
     "backends.flashinfer.plugin",
     "backends.sglang_topk.plugin",

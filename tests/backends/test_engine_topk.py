@@ -295,7 +295,7 @@ def test_supports_name_the_modes_each_serves():
 def test_explain_lists_them_as_candidates_after_triton_and_flashinfer():
     out = subprocess.run([sys.executable, "-m", "dispatch", "explain", "--arch", "sm90", "--op", "topk"],
                          capture_output=True, text=True, check=True).stdout
-    assert "sm90-sm100-engine-topk-unmeasured" in out
+    assert "sm90-cuda-radix-measured" in out  # sm90's paged modes: dispatch's CUDA top-k, then triton, flashinfer, the engines'
     for name in ("sglang.topk_v2", "vllm.auto", "vllm.cooperative_topk", "sglang.fast_topk"):
         assert f"{name} " in out
 

@@ -82,9 +82,10 @@ def test_a_reference_the_registry_chose_on_purpose_is_quiet(warnings_reset, tmp_
     on_an_h200 = load_dispatcher(DEFAULT_REGISTRY, arch="sm90", cluster="reference-only", check_availability=True)
     key = DispatchKey("sm90", "target_verify", 2, "e4m3fn")
     assert on_an_h200.decide(Op.PAGED_MQA_LOGITS, key).source == "cluster-prefer"  # bisecting on purpose
-    # A rule that names the reference first (the shipped top-k rule for sm90 names Triton first).
+    # A rule that names the reference first (the shipped top-k rule for sm90's paged modes names
+    # dispatch's CUDA top-k first).
     shipped = shipped_registry_text()
-    sm90_topk = re.search(r"use: \[triton, flashinfer, sglang\.topk_v2,[^\]]*\]", shipped)
+    sm90_topk = re.search(r"use: \[cuda\.radix, triton,[^\]]*\]", shipped)
     assert sm90_topk is not None
     registry = tmp_path / "registry.yaml"
     registry.write_text(shipped.replace(sm90_topk.group(0), "use: [torch.reference, triton]"))

@@ -238,13 +238,14 @@ def test_the_rank_fingerprint_covers_topk():
     assert fields[f"topk @ {key}"] == "torch.reference (rows, cpu-reference)"
 
 
-def test_gpu_archs_decide_the_triton_topk_before_the_reference():
+def test_gpu_archs_decide_a_gpu_topk_before_the_reference():
     # A what-if for each GPU arch (availability is not checked for another machine's key).
     for arch, fp8 in [("sm80", "e4m3fn"), ("sm89", "e4m3fn"), ("sm90", "e4m3fn"), ("sm100", "e4m3fn"),
                       ("gfx942", "e4m3fnuz"), ("gfx950", "e4m3fn")]:
         decision = load_dispatcher(arch=arch).decide(Op.TOPK, DispatchKey(arch, "target_verify", 2, fp8))
-        # sm90 and sm100 name the engines' own top-k kernels after Triton's (rule
-        # sm90-sm100-engine-topk-unmeasured); unmeasured, Triton still leads there.
-        rule = "sm90-sm100-engine-topk-unmeasured" if arch in ("sm90", "sm100") else "gpu-triton"
-        assert (decision.backend, decision.rule) == ("triton", rule), arch
+        # sm90's paged modes lead with dispatch's CUDA top-k, measured ahead of Triton there (rule
+        # sm90-cuda-radix-measured); sm100 names the engines' kernels after Triton's, unmeasured.
+        expected = {"sm90": ("cuda.radix", "sm90-cuda-radix-measured"),
+                    "sm100": ("triton", "sm90-sm100-engine-topk-unmeasured")}.get(arch, ("triton", "gpu-triton"))
+        assert (decision.backend, decision.rule) == expected, arch
         assert decision.layout.value == "rows"

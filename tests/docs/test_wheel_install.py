@@ -56,6 +56,7 @@ def test_the_wheel_holds_the_runtime_and_the_registry(wheel):
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
     assert "dispatch/engines/vllm/plugin.py" in names
+    assert "backends/cuda_topk/radix_select.cu" in names  # cuda.radix compiles it at first use
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "[vllm.general_plugins]\ndispatch = dispatch.engines.vllm.plugin:register" in entry_points
 

@@ -1,0 +1,50 @@
+"""Registers `cuda.radix`, dispatch's own CUDA top-k (radix_select.cu): one CTA a row, the row staged
+once in shared memory, an exact 11/11/10-bit radix select, the page transform fused, one launch a call.
+Registering imports neither torch nor the extension; the probe compiles it the first time on a machine
+(backends/cuda_topk/build.py) or says why it cannot."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from backends.cuda_topk.build import CUDA_ARCHS, probe
+from dispatch.contract import ALL_MODES, Arch, Backend, Layout, Op, Support, Verified, hookimpl
+
+# Built and checked exact against torch.topk on the H200 (tests/backends/test_cuda_topk.py, tools/probe_topk.py);
+# the other NVIDIA archs compile the same source at first use, never run here.
+VERIFIED = {Arch.SM90: Verified.MEASURED} | {arch: Verified.NOT_RUN for arch in CUDA_ARCHS - {Arch.SM90}}
+
+
+def run_radix_topk(*args, **kwargs):
+    from backends.cuda_topk.radix_topk import radix_topk  # imports torch and loads the extension the probe built
+
+    return radix_topk(*args, **kwargs)
+
+
+def torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def cuda_topk_backends() -> list[Backend]:
+    return [
+        Backend(
+            name="cuda.radix",
+            op=Op.TOPK,
+            layout=Layout.ROWS,
+            supports=Support(archs=CUDA_ARCHS, forward_modes=ALL_MODES),
+            run=run_radix_topk,
+            probe=probe,
+            verified=VERIFIED,
+            version=torch_version(),
+            description="dispatch's CUDA radix select: a CTA a row, the row staged once in shared memory, one launch",
+        )
+    ]
+
+
+@hookimpl
+def register_backends(register):
+    for backend in cuda_topk_backends():
+        register(backend)

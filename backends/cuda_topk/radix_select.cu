@@ -1,0 +1,553 @@
+// dispatch's own CUDA top-k: one CTA a row, one launch a call, exact whatever the data.
+//
+// Per row (a CTA of kThreads threads), the served path:
+// 1. cut: rows that fit the candidate list take every non-NaN key; longer rows sample kThreads keys
+//    spread over the row and cut at the lower edge of the top-11-bit bin holding the sample's r-th
+//    largest (r a few standard deviations past what the sample expects above the k-th largest key).
+// 2. the filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above the
+//    cut appended to a shared-memory list (a thread's 16 keys take their slots with one warp scan and
+//    one shared atomic per warp). Keys are the order-preserving uint32 form of the fp32 bits, NaN -> 0
+//    (below -inf's key, so never selected).
+// 3. if the list holds at least k keys (or every non-NaN key of the row), an exact radix select over
+//    the list (11 + 11 + 10-bit digits, shared-memory histograms, block scans) gives the k-th largest
+//    key T and how many keys equal to T are needed; a last pass over the list writes the keys above T
+//    and the first of those equal to T (ties: any of them will do).
+// Otherwise (the sample misjudged the row, the list overflowed, too few numbers) the full select: a
+// histogram of the whole row (its first stage_cap keys staged in shared memory, the rest re-read), the
+// threshold bin's keys as the list, or the row itself when they overflow it.
+// Rows with no more than k selectable (non-NaN) keys write every such position, then -1.
+// Output positions are relative to the row's start, or physical KV slots through the page table.
+// Slots inside a row are taken by atomics, so a row's positions are in no order.
+// No host sync, no allocation: CUDA-graph safe; nothing outside [start, start + n) of a row, the
+// lengths, starts, page rows or the page table's [0, pages) columns of a row is read.
+
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
+constexpr int kLastBins = 1024;   // the last round's: 10 bits
+constexpr int kCandCap = 8192;    // candidates kept as a list (the filtered pass's 2-7K; a threshold bin's 1-3K)
+constexpr int kUnroll = 4;        // 16-byte loads each thread has in flight in the load pass
+
+struct alignas(16) Shared {
+  int hist[kBins];
+  uint32_t cand_key[kCandCap];
+  int cand_pos[kCandCap];
+  int warp_sums[kWarps];
+  int out_count;
+  int cand_count;
+  int eq_count;
+  int bin;
+  int above;
+};
+
+struct Params {
+  const float* logits;
+  int64_t stride_row;
+  const int* lengths;
+  int64_t stride_len;
+  const int* starts;
+  int64_t stride_start;
+  int width;
+  int k;
+  int stage_cap;  // keys of a row staged in shared memory (a multiple of 4)
+  int* out;
+  const int* page_table;
+  int64_t stride_pt;
+  const int* page_rows;
+  int64_t stride_page_rows;
+  int table_rows;
+  int table_pages;
+  int block_size;
+  int filtered;  // 1: the sampled cut and the filtered pass first; 0: the full select only (tests)
+};
+
+__device__ __forceinline__ uint32_t ordered_key(float x) {
+  // Flip the sign bit of a positive float, every bit of a negative one: unsigned order is value order.
+  const uint32_t bits = __float_as_uint(x);
+  const uint32_t key = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return x != x ? 0u : key;  // NaN: the lowest key, below -inf's 0x007FFFFF; bin 0 holds only NaN
+}
+
+struct PageRow {
+  const int* row;
+  int pages;
+};
+
+template <bool kHasPages>
+__device__ __forceinline__ int slot_value(int pos, const PageRow& pr, int block_size) {
+  if (!kHasPages) return pos;
+  const int page = pos / block_size;
+  if (page >= pr.pages) return -1;
+  const int phys = pr.row[page];
+  return phys >= 0 ? phys * block_size + pos % block_size : -1;
+}
+
+// Warp-aggregated slot: one shared atomic per warp for every lane that takes one.
+__device__ __forceinline__ int warp_slot(bool take, int* counter) {
+  const unsigned mask = __ballot_sync(0xFFFFFFFFu, take);
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  if (lane == 0 && mask) base = atomicAdd(counter, __popc(mask));
+  base = __shfl_sync(0xFFFFFFFFu, base, 0);
+  return base + __popc(mask & ((1u << lane) - 1u));
+}
+
+// The bin b (of `bins`, ascending key order) holding the need-th largest of the histogram's entries
+// (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above.
+__device__ void find_threshold(Shared& s, int need, int bins) {
+  const int t = threadIdx.x;
+  const int b_hi = bins - 1 - 2 * t;  // thread t owns the descending positions 2t and 2t + 1
+  const int h0 = b_hi >= 0 ? s.hist[b_hi] : 0;
+  const int h1 = b_hi >= 1 ? s.hist[b_hi - 1] : 0;
+  int sum = h0 + h1;
+  const int lane = t & 31, warp = t >> 5;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, sum, d);
+    if (lane >= d) sum += v;
+  }
+  if (lane == 31) s.warp_sums[warp] = sum;
+  __syncthreads();
+  if (warp == 0) {
+    int w = s.warp_sums[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, w, d);
+      if (lane >= d) w += v;
+    }
+    s.warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = sum - h0 - h1 + (warp > 0 ? s.warp_sums[warp - 1] : 0);
+  if (before < need && need <= before + h0) {
+    s.bin = b_hi;
+    s.above = before;
+  } else if (before + h0 < need && need <= before + h0 + h1) {
+    s.bin = b_hi - 1;
+    s.above = before + h0;
+  }
+  __syncthreads();
+}
+
+struct RowView {
+  const float* src;    // the row's first visible logit
+  const uint32_t* stage;  // stage[i + pad] is key i, for i < stage_cap
+  int pad;
+  int stage_cap;
+  int n;
+
+  __device__ __forceinline__ uint32_t key(int i) const {
+    return i < stage_cap ? stage[i + pad] : ordered_key(src[i]);
+  }
+};
+
+// The full select's first pass: stage and count. The body is 16-byte loads from the first 16-byte-aligned key on; the keys
+// before it (at most 3) and after the last full vector are read one at a time.
+__device__ void load_row(const RowView& v, uint32_t* stage, Shared& s) {
+  const int t = threadIdx.x;
+  const int n = v.n;
+  const int head = min(n, (4 - v.pad) & 3);
+  auto one = [&](int i) {
+    const uint32_t key = ordered_key(v.src[i]);
+    if (i < v.stage_cap) stage[i + v.pad] = key;
+    atomicAdd(&s.hist[key >> 21], 1);
+  };
+  if (t < head) one(t);
+  const int vectors = (n - head) / 4;
+  const float4* body = reinterpret_cast<const float4*>(v.src + head);
+  for (int base = 0; base < vectors; base += kThreads * kUnroll) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * kThreads + t;
+      if (j < vectors) x[u] = __ldg(body + j);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * kThreads + t;
+      if (j >= vectors) continue;
+      const int i = head + 4 * j;
+      const uint4 keys = make_uint4(ordered_key(x[u].x), ordered_key(x[u].y), ordered_key(x[u].z),
+                                    ordered_key(x[u].w));
+      if (i + 3 < v.stage_cap) {
+        *reinterpret_cast<uint4*>(stage + i + v.pad) = keys;  // i + pad is a multiple of 4
+      } else {
+        if (i < v.stage_cap) stage[i + v.pad] = keys.x;
+        if (i + 1 < v.stage_cap) stage[i + 1 + v.pad] = keys.y;
+        if (i + 2 < v.stage_cap) stage[i + 2 + v.pad] = keys.z;
+      }
+      atomicAdd(&s.hist[keys.x >> 21], 1);
+      atomicAdd(&s.hist[keys.y >> 21], 1);
+      atomicAdd(&s.hist[keys.z >> 21], 1);
+      atomicAdd(&s.hist[keys.w >> 21], 1);
+    }
+  }
+  const int tail = head + 4 * vectors + t;
+  if (tail < n) one(tail);
+}
+
+// The candidates of the later rounds: the list, or (when it overflowed) the row filtered to bin b1.
+// f(key, pos, live) is called warp-uniformly (every lane of a warp calls it the same number of times).
+template <typename F>
+__device__ __forceinline__ void for_each_candidate(const RowView& v, const Shared& s, bool from_list, int count,
+                                                   uint32_t b1, F f) {
+  const int total = from_list ? count : v.n;
+  for (int base = 0; base < total; base += kThreads) {
+    const int i = base + threadIdx.x;
+    const bool in = i < total;
+    uint32_t key = 0;
+    int pos = 0;
+    if (in) {
+      key = from_list ? s.cand_key[i] : v.key(i);
+      pos = from_list ? s.cand_pos[i] : i;
+    }
+    f(key, pos, in && (key >> 21) == b1);
+  }
+}
+
+// The cut for the filtered pass: a key at or above it is a candidate. Rows that fit the list take every
+// non-NaN key (cut 1: NaN's key is 0). Longer rows sample kThreads keys spread over the row and cut at
+// the lower edge of the top-11-bit bin holding the sample's r-th largest, r a few standard deviations
+// past the k * kThreads / n the sample expects above the k-th largest key. 0: no cut (the sample holds
+// too few numbers), so the row takes the full select.
+__device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
+  if (v.n <= kCandCap) return 1u;
+  const int t = threadIdx.x;
+  const int step = v.n / kThreads;
+  atomicAdd(&s.hist[ordered_key(v.src[static_cast<int64_t>(t) * step + step / 2]) >> 21], 1);
+  __syncthreads();
+  const int numbers = kThreads - s.hist[0];
+  const float expect = static_cast<float>(k) * kThreads / v.n;
+  const int rank = min(static_cast<int>(ceilf(expect + 3.0f * sqrtf(expect))) + 4, kThreads);
+  uint32_t cut = 0u;
+  if (numbers >= rank) {  // block-uniform: every thread read the same counts
+    find_threshold(s, rank, kBins);
+    cut = static_cast<uint32_t>(s.bin) << 21;
+  }
+  __syncthreads();
+  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  return cut;
+}
+
+// The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut`
+// appended to the candidate list (slots past kCandCap counted, not written). Nothing else is kept, so
+// a CTA needs only the list's shared memory and several CTAs an SM overlap their loads.
+__device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
+  const int t = threadIdx.x;
+  const int n = v.n;
+  const int head = min(n, (4 - v.pad) & 3);
+  auto offer = [&](bool in, uint32_t key, int pos) {  // warp-uniform
+    const bool take = in && key >= cut;
+    const int c = warp_slot(take, &s.cand_count);
+    if (take && c < kCandCap) {
+      s.cand_key[c] = key;
+      s.cand_pos[c] = pos;
+    }
+  };
+  offer(t < head, t < head ? ordered_key(v.src[t]) : 0u, t);
+  const int vectors = (n - head) / 4;
+  const float4* body = reinterpret_cast<const float4*>(v.src + head);
+  const int lane = t & 31;
+  for (int base = 0; base < vectors; base += kThreads * kUnroll) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * kThreads + t;
+      x[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    // A thread's 4 * kUnroll keys take their slots together: one warp scan and one shared atomic per
+    // warp for 512 keys (a slot counter per key serialises the CTA's warps on one address).
+    uint32_t keys[4 * kUnroll];
+    unsigned taken = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const bool in = base + u * kThreads + t < vectors;
+      keys[4 * u] = ordered_key(x[u].x);
+      keys[4 * u + 1] = ordered_key(x[u].y);
+      keys[4 * u + 2] = ordered_key(x[u].z);
+      keys[4 * u + 3] = ordered_key(x[u].w);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && keys[4 * u + c] >= cut) << (4 * u + c);
+    }
+    const int mine = __popc(taken);
+    int inclusive = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int other = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+      if (lane >= d) inclusive += other;
+    }
+    const int total = __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+    int first = 0;
+    if (lane == 31 && total) first = atomicAdd(&s.cand_count, total);
+    int slot = __shfl_sync(0xFFFFFFFFu, first, 31) + inclusive - mine;
+#pragma unroll
+    for (int e = 0; e < 4 * kUnroll; ++e) {
+      if ((taken >> e) & 1u) {
+        if (slot < kCandCap) {
+          s.cand_key[slot] = keys[e];
+          s.cand_pos[slot] = head + 4 * (base + (e / 4) * kThreads + t) + e % 4;
+        }
+        ++slot;
+      }
+    }
+  }
+  const int tail = head + 4 * vectors + t;
+  offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
+}
+
+// The k largest of the list's count (> k) entries into out_row: three radix rounds over the list, then
+// the keys above the threshold and the first `need` equal to it.
+template <bool kHasPages>
+__device__ void select_from_list(Shared& s, int count, int k, int* out_row, const PageRow& pr, int block_size) {
+  const int t = threadIdx.x;
+  for (int i = t; i < count; i += kThreads) atomicAdd(&s.hist[s.cand_key[i] >> 21], 1);
+  __syncthreads();
+  find_threshold(s, k, kBins);
+  const uint32_t b1 = s.bin;
+  int need = k - s.above;
+  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  for (int i = t; i < count; i += kThreads) {
+    const uint32_t key = s.cand_key[i];
+    if ((key >> 21) == b1) atomicAdd(&s.hist[(key >> 10) & 0x7FF], 1);
+  }
+  __syncthreads();
+  find_threshold(s, need, kBins);
+  const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
+  need -= s.above;
+  for (int b = t; b < kLastBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  for (int i = t; i < count; i += kThreads) {
+    const uint32_t key = s.cand_key[i];
+    if ((key >> 10) == (prefix >> 10)) atomicAdd(&s.hist[key & 0x3FF], 1);
+  }
+  __syncthreads();
+  find_threshold(s, need, kLastBins);
+  const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
+  need -= s.above;
+  for (int base = 0; base < count; base += kThreads) {
+    const int i = base + t;
+    const uint32_t key = i < count ? s.cand_key[i] : 0u;
+    const int pos = i < count ? s.cand_pos[i] : 0;
+    const bool above = i < count && key > threshold;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
+    const bool equal = i < count && key == threshold;
+    const int e = warp_slot(equal, &s.eq_count);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, block_size);
+  }
+}
+
+// The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
+// overflowed, too few numbers): a histogram of the whole row, its threshold bin's keys as the list, or
+// the row itself when they overflow it; exact whatever the data.
+template <bool kHasPages>
+__device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k, int* out_row, const PageRow& pr,
+                            int block_size) {
+  const int t = threadIdx.x;
+  const int n = v.n;
+  load_row(v, stage, s);
+  __syncthreads();
+
+  const int selectable = n - s.hist[0];
+  if (selectable <= k) {
+    // Every non-NaN key is selected: its positions, then -1 up to k.
+    for (int base = 0; base < n; base += kThreads) {
+      const int i = base + t;
+      const bool take = i < n && v.key(i) != 0u;
+      const int slot = warp_slot(take, &s.out_count);
+      if (take) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
+    }
+    for (int i = selectable + t; i < k; i += kThreads) out_row[i] = -1;
+    return;
+  }
+
+  find_threshold(s, k, kBins);
+  const uint32_t b1 = s.bin;
+  int need = k - s.above;
+  // Keys of bins above b1 are selected; b1's are the candidates.
+  for (int base = 0; base < n; base += kThreads) {
+    const int i = base + t;
+    const uint32_t key = i < n ? v.key(i) : 0u;
+    const uint32_t digit = key >> 21;
+    const bool above = i < n && digit > b1;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
+    const bool cand = i < n && digit == b1;
+    const int c = warp_slot(cand, &s.cand_count);
+    if (cand && c < kCandCap) {
+      s.cand_key[c] = key;
+      s.cand_pos[c] = i;
+    }
+  }
+  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+  const int count = s.cand_count;
+  const bool from_list = count <= kCandCap;
+
+  // Round 2: bits 20..10 of b1's keys.
+  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
+    if (live) atomicAdd(&s.hist[(key >> 10) & 0x7FF], 1);
+  });
+  __syncthreads();
+  find_threshold(s, need, kBins);
+  const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
+  need -= s.above;
+  for (int b = t; b < kLastBins; b += kThreads) s.hist[b] = 0;
+  __syncthreads();
+
+  // Round 3: bits 9..0 of the keys sharing the prefix.
+  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
+    if (live && (key >> 10) == (prefix >> 10)) atomicAdd(&s.hist[key & 0x3FF], 1);
+  });
+  __syncthreads();
+  find_threshold(s, need, kLastBins);
+  const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
+  need -= s.above;  // keys equal to the threshold still needed, >= 1
+
+  // The keys of b1 above the threshold fill the slots after the higher bins'; the first `need` equal
+  // to it fill the last `need` slots.
+  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int pos, bool live) {
+    const bool above = live && key > threshold;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
+    const bool equal = live && key == threshold;
+    const int e = warp_slot(equal, &s.eq_count);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, block_size);
+  });
+}
+
+__device__ void reset(Shared& s) {
+  for (int b = threadIdx.x; b < kBins; b += kThreads) s.hist[b] = 0;
+  if (threadIdx.x == 0) {
+    s.out_count = 0;
+    s.cand_count = 0;
+    s.eq_count = 0;
+  }
+  __syncthreads();
+}
+
+template <bool kHasStarts, bool kHasPages>
+__global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
+  extern __shared__ uint4 smem[];
+  Shared& s = *reinterpret_cast<Shared*>(smem);
+  uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
+
+  // The visible window [start, start + n), clamped to the tensor.
+  int start = 0;
+  if (kHasStarts) start = min(max(p.starts[row * p.stride_start], 0), p.width);
+  const int n = min(max(p.lengths[row * p.stride_len], 0), p.width - start);
+  RowView v;
+  v.src = p.logits + row * p.stride_row + start;
+  // The row's first key sits pad keys past a 16-byte boundary; staging it at stage[pad] lines the
+  // 16-byte loads up with 16-byte shared stores.
+  v.pad = static_cast<int>((reinterpret_cast<uintptr_t>(v.src) >> 2) & 3);
+  v.stage = stage;
+  v.stage_cap = p.stage_cap;
+  v.n = n;
+  int* out_row = p.out + row * p.k;
+  const int k = p.k;
+  PageRow pr{nullptr, 0};
+  if (kHasPages) {
+    // An out-of-table page row gets no pages: every position maps to -1, nothing outside is read.
+    const int page_row = p.page_rows[row * p.stride_page_rows];
+    const bool ok = page_row >= 0 && page_row < p.table_rows;
+    pr.row = p.page_table + static_cast<int64_t>(ok ? page_row : 0) * p.stride_pt;
+    pr.pages = ok ? p.table_pages : 0;
+  }
+
+  reset(s);
+  const uint32_t cut = p.filtered ? candidate_cut(v, s, k) : 0u;
+  if (cut != 0u) {
+    collect_candidates(v, s, cut);
+    __syncthreads();
+    const int count = s.cand_count;
+    if (count <= kCandCap && cut == 1u && count <= k) {
+      // The list holds every non-NaN key of the row, no more than k: all of them, then -1.
+      for (int i = t; i < count; i += kThreads) out_row[i] = slot_value<kHasPages>(s.cand_pos[i], pr, p.block_size);
+      for (int i = count + t; i < k; i += kThreads) out_row[i] = -1;
+      return;
+    }
+    if (count <= kCandCap && count >= k) {
+      select_from_list<kHasPages>(s, count, k, out_row, pr, p.block_size);
+      return;
+    }
+    __syncthreads();
+    reset(s);  // the sample misjudged the row (too few candidates, or more than the list holds)
+  }
+  full_select<kHasPages>(v, stage, s, k, out_row, pr, p.block_size);
+}
+
+using Kernel = void (*)(Params);
+
+template <bool kHasStarts, bool kHasPages>
+Kernel kernel_with_smem(int bytes) {
+  static int raised[64] = {};  // per device: the dynamic shared memory limit this instance was given
+  Kernel kernel = radix_topk_kernel<kHasStarts, kHasPages>;
+  int& limit = raised[c10::cuda::current_device() & 63];
+  if (bytes > limit) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    limit = bytes;
+  }
+  return kernel;
+}
+
+}  // namespace
+
+// The most keys a row may stage on this device (the opt-in shared memory less the fixed part).
+int64_t max_stage(int64_t device) {
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, static_cast<int>(device)));
+  const int64_t keys = (static_cast<int64_t>(optin) - static_cast<int64_t>(sizeof(Shared)) - 16) / 4;
+  return keys / 4 * 4;
+}
+
+// out int32 [rows, k] (contiguous); the host wrapper (radix_topk.py) has checked every tensor.
+void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
+                const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
+                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, torch::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t rows = logits.size(0);
+  if (rows == 0) return;
+  Params p{};
+  p.logits = logits.data_ptr<float>();
+  p.stride_row = logits.stride(0);
+  p.lengths = lengths.data_ptr<int>();
+  p.stride_len = lengths.stride(0);
+  p.starts = starts ? starts->data_ptr<int>() : nullptr;
+  p.stride_start = starts ? starts->stride(0) : 0;
+  p.width = static_cast<int>(logits.size(1));
+  p.k = static_cast<int>(k);
+  p.stage_cap = static_cast<int>(stage_cap);
+  p.out = out.data_ptr<int>();
+  p.page_table = page_table ? page_table->data_ptr<int>() : nullptr;
+  p.stride_pt = page_table ? page_table->stride(0) : 0;
+  p.page_rows = page_rows ? page_rows->data_ptr<int>() : nullptr;
+  p.stride_page_rows = page_rows ? page_rows->stride(0) : 0;
+  p.table_rows = page_table ? static_cast<int>(page_table->size(0)) : 0;
+  p.table_pages = page_table ? static_cast<int>(page_table->size(1)) : 0;
+  p.block_size = static_cast<int>(block_size);
+  p.filtered = filtered ? 1 : 0;
+  const int bytes = static_cast<int>(sizeof(Shared) + 4 * (stage_cap + 4));
+  const bool has_starts = starts.has_value(), has_pages = page_table.has_value();
+  Kernel kernel = has_starts ? (has_pages ? kernel_with_smem<true, true>(bytes) : kernel_with_smem<true, false>(bytes))
+                             : (has_pages ? kernel_with_smem<false, true>(bytes) : kernel_with_smem<false, false>(bytes));
+  kernel<<<static_cast<unsigned>(rows), kThreads, bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("radix_topk", &radix_topk, "dispatch's CUDA radix top-k (see radix_select.cu)");
+  m.def("max_stage", &max_stage, "keys a row may stage in shared memory on a device");
+}

@@ -1,0 +1,69 @@
+"""The host side of `cuda.radix`: the contract's checks, the launch (one kernel, no host sync), and,
+for sorted=True, the contract's order applied by backends/adapted_topk.finish."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from backends.adapted_topk import finish
+from backends.cuda_topk.build import extension
+from dispatch.contract import LayoutError, check_topk_inputs
+
+
+def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: torch.Tensor | None = None,
+               page_table: torch.Tensor | None = None, page_rows: torch.Tensor | None = None, block_size: int = 64,
+               sorted: bool = False) -> torch.Tensor:
+    """int32 [rows, k]: positions (relative to starts) of each row's k largest visible non-NaN logits, -1
+    past the selectable count; physical KV slots with page_table (dispatch.contract.TopkRun)."""
+    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
+                      block_size=block_size)
+    _check_cuda(logits, lengths, starts, page_table, page_rows)
+    return launch(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
+                  block_size=block_size, sorted=sorted, stage=0, filtered=True)
+
+
+def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True):
+    """The launch of checked inputs. filtered: the sampled cut and one filtered pass first (the served
+    path); False: the full select only. stage: keys of a row the full select stages in shared memory
+    (a multiple of 4, at most max_stage). Served with 0: the full select runs only where the filtered
+    pass cannot serve a row, and a kernel that reserves no staging fits two CTAs an SM, whose loads
+    overlap."""
+    device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    if stage % 4 or not 0 <= stage <= max_stage(device):
+        raise ValueError(f"stage {stage} must be a multiple of 4 in [0, {max_stage(device)}]")
+    rows = logits.shape[0]
+    out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
+    if rows == 0:
+        return out
+    fuse_pages = page_table is not None and not sorted
+    extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
+                           page_rows if fuse_pages else None, k, block_size, stage, filtered, out)
+    if sorted:
+        return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
+                      sorted=True, starts=starts)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def max_stage(device: int) -> int:
+    """Keys of a row the kernel stages in shared memory on `device` (the rest it reads twice)."""
+    return int(extension().max_stage(device))
+
+
+def _check_cuda(logits, lengths, starts, page_table, page_rows) -> None:
+    """What this kernel adds to the contract's checks: CUDA tensors on one device, a page table
+    contiguous along its pages, and sizes its int32 indexing holds."""
+    tensors = {"logits": logits, "lengths": lengths, "starts": starts, "page_table": page_table,
+               "page_rows": page_rows}
+    given = {name: t for name, t in tensors.items() if t is not None}
+    for name, tensor in given.items():
+        if tensor.device.type != "cuda":
+            raise LayoutError(f"top-k backend `cuda.radix` needs CUDA tensors; `{name}` is on {tensor.device}")
+    if len({t.device for t in given.values()}) != 1:
+        raise LayoutError(f"top-k tensors must be on one device; got {sorted(str(t.device) for t in given.values())}")
+    if page_table is not None and page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise LayoutError(f"page_table must be contiguous along its pages; got strides {list(page_table.stride())}")
+    if logits.shape[1] >= 2**31 or logits.shape[0] >= 2**31:
+        raise LayoutError(f"top-k backend `cuda.radix` indexes rows and columns with int32; logits are {list(logits.shape)}")
