@@ -173,14 +173,18 @@ class PageGuard:
         """After dispatch.engines.graphs has copied a new batch's lens and table into the plan's tensors: guard
         them again, into the same outputs. The captured graph's cache was checked against this guard's
         pool, and a replay makes no layer call that could check again, so the pool must not change."""
+        bound = self.refresh_bound(fresh_num_blocks)
+        if bound is not None:  # else the next layer call guards (for_cache)
+            self.launch(bound)
+
+    def refresh_bound(self, fresh_num_blocks: int | None) -> int | None:
+        """The pool a refresh guards against (None: not known yet); GraphMismatchError if it changed."""
         if fresh_num_blocks is not None and self.num_blocks is not None and fresh_num_blocks != self.num_blocks:
             raise GraphMismatchError(
                 f"the batch's pool has num_kv_blocks={fresh_num_blocks}; the graph's cache was checked "
                 f"against {self.num_blocks}"
             )
-        bound = self.num_blocks if self.num_blocks is not None else fresh_num_blocks
-        if bound is not None:  # else the next layer call guards (for_cache)
-            self.launch(bound)
+        return self.num_blocks if self.num_blocks is not None else fresh_num_blocks
 
 
 def guard_pages(

@@ -7,10 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backends.shared.page_guard import PageGuard, prepare_page_guard
-from backends.triton.paged_mqa_logits import schedule_for
+from backends.triton.guard_and_schedule import prepare_guard_and_schedule, refresh_guard_and_schedule
+from backends.shared.page_guard import PageGuard
 from backends.triton.paged_schedule import PagedSchedule
-from dispatch.contract import BLOCK_KV
 
 if TYPE_CHECKING:
     from dispatch.contract import IndexerPlan
@@ -24,9 +23,8 @@ class TritonPagedState:
 
 def prepare_triton_paged(plan: "IndexerPlan") -> TritonPagedState:
     """The guard over the plan's table and lens, and the schedule cut from its lens for the default config
-    (the one every layer call of the plan runs)."""
-    schedule = schedule_for(plan.context_lens, plan.max_context_len, BLOCK_KV)
-    return TritonPagedState(prepare_page_guard(plan), schedule)
+    (the one every layer call of the plan runs): one launch where the plan knows its pool size."""
+    return TritonPagedState(*prepare_guard_and_schedule(plan))
 
 
 def refresh_triton_paged(captured: TritonPagedState, fresh: TritonPagedState) -> None:
@@ -34,5 +32,4 @@ def refresh_triton_paged(captured: TritonPagedState, fresh: TritonPagedState) ->
     plan's tensors: guard them again and cut the schedule again, into the same outputs. Cut, not copied
     from `fresh`: the fresh plan's width is its own max_seq_len, which may be below the captured width
     the graph's kernel covers, and cuts made for a narrower width would leave the last columns unwritten."""
-    captured.guard.refresh(fresh.guard.num_blocks)
-    captured.schedule.launch()
+    refresh_guard_and_schedule(captured.guard, captured.schedule, fresh.guard.num_blocks)

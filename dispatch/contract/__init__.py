@@ -91,8 +91,13 @@ _LAZY = {
     "build_paged_kv_cache": "dispatch.contract.paged_cache",
     "page_table_for": "dispatch.contract.paged_cache",
     "pages_of": "dispatch.contract.paged_cache",
+    # The plan types a backend reads, defined where the step builds them (the one upward reference of
+    # the contract, by name only: tests/contract/test_layering.py lists it).
     "IndexerPlan": "dispatch.step.plan",
     "ExtendPlan": "dispatch.step.extend",
+    "ExtendBatch": "dispatch.step.prefill",
+    "RaggedMetadata": "dispatch.step.prefill",
+    "HostRanges": "dispatch.step.prefill",
 }
 
 

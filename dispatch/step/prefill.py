@@ -21,6 +21,7 @@ import torch
 
 from dispatch.contract.bounds import BAD_LENGTH
 from dispatch.contract.errors import LayoutError
+from dispatch.step.ragged_on_host import HostRanges, ragged_fields_on_host
 
 # vLLM's VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default: the fp32 logits of one chunk stay under 512 MiB.
 DEFAULT_LOGITS_BYTES = 512 * 1024 * 1024
@@ -180,6 +181,16 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     device = batch.prefix_lens.device
     requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
     on_host = device.type == "cpu" if host_checked is None else host_checked
+    if on_host and device.type == "cpu":  # checked lengths on this host: fewer, cheaper ops (issue 24)
+        return RaggedMetadata(**ragged_fields_on_host(batch, _slot_bases(batch, None)))
+    if not on_host and device.type == "cuda":  # the same values in one launch, not ~35 (issue 24)
+        try:
+            from backends.triton.ragged_metadata import ragged_metadata_in_one_launch
+        except ModuleNotFoundError as error:  # triton is optional: the torch ops below compute the same
+            if error.name != "triton":
+                raise
+        else:
+            return ragged_metadata_in_one_launch(batch)
     # [2, B] in 64 bits: each request's new tokens, and its keys (prefix + new); offsets are their sums.
     lengths = torch.stack((batch.extend_lens, batch.prefix_lens)).long()
     if not on_host:
@@ -262,30 +273,6 @@ def _slot_bases(batch: ExtendBatch, fault: torch.Tensor | None) -> torch.Tensor:
     inside = (table >= 0) & (table < limit)
     bases = torch.where(inside, table * block_kv, _NO_SLOT)
     return torch.nn.functional.pad(bases, (0, 1), value=_NO_SLOT)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostRanges:
-    """A batch's host lengths as offsets: row r's ks / ke in O(log B), with no per-row list."""
-
-    row_offsets: tuple[int, ...]  # B + 1: request q owns rows [row_offsets[q], row_offsets[q + 1])
-    key_offsets: tuple[int, ...]  # B + 1: and gathered keys [key_offsets[q], key_offsets[q + 1])
-    prefix: tuple[int, ...]
-
-    @classmethod
-    def of(cls, prefix: Sequence[int], extend: Sequence[int]) -> HostRanges:
-        rows, keys = [0], [0]
-        for cached, new in zip(prefix, extend):
-            rows.append(rows[-1] + new)
-            keys.append(keys[-1] + cached + new)
-        return cls(tuple(rows), tuple(keys), tuple(prefix))
-
-    def at(self, row: int) -> tuple[int, int]:
-        """(ks, ke) of query row `row`: its request's first key, and one past its own position."""
-        # The last request starting at or before `row`: requests with no new tokens share the next one's start.
-        request = bisect.bisect_right(self.row_offsets, row) - 1
-        first = self.key_offsets[request]
-        return first, first + self.prefix[request] + row - self.row_offsets[request] + 1
 
 
 def _tight_chunks(ranges: HostRanges, rows: int, budget: int) -> list[Chunk]:

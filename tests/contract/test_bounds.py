@@ -283,16 +283,27 @@ def test_indexer_step_on_the_reference_raises_naming_the_entry():
 
 
 def count_guard_launches(monkeypatch) -> list[int]:
+    """The pool of every guard launch: alone (PageGuard.launch) or with the schedule in one launch."""
+    import backends.triton.guard_and_schedule as fused
     from backends.shared.page_guard import PageGuard
 
     launches = []
-    original = PageGuard.launch
+    original, original_fused = PageGuard.launch, fused.launch_guard_and_schedule
 
     def counted(self, num_blocks):
         launches.append(num_blocks)
         return original(self, num_blocks)
 
+    def counted_fused(guard, schedule, num_blocks):
+        launches.append(num_blocks)
+        monkeypatch.setattr(PageGuard, "launch", original)  # its fallbacks launch the guard alone: not twice
+        try:
+            return original_fused(guard, schedule, num_blocks)
+        finally:
+            monkeypatch.setattr(PageGuard, "launch", counted)
+
     monkeypatch.setattr(PageGuard, "launch", counted)
+    monkeypatch.setattr(fused, "launch_guard_and_schedule", counted_fused)
     return launches
 
 

@@ -1,0 +1,202 @@
+"""An extend batch's ragged metadata on a GPU in one launch: what dispatch.step.prefill.build_ragged_metadata's
+device path computes with ~50 torch ops (each a launch, 5-10 us of the H200 host's time), computed by one
+Triton kernel, value for value.
+
+Every program needs the batch's request offsets (prefix sums over the B requests) to find the request of
+its rows and keys; programs cannot wait on one another, so each recomputes them, B at a time in steps
+of REQUESTS_PER_STEP (B is small next to M and S). The request of index i is then the count of requests
+whose clamped start is <= i, less one (the starts are sorted, and request 0 starts at 0): the same as
+the torch path's searchsorted over the ends, clamped to the last request. The request's own values are
+read in the same pass by packing (request, value) into one int64 and taking the max: the requests that
+pass the test are a prefix, and the largest request id wins.
+
+The checks are the torch path's: lengths are read in 64 bits and a negative one counts as 0; offsets
+are clamped to the host totals before narrowing; lengths that are negative or disagree with the totals
+flag BAD_LENGTH and make every gather slot -1; a page entry outside [0, limit) (the pool, and the
+int32 room of its slots) or a key past the table's width is slot -1. The kernel reads only the tensors
+it is handed, within their shapes.
+
+    ranges int32 [2, M]: ks, ke;  slots int32 [S];  row_request int32 [M];  key_offsets int32 [B + 1];
+    length_flags int32 [1].  One int32 buffer holds them all (one allocation, views of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from dispatch.contract import BAD_LENGTH
+
+if TYPE_CHECKING:
+    from dispatch.contract import ExtendBatch, RaggedMetadata
+
+INDICES_PER_PROGRAM = 256  # rows or keys of one program
+REQUESTS_PER_STEP = 16  # requests per step of a program's pass over the offsets
+
+
+@triton.jit
+def _ragged_metadata_kernel(
+    prefix_ptr,  # int32 [B]: any values
+    extend_ptr,  # int32 [B]: any values
+    table_ptr,  # int32 [B, P]
+    ranges_ptr,  # int32 [2, M], contiguous: ks, then ke
+    slots_ptr,  # int32 [S]
+    row_request_ptr,  # int32 [M]
+    key_offsets_ptr,  # int32 [B + 1]
+    length_flags_ptr,  # int32 [1]
+    requests,  # B
+    rows,  # M: the host's total_tokens
+    keys,  # S: the host's total_keys
+    pages,  # P
+    limit,  # a page entry must lie in [0, limit)
+    stride_prefix,
+    stride_extend,
+    stride_table_row,
+    stride_table_col,
+    row_programs,  # programs [0, row_programs) take rows; the rest take keys
+    BLOCK: tl.constexpr,
+    REQUESTS_PER_STEP: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    PAGE_SHIFT: tl.constexpr,  # log2(BLOCK_KV)
+    BAD_LENGTH: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    on_rows = pid < row_programs
+    first = tl.where(on_rows, pid, pid - row_programs) * BLOCK
+    index = first + tl.arange(0, BLOCK)  # rows or keys, by on_rows
+    count = tl.zeros((BLOCK,), tl.int32)  # requests whose start is <= index
+    start = tl.zeros((BLOCK,), tl.int32)  # the found request's first key
+    packed = tl.full((BLOCK,), -1, tl.int64)  # rows: (request << 32) | (key end - row end + 1) of it
+    row_carry = tl.zeros((), tl.int64)
+    key_carry = tl.zeros((), tl.int64)
+    negative = tl.zeros((), tl.int32)
+    for step in range(0, requests, REQUESTS_PER_STEP):
+        request = step + tl.arange(0, REQUESTS_PER_STEP)
+        live = request < requests
+        new = tl.load(extend_ptr + request.to(tl.int64) * stride_extend, mask=live, other=0).to(tl.int64)
+        cached = tl.load(prefix_ptr + request.to(tl.int64) * stride_prefix, mask=live, other=0).to(tl.int64)
+        negative |= tl.max(((new < 0) | (cached < 0)).to(tl.int32), axis=0)
+        new = tl.maximum(new, 0)
+        owned = new + tl.maximum(cached, 0)
+        row_end = tl.cumsum(new, axis=0) + row_carry
+        key_end = tl.cumsum(owned, axis=0) + key_carry
+        # Clamped to the totals before narrowing: still sorted, and every search lands on a request.
+        row_start32 = tl.minimum(row_end - new, rows).to(tl.int32)
+        key_start32 = tl.minimum(key_end - owned, keys).to(tl.int32)
+        row_end32 = tl.minimum(row_end, rows).to(tl.int32)
+        key_end32 = tl.minimum(key_end, keys).to(tl.int32)
+        if pid == 0:
+            tl.store(key_offsets_ptr + 1 + request, key_end32, mask=live)
+        row_carry += tl.sum(new, axis=0)
+        key_carry += tl.sum(owned, axis=0)
+        own_start = tl.where(on_rows, row_start32, key_start32)
+        below = live[None, :] & (own_start[None, :] <= index[:, None])  # [BLOCK, REQUESTS_PER_STEP]
+        count += tl.sum(below.to(tl.int32), axis=1)
+        start = tl.maximum(start, tl.max(tl.where(below, key_start32[None, :], 0), axis=1))
+        # key end - row end + 1 is >= 1 (keys >= rows, and a request's keys include its rows) but not
+        # sorted over the requests: taken at the largest request that passes, by the packed max.
+        tail = (key_end32 - row_end32 + 1).to(tl.int64) | (request.to(tl.int64) << 32)
+        packed = tl.maximum(packed, tl.max(tl.where(below, tail[None, :], -1), axis=1))
+    fault = (negative > 0) | (row_carry != rows) | (key_carry != keys)
+    if pid == 0:
+        tl.store(key_offsets_ptr, 0)
+        tl.store(length_flags_ptr, tl.where(fault, BAD_LENGTH, 0))
+    owner = tl.maximum(count - 1, 0)
+    if on_rows:
+        live_row = index < rows
+        ke = (packed & 0xFFFFFFFF).to(tl.int32) + index
+        tl.store(ranges_ptr + index, tl.minimum(tl.maximum(start, 0), keys), mask=live_row)
+        tl.store(ranges_ptr + rows + index, tl.minimum(tl.maximum(ke, 0), keys), mask=live_row)
+        tl.store(row_request_ptr + index, owner, mask=live_row)
+    else:
+        live_key = index < keys
+        position = index - start  # >= 0: a key's request starts at or before it
+        page = position >> PAGE_SHIFT
+        has_page = live_key & (page < pages) & (owner < requests)  # a batch of no requests has no keys
+        entry = tl.load(table_ptr + owner.to(tl.int64) * stride_table_row + page.to(tl.int64) * stride_table_col,
+                        mask=has_page, other=-1)
+        inside = has_page & (entry >= 0) & (entry < tl.where(fault, 0, limit))
+        slot = tl.where(inside, entry * BLOCK_KV + (position & (BLOCK_KV - 1)), -1)
+        tl.store(slots_ptr + index, slot, mask=live_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRaggedMetadata:
+    """The kernel's outputs: views of one int32 buffer."""
+
+    ranges: torch.Tensor  # int32 [2, M]
+    gather_slots: torch.Tensor  # int32 [S]
+    row_request: torch.Tensor  # int32 [M]
+    key_offsets: torch.Tensor  # int32 [B + 1]
+    length_flags: torch.Tensor  # int32 [1]
+
+
+def ragged_metadata_on_device(
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    total_tokens: int,
+    total_keys: int,
+    block_kv: int,
+    num_kv_blocks: int | None,
+) -> DeviceRaggedMetadata:
+    """One launch, no sync. The caller has checked shapes, dtypes, devices, block_kv (a power of two)
+    and the totals (host ints, total_keys <= 2^30, total_keys >= total_tokens): ExtendBatch does."""
+    requests, pages = page_table.shape
+    rows, keys = total_tokens, total_keys
+    limit = (2**31 - 1) // block_kv
+    if num_kv_blocks is not None:
+        limit = min(limit, num_kv_blocks)
+    out = torch.empty(3 * rows + keys + requests + 2, dtype=torch.int32, device=page_table.device)
+    slots_at, request_at, offsets_at = 2 * rows, 2 * rows + keys, 3 * rows + keys
+    flags_at = offsets_at + requests + 1
+    outputs = DeviceRaggedMetadata(
+        ranges=out[:slots_at].view(2, rows),
+        gather_slots=out[slots_at:request_at],
+        row_request=out[request_at:offsets_at],
+        key_offsets=out[offsets_at:flags_at],
+        length_flags=out[flags_at:],
+    )
+    row_programs = triton.cdiv(rows, INDICES_PER_PROGRAM)
+    grid = (max(row_programs + triton.cdiv(keys, INDICES_PER_PROGRAM), 1),)
+    _ragged_metadata_kernel[grid](
+        prefix_lens, extend_lens, page_table,
+        outputs.ranges, outputs.gather_slots, outputs.row_request, outputs.key_offsets, outputs.length_flags,
+        requests, rows, keys, pages, limit,
+        prefix_lens.stride(0), extend_lens.stride(0), page_table.stride(0), page_table.stride(1),
+        row_programs,
+        BLOCK=INDICES_PER_PROGRAM,
+        REQUESTS_PER_STEP=REQUESTS_PER_STEP,
+        BLOCK_KV=block_kv,
+        PAGE_SHIFT=block_kv.bit_length() - 1,
+        BAD_LENGTH=BAD_LENGTH,
+    )
+    return outputs
+
+
+def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
+    """build_ragged_metadata's device path (lengths the host never read) as one kernel launch: the same
+    RaggedMetadata, field for field (tests/backends/test_ragged_metadata_kernel.py)."""
+    from dispatch.contract import HostRanges, RaggedMetadata
+
+    out = ragged_metadata_on_device(batch.prefix_lens, batch.extend_lens, batch.page_table, batch.total_tokens,
+                                    batch.total_keys, batch.block_kv, batch.num_kv_blocks)
+    host_ranges = None
+    if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
+        host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
+    return RaggedMetadata(
+        ks=out.ranges[0],
+        ke=out.ranges[1],
+        gather_slots=out.gather_slots,
+        row_request=out.row_request,
+        key_offsets=out.key_offsets,
+        total_tokens=batch.total_tokens,
+        total_keys=batch.total_keys,
+        host_ranges=host_ranges,
+        length_flags=out.length_flags,
+        ranges=out.ranges,
+    )
