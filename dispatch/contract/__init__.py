@@ -45,6 +45,10 @@ from dispatch.contract.ops import (
     RaggedKeyGather,
     RaggedMqaLogitsRun,
     TopkRun,
+    check_logits_inputs,
+    check_q_quant_inputs,
+    check_ragged_logits_inputs,
+    check_topk_inputs,
 )
 from dispatch.contract.rope import RopeSpec
 from dispatch.contract.verification import Verified
@@ -75,10 +79,6 @@ def triton_interpreter_on():
 
 # Names whose modules import torch: loaded on first use (module attribute lookup, PEP 562).
 _LAZY = {
-    "check_logits_inputs": "dispatch.contract.input_checks",
-    "check_q_quant_inputs": "dispatch.contract.input_checks",
-    "check_ragged_logits_inputs": "dispatch.contract.input_checks",
-    "check_topk_inputs": "dispatch.contract.input_checks",
     "BAD_LENGTH": "dispatch.contract.bounds",
     "BAD_PAGE": "dispatch.contract.bounds",
     "BAD_POSITION": "dispatch.contract.bounds",
@@ -143,6 +143,10 @@ __all__ = sorted(
         "TopkRun",
         "UnservedCallError",
         "Verified",
+        "check_logits_inputs",
+        "check_q_quant_inputs",
+        "check_ragged_logits_inputs",
+        "check_topk_inputs",
         "detect",
         "detect_arch",
         "fp8_dtype_of",

@@ -18,7 +18,7 @@ from backends.triton import availability, plugin
 from backends.triton.fp8_mode import Fp8Mode, fnuz_mode_for_here
 from backends.triton.paged_mqa_logits import LaunchConfig, default_config, triton_paged_mqa_logits
 from dispatch.contract.errors import LayoutError
-from dispatch.contract.input_checks import check_logits_inputs
+from dispatch.contract import check_logits_inputs
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import FP8_MAX, Arch, Fp8Dtype, Op
 from dispatch.contract.layout import Layout

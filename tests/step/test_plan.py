@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.contract.input_checks import check_logits_inputs
+from dispatch.contract import check_logits_inputs
 from dispatch.contract.errors import DtypeMismatchError, InvalidKeyError, LayoutError
 from dispatch.contract.key import Arch, ForwardMode, Fp8Dtype, Op
 from dispatch.contract.layout import Layout

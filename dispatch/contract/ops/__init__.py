@@ -10,10 +10,16 @@ import pkgutil
 
 from dispatch.contract.key import ForwardMode, Op
 from dispatch.contract.ops.op_contract import EXTEND_STEP, PAGED_STEP, OpContract
-from dispatch.contract.ops.paged_logits import PagedMqaLogitsRun, paged_mqa_logits
-from dispatch.contract.ops.q_quant import IndexerQQuantRun, indexer_q_quant
-from dispatch.contract.ops.ragged_logits import RaggedKeyGather, RaggedMqaLogitsRun, gather_keys, ragged_mqa_logits
-from dispatch.contract.ops.top_k import TopkRun, topk, topk_rows
+from dispatch.contract.ops.paged_logits import PagedMqaLogitsRun, check_logits_inputs, paged_mqa_logits
+from dispatch.contract.ops.q_quant import IndexerQQuantRun, check_q_quant_inputs, indexer_q_quant
+from dispatch.contract.ops.ragged_logits import (
+    RaggedKeyGather,
+    RaggedMqaLogitsRun,
+    check_ragged_logits_inputs,
+    gather_keys,
+    ragged_mqa_logits,
+)
+from dispatch.contract.ops.top_k import TopkRun, check_topk_inputs, topk, topk_rows
 
 # This package's own files, found by name (sorted, so every machine reads them alike); nothing is
 # imported from outside it.
@@ -55,6 +61,10 @@ __all__ = [
     "RaggedKeyGather",
     "RaggedMqaLogitsRun",
     "TopkRun",
+    "check_logits_inputs",
+    "check_q_quant_inputs",
+    "check_ragged_logits_inputs",
+    "check_topk_inputs",
     "gather_keys",
     "indexer_q_quant",
     "ops_for",

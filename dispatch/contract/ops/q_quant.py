@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from dispatch.contract.calling import call_backend
+from dispatch.contract.errors import LayoutError
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import Fp8Dtype, Op
 from dispatch.contract.layout import Layout
@@ -66,7 +67,6 @@ def indexer_q_quant(
     """Quantise per-token q [T, H, D] through the plan's decided backend, into the plan's fp8 dtype."""
     import torch
 
-    from dispatch.contract.input_checks import check_q_quant_inputs
 
     decision = plan.decision(Op.INDEXER_Q_QUANT)
     check_q_quant_inputs(q, weights, positions, cos_sin_cache, plan.error_flags)
@@ -86,3 +86,33 @@ def indexer_q_quant(
     check_output(decision, "q", q_fp8, tuple(q.shape), torch_dtype(decision.key.fp8_dtype), q.device)
     check_output(decision, "weights", folded, tuple(q.shape[:2]), torch.float32, q.device)
     return q_fp8, folded
+
+
+def check_q_quant_inputs(q, weights, positions, cos_sin_cache, error_flags=None) -> None:
+    """Raise LayoutError naming the tensor for anything the Q-quant contract (IndexerQQuantRun) refuses:
+    exact shapes (no broadcast of weights [1, H] or positions [1] over the tokens), dtypes, one device.
+    Shared by every Q-quant backend, so the reference refuses what the kernels refuse."""
+    import torch
+
+    if q.dim() != 3:
+        raise LayoutError(f"indexer_q_quant expects q [T, H, D]; got q {list(q.shape)}")
+    tokens, heads, head_dim = q.shape
+    if tuple(weights.shape) != (tokens, heads):
+        raise LayoutError(f"indexer_q_quant expects weights [{tokens}, {heads}]; got {list(weights.shape)}")
+    if tuple(positions.shape) != (tokens,):
+        raise LayoutError(f"indexer_q_quant expects positions [{tokens}]; got {list(positions.shape)}")
+    if cos_sin_cache.dim() != 2:
+        raise LayoutError(f"indexer_q_quant expects cos_sin_cache [max_pos, rot_dim]; got {list(cos_sin_cache.shape)}")
+    rot_dim = cos_sin_cache.shape[-1]
+    if rot_dim % 2 or not 0 < rot_dim <= head_dim:
+        raise LayoutError(f"cos_sin_cache rot_dim {rot_dim} must be even and in 2..{head_dim} (the head dim)")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise LayoutError(f"indexer_q_quant expects int32 or int64 positions; got {positions.dtype}")
+    if error_flags is not None and (error_flags.dtype != torch.int32 or error_flags.numel() < 1):
+        raise LayoutError(
+            f"error_flags must be an int32 tensor of one element; got {error_flags.dtype} {list(error_flags.shape)}"
+        )
+    named = [("weights", weights), ("positions", positions), ("cos_sin_cache", cos_sin_cache)]
+    for name, tensor in named + ([("error_flags", error_flags)] if error_flags is not None else []):
+        if tensor.device != q.device:
+            raise LayoutError(f"{name} is on {tensor.device} but q is on {q.device}")

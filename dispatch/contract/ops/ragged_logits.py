@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from dispatch.contract.calling import call_backend
-from dispatch.contract.errors import LayoutError
+from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import Fp8Dtype, Op
 from dispatch.contract.layout import Layout
@@ -74,7 +74,6 @@ def ragged_mqa_logits(plan, q: torch.Tensor, k: torch.Tensor, scales: torch.Tens
     [M, H, D] and k fp8 [S, D] must be in the plan's fp8 dtype (the K cache's)."""
     import torch
 
-    from dispatch.contract.input_checks import check_ragged_logits_inputs
 
     decision = plan.decision(Op.RAGGED_MQA_LOGITS)
     fp8_dtype = decision.key.fp8_dtype
@@ -101,3 +100,42 @@ def gather_keys(plan, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
                  kv_cache.device)
     check_output(decision, "gathered scales", scales, (total,), torch.float32, kv_cache.device)
     return keys, scales
+
+
+def check_ragged_logits_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scales: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    fp8_dtype,
+) -> None:
+    """Raise LayoutError / DtypeMismatchError naming the tensor for anything the ragged logits contract
+    (dispatch.contract.RaggedMqaLogitsRun) refuses. `fp8_dtype` is the decision's key's, i.e. the K
+    cache's: a Q quantised into another dtype is refused here, as check_logits_inputs does in decode.
+    Metadata only: no tensor value is read, so nothing waits on the device."""
+    import torch
+
+    expected = torch_dtype(fp8_dtype)
+    for name, tensor in (("q", q), ("k", k)):
+        if tensor.dtype != expected:
+            raise DtypeMismatchError(
+                f"{name} has dtype {tensor.dtype} but the plan's K cache is {getattr(fp8_dtype, 'value', fp8_dtype)} "
+                f"({expected}); quantise Q through the plan so both use the same fp8 dtype"
+            )
+    if q.dim() != 3:
+        raise LayoutError(f"layout `ragged` expects q [M, H, D]; got q {list(q.shape)}")
+    rows, heads, head_dim = q.shape
+    if k.dim() != 2 or k.shape[1] != head_dim:
+        raise LayoutError(f"layout `ragged` expects k [S, D={head_dim}]; got k {list(k.shape)}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (k.shape[0],):
+        raise LayoutError(f"layout `ragged` expects fp32 scales [S={k.shape[0]}]; got {scales.dtype} {list(scales.shape)}")
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (rows, heads):
+        raise LayoutError(
+            f"layout `ragged` expects fp32 weights [M={rows}, H={heads}]; got {weights.dtype} {list(weights.shape)}"
+        )
+    for name, bound in (("ks", ks), ("ke", ke)):
+        if bound.dtype != torch.int32 or tuple(bound.shape) != (rows,):
+            raise LayoutError(f"layout `ragged` expects {name} int32 [M={rows}]; got {bound.dtype} {list(bound.shape)}")

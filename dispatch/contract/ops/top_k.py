@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from dispatch.contract.calling import call_backend
+from dispatch.contract.errors import LayoutError
 from dispatch.contract.key import Op
 from dispatch.contract.kv_cache import BLOCK_KV
 from dispatch.contract.layout import Layout
@@ -80,7 +81,6 @@ def topk_rows(
     row r sees columns starts[r] .. starts[r] + lengths[r] - 1."""
     import torch
 
-    from dispatch.contract.input_checks import check_topk_inputs
 
     decision = plan.decision(Op.TOPK)
     check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
@@ -95,3 +95,52 @@ def topk_rows(
     out = call_backend(decision, logits, lengths, k, sorted=sorted, **optional)
     check_output(decision, "indices", out, (logits.shape[0], k), torch.int32, logits.device)
     return out
+
+
+def check_topk_inputs(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    starts: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_rows: torch.Tensor | None = None,
+    block_size: int = 64,
+) -> None:
+    """Raise LayoutError naming the tensor for anything the top-k contract (dispatch.contract.TopkRun)
+    refuses. Lengths and starts are checked against the logits' width only where that needs no device
+    sync (host tensors); a kernel clamps its reads to the width anyway."""
+    import torch
+
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise LayoutError(f"top-k expects fp32 logits [rows, W]; got {logits.dtype} {list(logits.shape)}")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise LayoutError(f"top-k expects logits with a contiguous last dim; got strides {list(logits.stride())}")
+    rows, width = logits.shape
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise LayoutError(f"top-k expects k an integer >= 1; got {k!r}")
+    _expect_rows("lengths", lengths, rows)
+    if starts is not None:
+        _expect_rows("starts", starts, rows)
+    if (page_table is None) != (page_rows is None):
+        raise LayoutError("top-k's page transform needs both page_table and page_rows, or neither")
+    if page_table is not None:
+        if page_table.dim() != 2 or page_table.shape[1] == 0 or page_table.dtype != torch.int32:
+            raise LayoutError(f"top-k expects an int32 page_table [P, M]; got {page_table.dtype} {list(page_table.shape)}")
+        _expect_rows("page_rows", page_rows, rows)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise LayoutError(f"top-k expects block_size an integer >= 1; got {block_size!r}")
+    if lengths.device.type == "cpu" and rows:
+        first = starts if starts is not None else torch.zeros_like(lengths)
+        if bool((lengths < 0).any()) or bool((first < 0).any()):
+            raise LayoutError("top-k lengths and starts must be >= 0")
+        end = int((first.long() + lengths.long()).max())
+        if end > width:
+            raise LayoutError(f"top-k starts + lengths reach column {end}; the logits are {width} wide")
+
+
+def _expect_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
+    import torch
+
+    if tensor.dim() != 1 or tensor.shape[0] != rows or tensor.dtype != torch.int32:
+        raise LayoutError(f"top-k expects {name} int32 [{rows}]; got {tensor.dtype} {list(tensor.shape)}")
