@@ -2,7 +2,7 @@
 
 The front door; everything an engine imports is here:
 
-    from dispatch import IndexerStep, ForwardBatch, ExtendBatch, RopeSpec, load_dispatcher
+    from dispatch import IndexerStep, PagedBatch, ExtendBatch, RopeSpec, load_dispatcher
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=..., rope=RopeSpec.neox_head(), softmax_scale=..., head_scale=...)
     plan = step.plan(batch)             # once per batch: a decision per op + the decided layout's tensors
     indices = step.select(plan, q, weights, positions, cos_sin_cache, kv_cache)  # per layer: int32 [T, 2048]
@@ -42,7 +42,7 @@ __all__ = [
     "DtypeMismatchError",
     "EngineVersionError",
     "ExtendBatch",
-    "ForwardBatch",
+    "PagedBatch",
     "Fp8Dtype",
     "ForwardMode",
     "GraphMismatchError",
@@ -72,11 +72,11 @@ __all__ = [
 # pydantic and torch), so `import dispatch` stays light.
 _FRONT_DOOR = {
     "IndexerStep": "dispatch.engines.indexer_step",
-    "ForwardBatch": "dispatch.step.plan",
-    "ExtendBatch": "dispatch.step.prefill",
+    "PagedBatch": "dispatch.step.paged_plan",
+    "ExtendBatch": "dispatch.step.extend_batch",
     "RopeSpec": "dispatch.contract.rope",
     "load_dispatcher": "dispatch.deciding.runtime",
-    "build_plan": "dispatch.step.plan",
+    "build_plan": "dispatch.step.paged_plan",
     "indexer_q_quant": "dispatch.contract.ops",
     "paged_mqa_logits": "dispatch.contract.ops",
     "topk": "dispatch.contract.ops",

@@ -10,7 +10,7 @@ Where SGLang decided the path inside the indexer with `ctx.shape == (B, next_n)`
 another module built under its own condition, here `step.plan(batch)` decides once per batch and the
 plan carries the decision; every layer's call is checked against it. Nothing looks at a shape. An
 ExtendBatch gets the ragged step (keys gathered per layer, logits chunked to a byte budget); a
-ForwardBatch the paged one; the same plan / select pair serves both.
+PagedBatch the paged one; the same plan / select pair serves both.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from dispatch import ExtendBatch, ForwardBatch, IndexerStep, RopeSpec, load_dispatcher
+from dispatch import ExtendBatch, PagedBatch, IndexerStep, RopeSpec, load_dispatcher
 
 HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
 BLOCK_KV = 64  # tokens per KV page: the engines' DSA caches and dispatch's kernels use pages of 64
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     for number in range(args.steps):
         if number < PREFILL_STEPS:
             new = first_parts if number == 0 else [p - f for p, f in zip(prompts, first_parts)]
-            plan, tokens, positions = prefill_plan(step, kv, lengths, new, args.device)
+            plan, tokens, positions = extend_plan(step, kv, lengths, new, args.device)
             lengths = [n + e for n, e in zip(lengths, new)]
         else:
             mode, next_n = SCHEDULE[(number - PREFILL_STEPS) % len(SCHEDULE)]
@@ -101,13 +101,15 @@ def show_decisions(*, quiet: bool) -> None:
     engine attaches its own. This one prints them on stderr unless quiet."""
     logger = logging.getLogger("dispatch")
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
-        logger.addHandler(handler)
+    for handler in [h for h in logger.handlers if getattr(h, "engine_loop", False)]:
+        logger.removeHandler(handler)  # a second run (a test) writes to the stderr of its own time
+    handler = logging.StreamHandler(sys.stderr)
+    handler.engine_loop = True
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
 
 
-def prefill_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[int], device: str):
+def extend_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[int], device: str):
     """An extend batch: each request's `new` prompt tokens after its `cached` ones (their keys written
     to the cache before the indexer runs)."""
     for request, (prefix, extend) in enumerate(zip(cached, new)):
@@ -123,7 +125,7 @@ def prefill_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[in
 def paged_plan(step: IndexerStep, kv: PagedKV, lengths: list[int], mode: str, next_n: int, device: str):
     for request, length in enumerate(lengths):
         kv.grow(request, length)
-    batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32, device=device), kv.table(device),
+    batch = PagedBatch(torch.tensor(lengths, dtype=torch.int32, device=device), kv.table(device),
                          max_seq_len=max(lengths), forward_mode=mode, next_n=next_n,
                          num_kv_blocks=kv.caches.shape[1])  # the pool: its page table is checked once per batch
     plan = step.plan(batch)  # once per batch: the decision, its layout's tensors, the page checks

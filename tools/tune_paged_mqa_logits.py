@@ -38,7 +38,7 @@ from backends.triton.paged_mqa_logits import (
 )
 from dispatch.contract.key import Fp8Dtype
 from dispatch.contract.layout import Layout
-from dispatch.step.plan import layout_tensors
+from dispatch.step.paged_plan import layout_tensors
 
 HEADS, HEAD_DIM = 64, 128
 DEVICE = "cuda"  # a smoke test of the input building on the CPU sets "cpu"

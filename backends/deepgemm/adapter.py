@@ -46,7 +46,7 @@ import torch
 from dispatch.contract import (
     BLOCK_KV,
     DtypeMismatchError,
-    IndexerPlan,
+    PagedPlan,
     Layout,
     LayoutError,
     check_logits_inputs,
@@ -230,7 +230,7 @@ class DeepGemmPagedLogits:
     # schedule has num_sms / kv_multicast + 1 rows (2 for SM90 next_n 4; 1 everywhere else).
     kv_multicast: int = 1
 
-    def prepare(self, plan: IndexerPlan) -> DeepGemmState:
+    def prepare(self, plan: PagedPlan) -> DeepGemmState:
         """The batch's schedule, built from plan.context_lens itself, and its page guard."""
         from backends.shared.page_guard import prepare_page_guard  # triton ships with torch on CUDA
 
@@ -259,7 +259,7 @@ class DeepGemmPagedLogits:
         captured.schedule.copy_(fresh.schedule)
 
     def run(
-        self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
+        self, plan: PagedPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
     ) -> torch.Tensor:
         check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
         self._check_schedule(plan)
@@ -282,7 +282,7 @@ class DeepGemmPagedLogits:
 
         return nan_poisoned_rows(logits, guard.lens)
 
-    def _check_schedule(self, plan: IndexerPlan) -> None:
+    def _check_schedule(self, plan: PagedPlan) -> None:
         state = plan.state
         schedule = getattr(state, "schedule", None)
         if not isinstance(schedule, torch.Tensor) or schedule.dim() != 2 or schedule.dtype != torch.int32:

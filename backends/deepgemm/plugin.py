@@ -254,7 +254,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
 
 
 def deepgemm_ragged_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
-    """The two ragged (prefill) backends, named per arch like the paged ones, resolving deep_gemm
+    """The two ragged (extend) backends, named per arch like the paged ones, resolving deep_gemm
     through `load` (tests pass a stand-in)."""
     backends = []
     for arch in (Arch.SM100, Arch.SM90):

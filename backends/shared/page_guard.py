@@ -17,7 +17,7 @@ A token needs logical pages [0, ceil(len / block_kv)); entries past those are pa
 anything. A poisoned token reads no page at all: the Triton kernel's page loop stops at the longest
 unpoisoned length of its program's tokens.
 
-The pool size: ForwardBatch.num_kv_blocks when the engine passes it (the guard then runs in build_plan);
+The pool size: PagedBatch.num_kv_blocks when the engine passes it (the guard then runs in build_plan);
 otherwise the first layer call's kv_cache.shape[0] (the guard runs then, once, and the plan keeps it).
 Every layer call checks on the host, for free, that its cache holds at least that many blocks.
 """
@@ -34,7 +34,7 @@ import triton.language as tl
 from dispatch.contract import BAD_PAGE, BLOCK_KV, LENGTH_PAST_BOUND, GraphMismatchError, LayoutError
 
 if TYPE_CHECKING:
-    from dispatch.contract import IndexerPlan
+    from dispatch.contract import PagedPlan
 
 SCAN_PAGES = 128  # table entries per step of a row's scan
 
@@ -164,7 +164,7 @@ class PageGuard:
         elif blocks < self.num_blocks:
             raise LayoutError(
                 f"kv_cache has {blocks} blocks, fewer than the pool of {self.num_blocks} the batch's page table "
-                "was checked against (ForwardBatch.num_kv_blocks, or the first layer's cache): every layer's "
+                "was checked against (PagedBatch.num_kv_blocks, or the first layer's cache): every layer's "
                 "cache must hold the whole pool"
             )
         return self
@@ -201,7 +201,7 @@ def guard_pages(
     return guard
 
 
-def prepare_page_guard(plan: "IndexerPlan") -> PageGuard:
+def prepare_page_guard(plan: "PagedPlan") -> PageGuard:
     """A logits backend's per-batch state: the guard over the plan's lens and table, launched now when the
     engine told the plan its pool size (plan.num_kv_blocks), else at the first layer call."""
     guard = PageGuard.allocate(plan.context_lens, plan.block_table, plan.max_context_len, plan.error_flags)

@@ -26,7 +26,7 @@ from backends.triton.paged_schedule import (BOUNDS_PER_STEP, COMPUTE_COST, FILL_
 from dispatch.contract import BAD_PAGE, LENGTH_PAST_BOUND, LayoutError
 
 if TYPE_CHECKING:
-    from dispatch.contract import IndexerPlan
+    from dispatch.contract import PagedPlan
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def launch_guard_and_schedule(guard: PageGuard, schedule: PagedSchedule, num_blo
     )
 
 
-def prepare_guard_and_schedule(plan: "IndexerPlan") -> tuple[PageGuard, PagedSchedule]:
+def prepare_guard_and_schedule(plan: "PagedPlan") -> tuple[PageGuard, PagedSchedule]:
     """The Triton paged backend's per-batch state: one launch when the plan knows its pool size, else the
     schedule now and the guard at the first layer call (PageGuard.for_cache)."""
     guard = PageGuard.allocate(plan.context_lens, plan.block_table, plan.max_context_len, plan.error_flags)

@@ -12,7 +12,7 @@ from backends.shared.page_guard import PageGuard
 from backends.triton.paged_schedule import PagedSchedule
 
 if TYPE_CHECKING:
-    from dispatch.contract import IndexerPlan
+    from dispatch.contract import PagedPlan
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class TritonPagedState:
     schedule: PagedSchedule
 
 
-def prepare_triton_paged(plan: "IndexerPlan") -> TritonPagedState:
+def prepare_triton_paged(plan: "PagedPlan") -> TritonPagedState:
     """The guard over the plan's table and lens, and the schedule cut from its lens for the default config
     (the one every layer call of the plan runs): one launch where the plan knows its pool size."""
     return TritonPagedState(*prepare_guard_and_schedule(plan))

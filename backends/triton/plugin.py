@@ -24,7 +24,7 @@ TRITON_VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.CPU: Verified.CPU_TESTS} |
 }
 # e4m3fnuz is emulated bit-exactly through e4m3fn (CPU interpreter, H200); no AMD GPU ran it.
 FNUZ_VERIFIED = {Arch.GFX942: Verified.EMULATED, Arch.CPU: Verified.CPU_TESTS}
-# The ragged logits and the top-k ran on the H200 (tools/probe_prefill.py, tools/probe_topk.py) and the
+# The ragged logits and the top-k ran on the H200 (tools/probe_extend.py, tools/probe_topk.py) and the
 # interpreter; elsewhere they are portable Triton with no evidence from that arch.
 PORTABLE_VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.CPU: Verified.CPU_TESTS} | {
     arch: Verified.NOT_RUN for arch in (Arch.SM80, Arch.SM89, Arch.SM100, Arch.SM120, Arch.GFX942, Arch.GFX950)
@@ -213,7 +213,7 @@ def triton_key_gather(plan):
 
 
 def ragged_backends() -> list[Backend]:
-    """The ragged (prefill) logits kernel twice, as the paged one: `triton` reads OCP e4m3fn, `rocm.fnuz`
+    """The ragged (extend) logits kernel twice, as the paged one: `triton` reads OCP e4m3fn, `rocm.fnuz`
     e4m3fnuz (tl.float8e4b8 on gfx94x, emulated exactly through e4m3fn elsewhere)."""
     version = triton_version()
     return [

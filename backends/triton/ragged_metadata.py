@@ -1,4 +1,4 @@
-"""An extend batch's ragged metadata on a GPU in one launch: what dispatch.step.prefill.build_ragged_metadata's
+"""An extend batch's ragged metadata on a GPU in one launch: what dispatch.step.extend_batch.build_ragged_metadata's
 device path computes with ~50 torch ops (each a launch, 5-10 us of the H200 host's time), computed by one
 Triton kernel, value for value.
 

@@ -43,7 +43,7 @@ def int_list(high: int) -> Callable[[str], list[int]]:
     return parse
 
 
-def prefill_shapes(text: str) -> list[str]:
+def extend_shapes(text: str) -> list[str]:
     """`RxE+P,...`: R in 1..MAX_CLI_BATCH requests, E in 1..2^20 new tokens, P in 0..2^20 cached keys."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts or len(parts) > MAX_LIST:

@@ -8,13 +8,13 @@ import json
 import platform
 import sys
 
-from dispatch.bench.arguments import BATCH_SIZES, K, LENGTHS, NEXT_N, TOKENS, positive_int, prefill_shapes
+from dispatch.bench.arguments import BATCH_SIZES, K, LENGTHS, NEXT_N, TOKENS, positive_int, extend_shapes
 from dispatch.contract.key import Fp8Dtype, Op
 
 
-# M in {4K, 16K} query rows, S from 4K to 64K keys, several requests (issue 12's prefill shapes).
-PREFILL_SHAPES = ["4x1024+0", "2x2048+14336", "4x4096+0", "4x4096+12288"]
-QUICK_PREFILL_SHAPES = ["2x24+40"]
+# M in {4K, 16K} query rows, S from 4K to 64K keys, several requests (issue 12's extend shapes).
+EXTEND_SHAPES = ["4x1024+0", "2x2048+14336", "4x4096+0", "4x4096+12288"]
+QUICK_EXTEND_SHAPES = ["2x24+40"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,16 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost; "
                              "default: 64,512,16384)")
     parser.add_argument(
-        "--prefill-shapes",
-        type=prefill_shapes,
+        "--extend-shapes",
+        type=extend_shapes,
         default=None,
         metavar="RxE+P,...",
-        help="extend batches for ragged_mqa_logits and the prefill step: RxE+P is R requests of E new tokens "
-        "after P cached keys (M = R*E query rows, S = R*(P+E) keys); default " + ",".join(PREFILL_SHAPES)
-        + " (--quick: " + ",".join(QUICK_PREFILL_SHAPES) + ")",
+        help="extend batches for ragged_mqa_logits and the extend step: RxE+P is R requests of E new tokens "
+        "after P cached keys (M = R*E query rows, S = R*(P+E) keys); default " + ",".join(EXTEND_SHAPES)
+        + " (--quick: " + ",".join(QUICK_EXTEND_SHAPES) + ")",
     )
     parser.add_argument("--logits-budget", type=positive_int(1 << 40), default=None, metavar="BYTES",
-                        help="the prefill step's logits byte budget (default: dispatch.step.prefill's, 512 MiB)")
+                        help="the extend step's logits byte budget (default: dispatch.step.extend_batch's, 512 MiB)")
     parser.add_argument("--heads", type=positive_int(1024), default=64,
                         help="indexer heads H, 1 to 1024 (default: %(default)s)")
     parser.add_argument("--head-dim", type=positive_int(1024), default=128,
@@ -76,10 +76,10 @@ def _cpu_note() -> None:
 
 def job_table() -> dict:
     """op -> jobs(BenchRun): every runner module's JOBS, one row per op of OP_CONTRACTS."""
-    from dispatch.bench import prefill_runner, runner
+    from dispatch.bench import extend_runner, runner
     from dispatch.contract.ops import OP_CONTRACTS
 
-    table = {**runner.JOBS, **prefill_runner.JOBS}
+    table = {**runner.JOBS, **extend_runner.JOBS}
     missing = [op.value for op in OP_CONTRACTS if op not in table]
     assert not missing, f"every op needs a way to be measured: no JOBS row for {missing}"
     return {op: table[op] for op in OP_CONTRACTS}
@@ -91,16 +91,16 @@ def run_bench(args: argparse.Namespace) -> int:
     from dispatch.bench.ceilings import measure_ceilings
     from dispatch.bench.runner import dispatch_overhead
     from dispatch.bench.workload import BenchRun, LogitsShape, QuantShape, RaggedShape
-    from dispatch.step.prefill import DEFAULT_LOGITS_BYTES
+    from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES
     from dispatch.contract.detect import platform_fp8_dtype
     from dispatch.deciding.runtime import load_dispatcher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.batch_sizes, args.lengths, args.tokens, args.repeats = [2], [256], [64], min(args.repeats, 3)
-        args.prefill_shapes = args.prefill_shapes or QUICK_PREFILL_SHAPES
+        args.extend_shapes = args.extend_shapes or QUICK_EXTEND_SHAPES
         args.k = [min(k, 64) for k in args.k]
-    args.prefill_shapes = args.prefill_shapes or PREFILL_SHAPES
+    args.extend_shapes = args.extend_shapes or EXTEND_SHAPES
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
@@ -117,7 +117,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for length in args.lengths
         for next_n in args.next_n
     ]
-    ragged_shapes = [RaggedShape.parse(text, args.heads, args.head_dim) for text in args.prefill_shapes]
+    ragged_shapes = [RaggedShape.parse(text, args.heads, args.head_dim) for text in args.extend_shapes]
     budget = DEFAULT_LOGITS_BYTES if args.logits_budget is None else args.logits_budget
     run = BenchRun(dispatcher, fp8, device, ceilings, args.repeats, wanted, tolerance,
                    [QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens], logits_shapes,

@@ -24,7 +24,7 @@ from dispatch.contract.calling import call_backend
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.contract.ops import paged_mqa_logits, topk
-from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.step.paged_plan import PagedBatch, build_plan
 from dispatch.contract.rope import RopeSpec
 
 L2_BYTES = 60 << 20  # H200; only sizes how many input sets to rotate through
@@ -139,7 +139,7 @@ def bench_logits(
 
 
 def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_dtype: Fp8Dtype, op: Op = Op.PAGED_MQA_LOGITS):
-    batch = ForwardBatch(
+    batch = PagedBatch(
         seq_lens=inputs.seq_lens,
         page_table=inputs.page_table,
         max_seq_len=max(inputs.seq_lens_host),
@@ -244,7 +244,7 @@ def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 
     dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
     loops = 10000
     decide_s = time_host(lambda: [dispatcher.decide(Op.PAGED_MQA_LOGITS, key) for _ in range(loops)], repeats=5) / loops
-    batch = ForwardBatch(
+    batch = PagedBatch(
         seq_lens=torch.full((batch_size,), 4096, dtype=torch.int32, device=device),
         page_table=torch.zeros(batch_size, 64, dtype=torch.int32, device=device),
         max_seq_len=4096,

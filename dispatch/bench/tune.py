@@ -2,7 +2,7 @@
 eligible backend of every op against the reference and time it (the bench's own runners), then write
 the cluster's measured overlay: per op and key, the backends fastest first, with the evidence.
 
-Keys: each forward mode's own ops (dispatch.step.plan.ops_for). Paged keys by next_n: 1 is `decode`; next_n
+Keys: each forward mode's own ops (dispatch.step.paged_plan.ops_for). Paged keys by next_n: 1 is `decode`; next_n
 > 1 is `target_verify` and `draft_extend`, which hand the kernels the same tensors, so one measurement
 serves both (a mode whose eligible backends differ is left to the rules). Q quant's time depends on
 its token count alone, so its measurement at the workload's token counts serves every paged key. The
@@ -101,7 +101,7 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
 
     from dispatch.bench.extend_tune import measure_extend
     from dispatch.contract.detect import platform_fp8_dtype
-    from dispatch.step.plan import PAGED_STEP_OPS
+    from dispatch.step.paged_plan import PAGED_STEP_OPS
     from dispatch.registry.measured import parse_measured
 
     name = dispatcher.cluster

@@ -118,7 +118,7 @@ def topk_floor_bytes(lengths: list[int], next_n: int, k: int) -> float:
 
 @dataclass(frozen=True)
 class RaggedShape:
-    """An extend (prefill) batch: `requests` requests of `extend` new tokens after `prefix` cached keys
+    """An extend batch: `requests` requests of `extend` new tokens after `prefix` cached keys
     each, so M = requests * extend query rows and S = requests * (prefix + extend) gathered keys."""
 
     requests: int
@@ -151,7 +151,7 @@ class RaggedShape:
 
 @dataclass(frozen=True)
 class RaggedInputs:
-    batch: "ExtendBatch"  # noqa: F821 (dispatch.step.prefill; imported where built)
+    batch: "ExtendBatch"  # noqa: F821 (dispatch.step.extend_batch; imported where built)
     kv_cache: torch.Tensor  # uint8 [num_blocks, BLOCK_KV, 1, D + 4]
     q: torch.Tensor  # bf16 [M, H, D], before quantisation (the step's input)
     weights: torch.Tensor  # fp32 [M, H]
@@ -161,7 +161,7 @@ class RaggedInputs:
 
 def ragged_inputs(shape: RaggedShape, fp8_dtype: Fp8Dtype, device: str, seed: int) -> RaggedInputs:
     """One extend batch on `device`: every request's keys quantised into shuffled pages, bf16 q."""
-    from dispatch.step.prefill import ExtendBatch
+    from dispatch.step.extend_batch import ExtendBatch
 
     on = torch.Generator(device=device).manual_seed(seed)
     total = shape.prefix + shape.extend

@@ -141,7 +141,7 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                               "total length L, drafts included, each at least next-n (e.g. 130,64,7); at most "
                               f"{MAX_CLI_BATCH} requests of at most {MAX_CLI_SEQ_LEN} tokens")
     explain.add_argument("--extend-lens", type=_extend_lens, metavar="E,E,...",
-                         help="explain an extend (prefill) batch's plan, --forward-mode extend implied: each "
+                         help="explain an extend batch's plan, --forward-mode extend implied: each "
                               "request's new tokens E, scored after its --prefix-lens cached keys (e.g. 100,3,700)")
     explain.add_argument("--prefix-lens", type=_prefix_lens, metavar="P,P,...",
                          help="with --extend-lens: each request's keys already cached "
@@ -204,7 +204,7 @@ def _seq_lens(text: str, option: str = "--seq-lens") -> list[int]:
     parts = text.split(",")
     if len(parts) > MAX_CLI_BATCH:
         raise argparse.ArgumentTypeError(f"{option} lists {len(parts)} requests; at most {MAX_CLI_BATCH}")
-    # Only the upper bound here: a length below next_n is ForwardBatch's to refuse, naming the request.
+    # Only the upper bound here: a length below next_n is PagedBatch's to refuse, naming the request.
     lens = [_bounded(part.strip(), f"a {option} length", MAX_CLI_SEQ_LEN, low=None) for part in parts]
     if len(lens) * max(lens) > MAX_CLI_PLAN_TOKENS:
         raise argparse.ArgumentTypeError(
@@ -264,7 +264,7 @@ def _explain(args: argparse.Namespace) -> int:
     from dispatch.cli.explain import explain
     from dispatch.deciding.gpus import find_gpu
     from dispatch.contract.key import DispatchKey
-    from dispatch.step.plan import ops_for
+    from dispatch.step.paged_plan import ops_for
     from dispatch.deciding.runtime import load_dispatcher
 
     gpu = find_gpu(args.gpu) if args.gpu else None
@@ -340,8 +340,8 @@ def _explain_extend_plan(dispatcher, key, extend_lens: list[int], prefix_lens: l
     ragged metadata shapes and chunks."""
     from dispatch.contract.paged_cache import page_table_for
     from dispatch.cli.explain import decision_text
-    from dispatch.step.extend import build_extend_plan
-    from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
+    from dispatch.step.extend_plan import build_extend_plan
+    from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, ExtendBatch
 
     prefix = prefix_lens or [0] * len(extend_lens)
     if len(prefix) != len(extend_lens):

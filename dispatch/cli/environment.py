@@ -28,7 +28,7 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("VLLM_PLUGINS", "`dispatch/engines/vllm/plugin.py` (and vLLM)",
      "vLLM's plugin allowlist, comma-separated: dispatch's vLLM plugin is on only when it names `dispatch` "
      "(unset: vLLM loads every plugin, and this one stays off); docs/engines/vllm.md"),
-    ("OUT", "`tools/tune_*.py`, `tools/probe_prefill.py`",
+    ("OUT", "`tools/tune_*.py`, `tools/probe_extend.py`",
      "where the tuners write their results (default: the current folder; the probe writes nothing without it)"),
     ("SGLANG_PLUGINS", "`dispatch/engines/sglang/__init__.py` (and SGLang)",
      "SGLang's plugin allowlist: naming `dispatch` routes SGLang's DSA indexer through dispatch; unset or "

@@ -18,7 +18,7 @@ from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.key import DispatchKey, Op
 
 if TYPE_CHECKING:
-    from dispatch.step.plan import IndexerPlan
+    from dispatch.step.paged_plan import PagedPlan
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Explanation:
 
     dispatcher: Dispatcher
     decisions: tuple[Decision, ...]
-    plan: "IndexerPlan | None" = None
+    plan: "PagedPlan | None" = None
 
     def as_dict(self) -> dict[str, Any]:
         """{"decisions": [decision, ...], "plan": {...} or null}: one shape for one op, all ops, or a batch."""
@@ -63,22 +63,22 @@ def explain(
     cannot occur, NoBackendError when no backend fits."""
     if seq_lens is None:
         return Explanation(dispatcher, tuple(dispatcher.decide(Op(op), key) for op in ops))
-    from dispatch.step.plan import build_plan
+    from dispatch.step.paged_plan import build_plan
 
     plan = build_plan(dispatcher, example_batch(seq_lens, key), kv_fp8_dtype=key.fp8_dtype, arch=key.arch, prepare=False)
     return Explanation(dispatcher, tuple(plan.decisions.values()), plan)
 
 
 def example_batch(seq_lens: Sequence[int], key: DispatchKey):
-    """A ForwardBatch on the CPU for these lengths: pages numbered in request order."""
+    """A PagedBatch on the CPU for these lengths: pages numbered in request order."""
     import torch
 
     from dispatch.contract.paged_cache import page_table_for
-    from dispatch.step.plan import ForwardBatch
+    from dispatch.step.paged_plan import PagedBatch
 
     lengths = list(seq_lens)
     table = page_table_for(lengths)
-    return ForwardBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths, default=0), key.forward_mode, key.next_n)
+    return PagedBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths, default=0), key.forward_mode, key.next_n)
 
 
 def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:

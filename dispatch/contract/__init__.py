@@ -93,11 +93,11 @@ _LAZY = {
     "pages_of": "dispatch.contract.paged_cache",
     # The plan types a backend reads, defined where the step builds them (the one upward reference of
     # the contract, by name only: tests/contract/test_layering.py lists it).
-    "IndexerPlan": "dispatch.step.plan",
-    "ExtendPlan": "dispatch.step.extend",
-    "ExtendBatch": "dispatch.step.prefill",
-    "RaggedMetadata": "dispatch.step.prefill",
-    "HostRanges": "dispatch.step.prefill",
+    "PagedPlan": "dispatch.step.paged_plan",
+    "ExtendPlan": "dispatch.step.extend_plan",
+    "ExtendBatch": "dispatch.step.extend_batch",
+    "RaggedMetadata": "dispatch.step.extend_batch",
+    "HostRanges": "dispatch.step.extend_batch",
 }
 
 

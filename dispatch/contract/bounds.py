@@ -3,9 +3,9 @@ tensors they index, and the plan's error flags that carry a fault to the engine.
 
 On the device a backend never dereferences a bad index: it poisons the rows that would have used it
 with NaN and ORs one of the bits below into the plan's int32 `error_flags` tensor, which the engine
-reads at a sync it makes anyway (`IndexerPlan.check_errors`). Pages and lengths are per batch, so their
+reads at a sync it makes anyway (`PagedPlan.check_errors`). Pages and lengths are per batch, so their
 device check runs once per batch, in the logits backend's prepare (backends/shared/page_guard.py),
-against the pool size the engine gives the plan (ForwardBatch.num_kv_blocks) or, failing that, the
+against the pool size the engine gives the plan (PagedBatch.num_kv_blocks) or, failing that, the
 first layer's cache; positions are checked by each Q-quant call. Where a check is free (the torch
 references, or DISPATCH_DEBUG_BOUNDS=1, which syncs), the same fault raises IndexBoundsError at once,
 naming the row, token, index and bound.

@@ -22,7 +22,7 @@ class NoBackendError(DispatchError):
 
 
 class InvalidBatchError(DispatchError, ValueError):
-    """A ForwardBatch that cannot occur: names the field, and the request when one request is at fault."""
+    """A PagedBatch that cannot occur: names the field, and the request when one request is at fault."""
 
 
 class LayoutError(DispatchError, ValueError):

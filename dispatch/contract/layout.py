@@ -15,7 +15,7 @@ class Layout(str, enum.Enum):
     TOKENS = "tokens"
     # top-k works on logits rows: logits [rows, W], visible lengths [rows] (request-major tokens).
     ROWS = "rows"
-    # ragged (prefill) logits: q [M, H, D] against one contiguous k [S, D], row m seeing keys [ks[m], ke[m]).
+    # ragged (extend) logits: q [M, H, D] against one contiguous k [S, D], row m seeing keys [ks[m], ke[m]).
     RAGGED = "ragged"
 
     def describe(self) -> str:

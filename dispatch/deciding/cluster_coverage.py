@@ -13,7 +13,7 @@ from dispatch.registry.reading import dotted
 
 
 def decided_in(mode: ForwardMode) -> tuple[Op, ...]:
-    """The ops a batch of `mode` decides: dispatch.step.plan.ops_for's answer, restated because dispatch.step.plan
+    """The ops a batch of `mode` decides: dispatch.step.paged_plan.ops_for's answer, restated because dispatch.step.paged_plan
     imports torch and `validate` must not (tests/cli/test_validate_command.py checks the two agree)."""
     logits = Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS
     return (Op.INDEXER_Q_QUANT, logits, Op.TOPK)

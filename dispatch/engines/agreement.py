@@ -9,12 +9,12 @@ from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.errors import DispatchError, RankDisagreementError
 from dispatch.contract.limits import MAX_MESSAGE_CHARS
 from dispatch.contract.key import DispatchKey
-from dispatch.step.plan import ops_for
+from dispatch.step.paged_plan import ops_for
 
 
 def summary(dispatcher: Dispatcher, keys: Iterable[DispatchKey]) -> dict[str, str]:
     """What must agree, as flat fields: the registry fingerprint and the choice for each key of every op
-    its step runs (dispatch.step.plan.ops_for: extend keys the ragged step, the others the paged one)."""
+    its step runs (dispatch.step.paged_plan.ops_for: extend keys the ragged step, the others the paged one)."""
     fields = {"registry_fingerprint": dispatcher.fingerprint, "cluster": str(dispatcher.cluster)}
     for key in keys:
         for op in ops_for(key.forward_mode):

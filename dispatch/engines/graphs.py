@@ -10,7 +10,7 @@ import torch
 
 from dispatch.contract.errors import GraphMismatchError
 from dispatch.engines.indexer_step import IndexerStep
-from dispatch.step.plan import ForwardBatch, IndexerPlan, build_plan
+from dispatch.step.paged_plan import PagedBatch, PagedPlan, build_plan
 
 
 @dataclass
@@ -25,16 +25,16 @@ class StaticInputs:
 
 
 class CapturedIndexerStep:
-    def __init__(self, step: IndexerStep, batch: ForwardBatch, inputs: StaticInputs, *, warmup: int = 2) -> None:
+    def __init__(self, step: IndexerStep, batch: PagedBatch, inputs: StaticInputs, *, warmup: int = 2) -> None:
         """Capture step.select for this batch's shape. batch.max_seq_len is the bound every replayed
         batch must stay within (the logits width is part of the graph)."""
-        if not isinstance(batch, ForwardBatch):
+        if not isinstance(batch, PagedBatch):
             raise GraphMismatchError(
-                f"CapturedIndexerStep captures paged batches (ForwardBatch); got {type(batch).__name__}: extend "
-                "(prefill) batches change shape every batch and run eagerly"
+                f"CapturedIndexerStep captures paged batches (PagedBatch); got {type(batch).__name__}: extend "
+                "(extend) batches change shape every batch and run eagerly"
             )
         self.step = step
-        self.plan: IndexerPlan = step.plan(batch)
+        self.plan: PagedPlan = step.plan(batch)
         self.inputs = inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -50,7 +50,7 @@ class CapturedIndexerStep:
         i = self.inputs
         return self.step.select(self.plan, i.q, i.weights, i.positions, i.cos_sin_cache, i.kv_cache)
 
-    def update(self, batch: ForwardBatch) -> None:
+    def update(self, batch: PagedBatch) -> None:
         """Write a new batch's lengths and pages into the captured plan's tensors, in place; all or
         nothing: a refused batch (GraphMismatchError, or any error of a backend's refresh) leaves the
         captured plan as it was, so the next replay answers for the previous batch, not a mix."""
@@ -66,7 +66,7 @@ class CapturedIndexerStep:
         return self.output
 
 
-def refresh_captured_plan(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerPlan) -> None:
+def refresh_captured_plan(captured: PagedPlan, batch: PagedBatch, fresh: PagedPlan) -> None:
     """Write `fresh` (the plan `batch` gets afresh) into a captured plan's tensors in place, so a graph
     that reads them replays the new batch. All or nothing: GraphMismatchError before anything is
     written, and a backend's refresh that raises puts the previous batch back."""
@@ -85,7 +85,7 @@ def refresh_captured_plan(captured: IndexerPlan, batch: ForwardBatch, fresh: Ind
         raise
 
 
-def _write(captured: IndexerPlan, fresh: IndexerPlan, width: int) -> None:
+def _write(captured: PagedPlan, fresh: PagedPlan, width: int) -> None:
     # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
     captured.context_lens.copy_(fresh.context_lens)
     captured.block_table[:, :width].copy_(fresh.block_table)
@@ -95,14 +95,14 @@ def _write(captured: IndexerPlan, fresh: IndexerPlan, width: int) -> None:
         captured.decision(op).impl.refresh_state(state, fresh.state_of(op))
 
 
-def check_replayable(captured: IndexerPlan, batch: ForwardBatch, fresh: IndexerPlan) -> None:
+def check_replayable(captured: PagedPlan, batch: PagedBatch, fresh: PagedPlan) -> None:
     """Raise GraphMismatchError unless `batch` (planned afresh as `fresh`) can replay a graph captured
     with `captured`: same shapes, within the captured bounds, and the same decision for every op."""
     check_fits_capture(captured, batch)
     _check_same_decisions(captured, fresh)
 
 
-def check_fits_capture(captured: IndexerPlan, batch: ForwardBatch) -> None:
+def check_fits_capture(captured: PagedPlan, batch: PagedBatch) -> None:
     """Raise GraphMismatchError unless `batch` has the captured shapes and stays within its bounds."""
     if batch.seq_lens.shape[0] != captured.batch_size or batch.next_n != captured.next_n:
         raise GraphMismatchError(
@@ -125,7 +125,7 @@ def check_fits_capture(captured: IndexerPlan, batch: ForwardBatch) -> None:
         )
 
 
-def _check_same_decisions(captured: IndexerPlan, fresh: IndexerPlan) -> None:
+def _check_same_decisions(captured: PagedPlan, fresh: PagedPlan) -> None:
     for op, then in captured.decisions.items():
         now = fresh.decision(op)
         if (now.backend, now.layout) != (then.backend, then.layout):

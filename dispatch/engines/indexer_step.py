@@ -1,9 +1,9 @@
 """The indexer step as a serving engine calls it, shaped like SGLang's init_forward_metadata /
 _get_topk_paged pair: `plan` once per batch, then `select` in every layer (Q quant, logits, top-k).
 
-Paged batches (decode, target_verify, draft_extend: a ForwardBatch) score the paged cache; extend
-(prefill) batches (an ExtendBatch) gather their keys and score them ragged, chunked to a logits byte
-budget (dispatch/step/extend.py). The same pair serves both; the plan says which step runs."""
+Paged batches (decode, target_verify, draft_extend: a PagedBatch) score the paged cache; extend
+(extend) batches (an ExtendBatch) gather their keys and score them ragged, chunked to a logits byte
+budget (dispatch/step/extend_plan.py). The same pair serves both; the plan says which step runs."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ import torch
 
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.errors import LayoutError
-from dispatch.step.extend import ExtendPlan, build_extend_plan
+from dispatch.step.extend_plan import ExtendPlan, build_extend_plan
 from dispatch.contract.key import Fp8Dtype
 from dispatch.contract.ops import gather_keys, indexer_q_quant, paged_mqa_logits, ragged_mqa_logits, topk, topk_rows
-from dispatch.step.plan import ForwardBatch, IndexerPlan, build_plan
-from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
+from dispatch.step.paged_plan import PagedBatch, PagedPlan, build_plan
+from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, ExtendBatch
 from dispatch.contract.rope import RopeSpec
 
 DEFAULT_INDEX_TOPK = 2048
 
 
-def check_paged_q(plan: IndexerPlan, q: torch.Tensor) -> None:
+def check_paged_q(plan: PagedPlan, q: torch.Tensor) -> None:
     """An engine holding q as [B, N, H, D] would otherwise meet an opaque torch error deep inside the
     Q-quant backend (wrapped in a BackendError); say here which tensor is wrong and what is expected."""
     tokens = plan.batch_size * plan.next_n
@@ -50,7 +50,7 @@ class IndexerStep:
     # Extend batches: each chunk's fp32 logits [rows, keys] stay under this many bytes (vLLM's default).
     logits_byte_budget: int = DEFAULT_LOGITS_BYTES
 
-    def plan(self, batch: ForwardBatch | ExtendBatch) -> IndexerPlan | ExtendPlan:
+    def plan(self, batch: PagedBatch | ExtendBatch) -> PagedPlan | ExtendPlan:
         """Once per batch: decide, and build the decided layout's tensors (no host-device sync). An
         ExtendBatch gets an ExtendPlan: the ragged step's decisions, metadata and chunks."""
         if isinstance(batch, ExtendBatch):
@@ -61,7 +61,7 @@ class IndexerStep:
 
     def select(
         self,
-        plan: IndexerPlan | ExtendPlan,
+        plan: PagedPlan | ExtendPlan,
         q: torch.Tensor,
         weights: torch.Tensor,
         positions: torch.Tensor,
@@ -83,7 +83,7 @@ class IndexerStep:
         return self.select_quantised(plan, q_fp8, folded, kv_cache)
 
     def select_quantised(
-        self, plan: IndexerPlan | ExtendPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor
+        self, plan: PagedPlan | ExtendPlan, q_fp8: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         """`select` for a Q the engine has already quantised (SGLang rotates Q by a Hadamard transform
         between RoPE and its quantiser; vLLM hands its op fp8 Q): q_fp8 [T, H, D] in the plan's fp8 dtype

@@ -166,7 +166,7 @@ class Workload(Strict):
     fp8_dtype: Fp8Dtype | None = None  # default: the platform's
     tokens: _bounded(MAX_CLI_SEQ_LEN) = (64, 512, 16384)  # token counts for indexer_q_quant
     k: _bounded(MAX_CLI_SEQ_LEN) = (2048,)  # keys kept per token, for topk
-    # Extend (prefill) batches, every combination: R requests of E new tokens after P cached keys each,
+    # Extend batches, every combination: R requests of E new tokens after P cached keys each,
     # M = R*E query rows over S = R*(P+E) gathered keys (chunked prefill and prefix caching give P > 0).
     extend_requests: _bounded(MAX_CLI_BATCH) = (4,)
     extend_lens: _bounded(MAX_CLI_SEQ_LEN) = (1024, 4096)

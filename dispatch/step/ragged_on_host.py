@@ -41,9 +41,9 @@ def _arange(count: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def ragged_fields_on_host(batch, slot_bases: torch.Tensor) -> dict:
-    """The RaggedMetadata fields of an ExtendBatch (dispatch/step/prefill.py, which builds the metadata
+    """The RaggedMetadata fields of an ExtendBatch (dispatch/step/extend_batch.py, which builds the metadata
     from them; this module imports nothing of it) whose lengths were checked on this host.
-    `slot_bases`: dispatch.step.prefill._slot_bases(batch, None), int32 [B, P + 1]."""
+    `slot_bases`: dispatch.step.extend_batch._slot_bases(batch, None), int32 [B, P + 1]."""
     requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)

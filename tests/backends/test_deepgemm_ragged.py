@@ -1,4 +1,4 @@
-"""The DeepGEMM ragged (prefill) logits adapter against the recording stand-in: the exact arguments
+"""The DeepGEMM ragged (extend) logits adapter against the recording stand-in: the exact arguments
 per API generation, -inf outside each row's range, and what it refuses before the extension would."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as 
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.key import Fp8Dtype
 from tests.support.fake_deep_gemm import FakeDeepGemm
-from tests.support.prefill_batch import prefill_case
+from tests.support.extend_batch import extend_case
 
 
 def inputs(seed=0):
-    case = prefill_case([70, 0, 5], [6, 40, 1], seed=seed)
+    case = extend_case([70, 0, 5], [6, 40, 1], seed=seed)
     k, scales = case.gathered()
     return case.q, k, scales, case.weights, case.metadata.ks, case.metadata.ke
 
@@ -64,7 +64,7 @@ def test_missing_ragged_symbols():
 def test_refuses_what_the_extension_would_assert_on():
     fake = FakeDeepGemm("fp8_fp4")
     q, k, scales, weights, ks, ke = inputs(3)
-    fnuz = prefill_case([10], [4], fp8_dtype=Fp8Dtype.E4M3FNUZ, seed=3)
+    fnuz = extend_case([10], [4], fp8_dtype=Fp8Dtype.E4M3FNUZ, seed=3)
     with pytest.raises(DtypeMismatchError, match="e4m3fn only"):
         launch_ragged_mqa_logits(fake, fnuz.q, *fnuz.gathered(), fnuz.weights, fnuz.metadata.ks, fnuz.metadata.ke)
     with pytest.raises(LayoutError, match="contiguous q"):
@@ -111,7 +111,7 @@ def test_the_extend_step_through_deepgemm_sm90_with_the_stand_in():
     dispatcher = Dispatcher(base.document, Catalog.of(backends), cluster=None, target_arch=Arch.SM90,
                             check_availability=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton gather and Q quant: compiled or interpreted
-    case = prefill_case([70, 0, 5], [6, 40, 1], heads=32, head_dim=64, seed=4, device=device)
+    case = extend_case([70, 0, 5], [6, 40, 1], heads=32, head_dim=64, seed=4, device=device)
     step = IndexerStep(dispatcher, kv_fp8_dtype=Fp8Dtype.E4M3FN, index_topk=40, logits_byte_budget=4 * 2000, **SETTINGS)
     plan = step.plan(case.batch)
     assert plan.ragged_logits.backend == "deepgemm.sm90" and plan.ragged_logits.rule == "sm90-deepgemm-ragged"

@@ -20,7 +20,7 @@ from backends.vllm_topk.plugin import vllm_topk_backends
 from dispatch.contract.errors import LayoutError, UnservedCallError
 from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.contract.ops import topk as topk_through_plan
-from dispatch.step.plan import IndexerPlan, layout_tensors, page_rows
+from dispatch.step.paged_plan import PagedPlan, layout_tensors, page_rows
 from tests.support.fake_engine_topk import FakeSglangV2, FakeSglKernel, FakeVllmOps
 from tests.support.plans import decision_for
 
@@ -178,7 +178,7 @@ def plan_with_topk(topk_backend, seq_lens, *, next_n, max_seq_len=None):
     context_lens, block_table = layout_tensors(logits_backend.layout, seq_lens, page_table, next_n)
     decisions = {op: decision_for(logits_backend, key) for op in Op}
     decisions[Op.TOPK] = decision_for(topk_backend, key)
-    plan = IndexerPlan(key=key, decisions=decisions, batch_size=seq_lens.shape[0], next_n=next_n,
+    plan = PagedPlan(key=key, decisions=decisions, batch_size=seq_lens.shape[0], next_n=next_n,
                        context_lens=context_lens, block_table=block_table,
                        max_context_len=int(seq_lens.max()) if max_seq_len is None else max_seq_len,
                        page_rows=page_rows(logits_backend.layout, seq_lens.shape[0], next_n, seq_lens.device))
@@ -241,7 +241,7 @@ def test_vllm_kernels_get_per_row_lengths_the_width_as_bound_and_a_workspace():
     assert (k, bound) == (2048, 2500) and workspace.numel() == 1024 * 1024 and not workspace.any()
 
 
-def test_per_row_prefill_gets_row_starts_and_ends():
+def test_per_row_extend_gets_row_starts_and_ends():
     backends, calls = engine_backends()
     logits = torch.randn(2, 500)
     starts, lengths = torch.tensor([3, 100], dtype=torch.int32), torch.tensor([400, 50], dtype=torch.int32)

@@ -12,7 +12,7 @@ from backends.reference.kv_gather import reference_gather_keys as reference_gath
 from backends.shared.kv_gather import triton_gather_keys
 from dispatch.contract.errors import LayoutError
 from dispatch.contract.key import Fp8Dtype
-from tests.support.prefill_batch import prefill_case
+from tests.support.extend_batch import extend_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [([0], [5]), ([100, 0, 64], [1, 30, 1]), ([63, 129], [2, 127])]
@@ -25,7 +25,7 @@ def flag():
 @pytest.mark.parametrize("fp8_dtype", list(Fp8Dtype))
 @pytest.mark.parametrize("prefix_lens,extend_lens", CASES)
 def test_reference_returns_each_requests_keys_in_order(prefix_lens, extend_lens, fp8_dtype):
-    case = prefill_case(prefix_lens, extend_lens, fp8_dtype=fp8_dtype, seed=1)
+    case = extend_case(prefix_lens, extend_lens, fp8_dtype=fp8_dtype, seed=1)
     k, scales = case.gathered()
     values, expected_scales = quantize_keys(torch.cat(case.keys), fp8_dtype)
     assert torch.equal(k.view(torch.uint8), values.view(torch.uint8))
@@ -35,7 +35,7 @@ def test_reference_returns_each_requests_keys_in_order(prefix_lens, extend_lens,
 @pytest.mark.parametrize("fp8_dtype", list(Fp8Dtype))
 @pytest.mark.parametrize("prefix_lens,extend_lens", CASES)
 def test_kernel_matches_reference_bytes(prefix_lens, extend_lens, fp8_dtype):
-    case = prefill_case(prefix_lens, extend_lens, fp8_dtype=fp8_dtype, device=DEVICE, seed=2)
+    case = extend_case(prefix_lens, extend_lens, fp8_dtype=fp8_dtype, device=DEVICE, seed=2)
     error = flag()
     k, scales = triton_gather_keys(case.kv_cache, case.metadata.gather_slots, error, fp8_dtype)
     ref_k, ref_scales = case.gathered()
@@ -46,7 +46,7 @@ def test_kernel_matches_reference_bytes(prefix_lens, extend_lens, fp8_dtype):
 
 
 def test_any_slot_order_and_preallocated_outputs():
-    case = prefill_case([200], [56], device=DEVICE, seed=3)
+    case = extend_case([200], [56], device=DEVICE, seed=3)
     num_slots = case.kv_cache.shape[0] * 64
     slots = torch.randint(0, num_slots, (300,), dtype=torch.int32).to(DEVICE)
     k_out = torch.empty(300, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
@@ -60,7 +60,7 @@ def test_any_slot_order_and_preallocated_outputs():
 
 @pytest.mark.parametrize("bad", [-1, "num_slots", 1 << 30, -(1 << 31)])
 def test_bad_slot_is_poisoned_and_flagged_never_read(bad):
-    case = prefill_case([30, 70], [4, 6], device=DEVICE, seed=4)
+    case = extend_case([30, 70], [4, 6], device=DEVICE, seed=4)
     num_slots = case.kv_cache.shape[0] * 64
     slots = case.metadata.gather_slots.clone()
     position = 40  # request 1's key 6
@@ -79,7 +79,7 @@ def test_bad_slot_is_poisoned_and_flagged_never_read(bad):
 
 def test_flag_is_only_ever_set():
     """Several bad slots in several programs leave the flag at 1; a clean gather does not clear it."""
-    case = prefill_case([300], [10], device=DEVICE, seed=5)
+    case = extend_case([300], [10], device=DEVICE, seed=5)
     slots = case.metadata.gather_slots.clone()
     slots[::50] = -7
     error = flag()
@@ -91,8 +91,8 @@ def test_flag_is_only_ever_set():
 
 def test_page_table_too_short_is_a_bad_slot():
     """Keys past the page table's width get slot -1 from the metadata: the gather flags them."""
-    case = prefill_case([100], [28], device=DEVICE, seed=6)
-    from dispatch.step.prefill import ExtendBatch, build_ragged_metadata
+    case = extend_case([100], [28], device=DEVICE, seed=6)
+    from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 
     narrow = ExtendBatch(prefix_lens=case.batch.prefix_lens, extend_lens=case.batch.extend_lens,
                          page_table=case.batch.page_table[:, :1].contiguous(), total_tokens=28, total_keys=128)
@@ -106,7 +106,7 @@ def test_page_table_too_short_is_a_bad_slot():
 
 
 def test_wrapper_rejects_bad_tensors():
-    case = prefill_case([10], [5], device=DEVICE, seed=7)
+    case = extend_case([10], [5], device=DEVICE, seed=7)
     slots = case.metadata.gather_slots
     with pytest.raises(LayoutError, match="slots"):
         triton_gather_keys(case.kv_cache, slots.long(), flag())
@@ -119,14 +119,14 @@ def test_wrapper_rejects_bad_tensors():
 
 
 def test_empty_gather():
-    case = prefill_case([10], [5], device=DEVICE, seed=8)
+    case = extend_case([10], [5], device=DEVICE, seed=8)
     k, scales = triton_gather_keys(case.kv_cache, torch.zeros(0, dtype=torch.int32, device=DEVICE), flag())
     assert k.shape == (0, 128) and scales.shape == (0,)
 
 
 @pytest.mark.gpu
-def test_prefill_shape_on_gpu():
-    case = prefill_case([15000, 30000, 0], [1024, 4096, 2048], device="cuda", seed=9)
+def test_extend_shape_on_gpu():
+    case = extend_case([15000, 30000, 0], [1024, 4096, 2048], device="cuda", seed=9)
     error = flag()
     k, scales = triton_gather_keys(case.kv_cache, case.metadata.gather_slots, error)
     ref_k, ref_scales = case.gathered()

@@ -10,7 +10,7 @@ from backends.reference.q_quant import reference_indexer_q_quant
 from dispatch.contract.errors import DtypeMismatchError, InvalidKeyError, RegistryError
 from dispatch.contract.key import DispatchKey, ForwardMode, Op
 from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits
-from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.step.paged_plan import PagedBatch, build_plan
 from dispatch.registry import parse_registry
 from dispatch.contract.rope import RopeSpec
 from dispatch.deciding.runtime import load_dispatcher
@@ -23,7 +23,7 @@ def _batch(generator, lengths=(40, 129, 7)):
     cache, table = build_paged_kv_cache(
         [torch.randn(n, D, generator=generator) for n in lengths], "e4m3fnuz", generator=generator
     )
-    batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths), ForwardMode.TARGET_VERIFY, 2)
+    batch = PagedBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths), ForwardMode.TARGET_VERIFY, 2)
     tokens = len(lengths) * 2
     inputs = dict(
         q=(torch.randn(tokens, H, D, generator=generator) * 300).to(torch.bfloat16),
@@ -86,14 +86,14 @@ def test_keys_and_rules_that_pair_the_wrong_dtype_with_gfx942_are_rejected():
 
 
 def _extend_case(seed):
-    from tests.support.prefill_batch import prefill_case
+    from tests.support.extend_batch import extend_case
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton gather: compiled or interpreted
-    return prefill_case([40, 0, 7], [5, 30, 1], heads=H, head_dim=D, fp8_dtype="e4m3fnuz", seed=seed, device=device)
+    return extend_case([40, 0, 7], [5, 30, 1], heads=H, head_dim=D, fp8_dtype="e4m3fnuz", seed=seed, device=device)
 
 
 def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
-    from dispatch.step.extend import build_extend_plan
+    from dispatch.step.extend_plan import build_extend_plan
 
     dispatcher = load_dispatcher(arch="gfx942")  # a what-if on this machine
     plan = build_extend_plan(dispatcher, _extend_case(3).batch, kv_fp8_dtype=torch.float8_e4m3fnuz)
@@ -108,7 +108,7 @@ def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
 
 @pytest.mark.parametrize("backend", ["torch.reference", "rocm.fnuz"])
 def test_e4m3fn_q_against_an_fnuz_cache_is_refused_in_prefill_too(backend):
-    from dispatch.step.extend import build_extend_plan
+    from dispatch.step.extend_plan import build_extend_plan
     from dispatch.contract.ops import gather_keys, ragged_mqa_logits
 
     case = _extend_case(4)

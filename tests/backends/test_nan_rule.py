@@ -21,7 +21,7 @@ from backends.triton.paged_mqa_logits import triton_paged_mqa_logits as triton_l
 from backends.triton.q_quant import triton_indexer_q_quant as triton_quant
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import Fp8Dtype
-from dispatch.step.plan import layout_tensors
+from dispatch.step.paged_plan import layout_tensors
 from dispatch.contract.layout import Layout
 from dispatch.contract.rope import RopeSpec
 

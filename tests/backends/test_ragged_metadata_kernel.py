@@ -2,7 +2,7 @@
 against build_ragged_metadata's torch device path (host_checked=False): every field equal. Both sides
 compute the same integers from the same lengths and table, so exact equality is the right comparison.
 Shapes: ragged batches with empty requests, non-contiguous inputs, block sizes, pools that cut the table,
-and the hostile inputs of tests/step/test_untrusted_prefill.py (negative lengths, totals that disagree with
+and the hostile inputs of tests/step/test_untrusted_extend.py (negative lengths, totals that disagree with
 them, entries far outside the pool or whose slots pass int32)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from backends.triton.ragged_metadata import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
 from dispatch.contract.bounds import BAD_LENGTH
-from dispatch.step.prefill import ExtendBatch, build_ragged_metadata
+from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 
 FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "length_flags", "ranges")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under the interpreter
@@ -161,7 +161,7 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
     from torch.utils._python_dispatch import _disable_current_modes
 
     import backends.triton.ragged_metadata as module
-    import dispatch.step.extend
+    import dispatch.step.extend_plan
     from dispatch import load_dispatcher
     from tests.step.test_plan_host_cost import _extend_batch, _Launches
 
@@ -178,12 +178,12 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
             return launch
 
     monkeypatch.setattr(module, "_ragged_metadata_kernel", _Counted())
-    monkeypatch.setattr(dispatch.step.extend, "build_ragged_metadata", ragged_metadata_in_one_launch)
+    monkeypatch.setattr(dispatch.step.extend_plan, "build_ragged_metadata", ragged_metadata_in_one_launch)
     dispatcher, batch = load_dispatcher(arch="cpu"), _on_device(_extend_batch(prefix=12288))
-    dispatch.step.extend.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
+    dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
     grids.clear()
     with _Launches() as counted:
-        plan = dispatch.step.extend.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
+        plan = dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
     assert len(grids) == 1 and counted.launches <= 4
     expected = build_ragged_metadata(_extend_batch(prefix=12288), host_checked=False)
     assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)

@@ -1,4 +1,4 @@
-"""The ragged (prefill) MQA logits: the torch reference against the formula read another way, and the
+"""The ragged (extend) MQA logits: the torch reference against the formula read another way, and the
 Triton kernel against the reference, on fresh random extend batches.
 
 Error is one relative number, ||out - ref|| / ||ref|| over the visible positions; the -inf pattern
@@ -16,7 +16,7 @@ from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.ragged_mqa_logits import LaunchConfig, triton_ragged_mqa_logits
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.key import Fp8Dtype
-from tests.support.prefill_batch import prefill_case
+from tests.support.extend_batch import extend_case
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -68,7 +68,7 @@ CASES = [
 
 @pytest.mark.parametrize("prefix_lens,extend_lens", CASES)
 def test_reference_agrees_with_deepgemms_formulation(prefix_lens, extend_lens):
-    case = prefill_case(prefix_lens, extend_lens, seed=len(prefix_lens))
+    case = extend_case(prefix_lens, extend_lens, seed=len(prefix_lens))
     k, scales = case.gathered()
     m = case.metadata
     args = (case.q, k, scales, case.weights, m.ks, m.ke)
@@ -77,7 +77,7 @@ def test_reference_agrees_with_deepgemms_formulation(prefix_lens, extend_lens):
 
 @pytest.mark.parametrize("prefix_lens,extend_lens", CASES)
 def test_matches_reference(prefix_lens, extend_lens):
-    case = prefill_case(prefix_lens, extend_lens, device=DEVICE, seed=sum(extend_lens))
+    case = extend_case(prefix_lens, extend_lens, device=DEVICE, seed=sum(extend_lens))
     out, (k, scales) = run_case(case)
     m = case.metadata
     assert_close(out, reference_logits(case.q, k, scales, case.weights, m.ks, m.ke))
@@ -118,7 +118,7 @@ def test_deepgemm_test_patterns(pattern):
 )
 def test_launch_configs_agree(config):
     """Row tiles (some spanning two requests), key blocks and fill widths change the schedule only."""
-    case = prefill_case([70, 0, 200], [9, 30, 3], device=DEVICE, seed=11)
+    case = extend_case([70, 0, 200], [9, 30, 3], device=DEVICE, seed=11)
     out, (k, scales) = run_case(case, config=config)
     m = case.metadata
     assert_close(out, reference_logits(case.q, k, scales, case.weights, m.ks, m.ke))
@@ -140,7 +140,7 @@ def test_any_ranges_are_clipped_to_the_buffer():
 
 
 def test_every_element_is_written():
-    case = prefill_case([90, 3], [17, 22], device=DEVICE, seed=4)
+    case = extend_case([90, 3], [17, 22], device=DEVICE, seed=4)
     k, scales = case.gathered()
     m = case.metadata
     out = torch.full((m.total_tokens, m.total_keys + 5), float("nan"), device=DEVICE)[:, : m.total_keys]
@@ -150,7 +150,7 @@ def test_every_element_is_written():
 
 def test_without_clean_logits_only_scored_blocks_are_written():
     """clean_logits=False: every visible logit is right, columns no tile scores keep what out held."""
-    case = prefill_case([200, 0], [5, 60], device=DEVICE, seed=13)
+    case = extend_case([200, 0], [5, 60], device=DEVICE, seed=13)
     k, scales = case.gathered()
     m = case.metadata
     out = torch.full((m.total_tokens, m.total_keys), float("nan"), device=DEVICE)
@@ -167,7 +167,7 @@ def test_without_clean_logits_only_scored_blocks_are_written():
 
 def test_nan_keys_of_another_request_stay_hidden():
     """Request 0's keys decode to NaN; request 1's rows, tiled together with request 0's, stay finite."""
-    case = prefill_case([10, 40], [3, 9], device=DEVICE, seed=6)
+    case = extend_case([10, 40], [3, 9], device=DEVICE, seed=6)
     k, scales = case.gathered()
     k, scales = k.clone(), scales.clone()
     k.view(torch.uint8)[:13] = 0x7F  # e4m3fn NaN
@@ -193,7 +193,7 @@ def test_nan_keys_of_another_request_stay_hidden():
 )
 @pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 77], [21, 5]), ([140], [1])])
 def test_fnuz_modes(mode, prefix_lens, extend_lens):
-    case = prefill_case(prefix_lens, extend_lens, fp8_dtype=Fp8Dtype.E4M3FNUZ, device=DEVICE, seed=7)
+    case = extend_case(prefix_lens, extend_lens, fp8_dtype=Fp8Dtype.E4M3FNUZ, device=DEVICE, seed=7)
     out, (k, scales) = run_case(case, fnuz_mode=mode)
     assert k.dtype == torch.float8_e4m3fnuz
     m = case.metadata
@@ -202,7 +202,7 @@ def test_fnuz_modes(mode, prefix_lens, extend_lens):
 
 def test_chunks_reproduce_the_whole_batch():
     """Row chunks on their own key windows give the same logits as one call over every key."""
-    case = prefill_case([100, 20, 0], [30, 50, 40], device=DEVICE, seed=8)
+    case = extend_case([100, 20, 0], [30, 50, 40], device=DEVICE, seed=8)
     k, scales = case.gathered()
     m = case.metadata
     whole = triton_ragged_mqa_logits(case.q, k, scales, case.weights, m.ks, m.ke)
@@ -219,7 +219,7 @@ def test_chunks_reproduce_the_whole_batch():
 
 
 def test_wrapper_rejects_bad_tensors():
-    case = prefill_case([20], [10], device=DEVICE, seed=9)
+    case = extend_case([20], [10], device=DEVICE, seed=9)
     k, scales = case.gathered()
     m = case.metadata
     q, w = case.q, case.weights
@@ -251,8 +251,8 @@ def test_empty_sides():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 3000, 12000], [1024, 2048, 1024]), ([15000], [4096])])
-def test_prefill_shapes_on_gpu(prefix_lens, extend_lens):
-    case = prefill_case(prefix_lens, extend_lens, device="cuda", seed=12)
+def test_extend_shapes_on_gpu(prefix_lens, extend_lens):
+    case = extend_case(prefix_lens, extend_lens, device="cuda", seed=12)
     out, (k, scales) = run_case(case)
     m = case.metadata
     assert_close(out, reference_logits(case.q, k, scales, case.weights, m.ks, m.ke), tolerance=1e-3)

@@ -14,7 +14,7 @@ from dispatch.contract.errors import GraphMismatchError, LayoutError
 from dispatch.engines.graphs import check_replayable
 from dispatch.contract.key import DispatchKey, ForwardMode, Op
 from dispatch.contract.ops import topk, topk_rows
-from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.step.paged_plan import PagedBatch, build_plan
 from dispatch.deciding.runtime import load_dispatcher
 from tests.support.fakes import catalog_of, dispatcher, fake_backend
 from tests.support.plans import one_op_plan
@@ -170,7 +170,7 @@ def test_bad_input_is_a_layout_error_naming_the_tensor(call, message):
 def cpu_batch(seq_lens=(9, 17, 30), next_n=3, mode=ForwardMode.TARGET_VERIFY, pages=None):
     lengths = list(seq_lens)
     table = pages if pages is not None else torch.arange(len(lengths) * 8, dtype=torch.int32).view(len(lengths), 8)
-    return ForwardBatch(i32(lengths), table, max(lengths), mode, next_n)
+    return PagedBatch(i32(lengths), table, max(lengths), mode, next_n)
 
 
 def test_the_plan_decides_topk_once_and_the_op_uses_its_per_token_lengths():

@@ -348,7 +348,7 @@ def test_explain_a_whole_batch_plan_as_json(capsys):
     assert flatten["plan"]["context_lens_shape"] == [2, 2]
 
 
-# --- extend (prefill) batches --------------------------------------------------------------------
+# --- extend batches --------------------------------------------------------------------
 
 EXTEND_RULES = {
     "sm100": ("deepgemm.sm100", "sm100-deepgemm-ragged"),

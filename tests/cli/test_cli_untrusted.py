@@ -28,8 +28,8 @@ def _exit_2_at_once(capsys, argv, words):
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["--prefill-shapes", "abc"], "'abc' is not RxE+P"),
-    (["--prefill-shapes", "4x0+3"], "R must be from 1"),
+    (["--extend-shapes", "abc"], "'abc' is not RxE+P"),
+    (["--extend-shapes", "4x0+3"], "R must be from 1"),
     (["--repeats", "0"], "argument --repeats: 0 is out of range; it must be from 1 to 1000"),
     (["--heads", "0"], "argument --heads: 0 is out of range"),
     (["--head-dim", "-4"], "argument --head-dim: -4 is out of range"),

@@ -19,11 +19,11 @@ from dispatch.bench.tune import measure_overlay
 from dispatch.cli.commands import main
 from dispatch.contract import PAGED_MODES, Layout, Op
 from dispatch.contract.errors import RegistryError
-from dispatch.step.extend import build_extend_plan
+from dispatch.step.extend_plan import build_extend_plan
 from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode
-from dispatch.step.plan import EXTEND_STEP_OPS
+from dispatch.step.paged_plan import EXTEND_STEP_OPS
 from dispatch.contract.host import collect_backends
-from dispatch.step.prefill import ExtendBatch
+from dispatch.step.extend_batch import ExtendBatch
 from dispatch.registry.document import load_registry
 from dispatch.registry.measured import load_measured, parse_measured
 from dispatch.deciding.runtime import build_dispatcher, load_plugins
@@ -440,7 +440,7 @@ def test_the_extend_workload_is_validated_naming_the_key(tmp_path, workload, key
     assert message in str(error.value), error.value
 
 
-def test_the_default_workload_covers_serving_prefill():
+def test_the_default_workload_covers_serving_extend():
     from dispatch.bench.extend_tune import extend_shapes
     from dispatch.registry.models import Workload
 

@@ -77,7 +77,7 @@ def test_a_cluster_that_leaves_every_key_served_passes(capsys, tmp_path):
 
 
 def test_decided_in_is_what_a_plan_decides():
-    from dispatch.step.plan import ops_for
+    from dispatch.step.paged_plan import ops_for
 
     for mode in ForwardMode:
         assert set(decided_in(mode)) == set(ops_for(mode))

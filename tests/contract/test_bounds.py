@@ -256,7 +256,7 @@ def test_indexer_step_on_the_reference_raises_naming_the_entry():
     from dispatch import load_dispatcher
     from dispatch.engines.indexer_step import IndexerStep
     from dispatch.contract.key import ForwardMode
-    from dispatch.step.plan import ForwardBatch
+    from dispatch.step.paged_plan import PagedBatch
 
     seq_lens, next_n = [100, 20], 2
     batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=8)
@@ -264,7 +264,7 @@ def test_indexer_step_on_the_reference_raises_naming_the_entry():
                        softmax_scale=32**-0.5, head_scale=16**-0.5, index_topk=8)
     table = batch.page_table.clone()
     table[0, 1] = 2**31 - 1
-    plan = step.plan(ForwardBatch(batch.seq_lens, table, 100, ForwardMode.TARGET_VERIFY, next_n=next_n))
+    plan = step.plan(PagedBatch(batch.seq_lens, table, 100, ForwardMode.TARGET_VERIFY, next_n=next_n))
     tokens = len(seq_lens) * next_n
     q = torch.randn(tokens, 16, 32, dtype=torch.bfloat16)
     angles = torch.arange(128, dtype=torch.float64)[:, None] * torch.ones(8)
@@ -452,7 +452,7 @@ def test_indexer_step_without_the_tail_still_gives_poisoned_tokens_no_keys(logit
     from dispatch.engines.indexer_step import IndexerStep
     from dispatch.contract.key import ForwardMode, Op
     from dispatch.contract.ops import paged_mqa_logits, topk
-    from dispatch.step.plan import ForwardBatch, build_plan
+    from dispatch.step.paged_plan import PagedBatch, build_plan
 
     seq_lens, next_n, k = [100, 70, 130], 2, 8
     batch = paged_batch(seq_lens, next_n, heads=16, head_dim=32, seed=12)
@@ -461,7 +461,7 @@ def test_indexer_step_without_the_tail_still_gives_poisoned_tokens_no_keys(logit
                        softmax_scale=32**-0.5, head_scale=16**-0.5, index_topk=k)
     table = batch.page_table.clone()
     table[1, 0] = 2**31 - 1  # request 1 needs a page outside the pool: its two tokens are poisoned
-    forward = ForwardBatch(batch.seq_lens, table, 192, ForwardMode.TARGET_VERIFY, next_n=next_n,
+    forward = PagedBatch(batch.seq_lens, table, 192, ForwardMode.TARGET_VERIFY, next_n=next_n,
                            num_kv_blocks=batch.kv_cache.shape[0])
     pinned = {Op.INDEXER_Q_QUANT: "triton", Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: "triton"}
     plan = build_plan(dispatcher, forward, kv_fp8_dtype=torch.float8_e4m3fn, pinned=pinned, allow_disabled=True)

@@ -27,7 +27,7 @@ MODULES = modules_under("dispatch")
 # on first use, from the step that defines them (dispatch/contract/__init__.py's _LAZY). Moving the plan
 # types' definitions into the contract removes it; nothing else may be added here.
 KNOWN_UPWARD = {("dispatch.contract", target) for target in
-                ("dispatch.step.plan", "dispatch.step.extend", "dispatch.step.prefill")}
+                ("dispatch.step.paged_plan", "dispatch.step.extend_plan", "dispatch.step.extend_batch")}
 
 
 def wing_of(module: str) -> int:

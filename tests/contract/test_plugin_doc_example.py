@@ -11,7 +11,7 @@ import torch
 
 from dispatch import load_dispatcher
 from dispatch.contract.key import ForwardMode
-from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.step.paged_plan import PagedBatch, build_plan
 from tests.support.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match
 from tests.support.paged_batch import expected_logits, paged_batch
 
@@ -31,7 +31,7 @@ def test_the_documented_run_gives_the_reference_logits(lengths, next_n):
     run = documented_plugin()["run"]
     batch = paged_batch(lengths, next_n, seed=len(lengths) + next_n)
     mode = ForwardMode.DECODE if next_n == 1 else ForwardMode.TARGET_VERIFY
-    forward = ForwardBatch(batch.seq_lens, batch.page_table, batch.max_seq_len, mode, next_n=next_n)
+    forward = PagedBatch(batch.seq_lens, batch.page_table, batch.max_seq_len, mode, next_n=next_n)
     plan = build_plan(load_dispatcher(arch="cpu"), forward, kv_fp8_dtype=torch.float8_e4m3fn)
     heads, head_dim = batch.q_tokens.shape[1:]
     q = batch.q_tokens.view(len(lengths), next_n, heads, head_dim)  # the native layout the backend declares

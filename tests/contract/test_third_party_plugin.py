@@ -53,7 +53,7 @@ def test_chosen_through_the_cluster_overlay(installed, monkeypatch):
 def test_plugin_backend_matches_the_reference(installed, monkeypatch):
     from dispatch.contract.paged_cache import build_paged_kv_cache
     from dispatch.contract.ops import paged_mqa_logits
-    from dispatch.step.plan import ForwardBatch, build_plan
+    from dispatch.step.paged_plan import PagedBatch, build_plan
 
     monkeypatch.setenv("DISPATCH_PLUGINS", "acme")
     dispatcher = load_dispatcher(PACKAGE / "registry.yaml", cluster="acme", arch="cpu")
@@ -61,7 +61,7 @@ def test_plugin_backend_matches_the_reference(installed, monkeypatch):
     lengths = [70, 3, 130, 64, 200, 4, 90, 33, 129]
     cache, table = build_paged_kv_cache([torch.randn(n, 128, generator=generator) for n in lengths], "e4m3fn",
                                         generator=generator, extra_blocks=2)
-    batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths), KEY.forward_mode, KEY.next_n)
+    batch = PagedBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths), KEY.forward_mode, KEY.next_n)
     q = torch.randn(len(lengths) * 3, 64, 128, generator=generator).to(torch.float8_e4m3fn)
     weights = torch.randn(len(lengths) * 3, 64, generator=generator)
     plan = build_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")

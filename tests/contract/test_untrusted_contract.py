@@ -15,7 +15,7 @@ from backends.triton.topk import topk_indices as triton_topk_indices
 from dispatch.contract.errors import BackendError, IndexBoundsError, InvalidBatchError, LayoutError
 from dispatch.contract.key import ForwardMode, Op
 from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk_rows
-from dispatch.step.plan import ForwardBatch, build_plan, visible_lengths
+from dispatch.step.paged_plan import PagedBatch, build_plan, visible_lengths
 from dispatch.contract.rope import RopeSpec
 from dispatch.deciding.runtime import load_dispatcher
 from tests.support.fakes import catalog_of, dispatcher, fake_backend
@@ -29,18 +29,18 @@ def test_int64_lengths_past_int32_never_wrap():
     lens = torch.tensor([2**32 + 5, 7, -(2**32) + 3], dtype=torch.int64)
     assert visible_lengths(lens, 1).flatten().tolist() == [INT32_MAX, 7, 0]
     with pytest.raises(InvalidBatchError, match=r"`max_seq_len` is 4294967301; the plan's lengths are int32"):
-        ForwardBatch(lens[:1], torch.zeros(1, 1, dtype=torch.int32), 2**32 + 5, ForwardMode.DECODE, 1)
+        PagedBatch(lens[:1], torch.zeros(1, 1, dtype=torch.int32), 2**32 + 5, ForwardMode.DECODE, 1)
 
 
 @pytest.mark.parametrize("blocks", [10**12, -1, "abc", 2.5, True])
 def test_num_kv_blocks_that_cannot_be_a_pool_are_refused(blocks):
     with pytest.raises(InvalidBatchError, match="`num_kv_blocks` is"):
-        ForwardBatch(torch.tensor([5], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 8,
+        PagedBatch(torch.tensor([5], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 8,
                      ForwardMode.DECODE, 1, num_kv_blocks=blocks)
 
 
 def _reference_plan(batch, **extra):
-    forward = ForwardBatch(batch.seq_lens, batch.page_table, batch.max_seq_len, ForwardMode.DECODE, 1, **extra)
+    forward = PagedBatch(batch.seq_lens, batch.page_table, batch.max_seq_len, ForwardMode.DECODE, 1, **extra)
     return build_plan(load_dispatcher(arch="cpu"), forward, kv_fp8_dtype="e4m3fn")
 
 
@@ -57,7 +57,7 @@ def test_the_reference_checks_pages_against_the_declared_pool():
 
 def test_a_page_table_narrower_than_max_seq_len_is_a_clear_error():
     batch = paged_batch([70, 20], 1)
-    forward = ForwardBatch(batch.seq_lens, batch.page_table[:, :1].contiguous(), 70, ForwardMode.DECODE, 1)
+    forward = PagedBatch(batch.seq_lens, batch.page_table[:, :1].contiguous(), 70, ForwardMode.DECODE, 1)
     plan = build_plan(load_dispatcher(arch="cpu"), forward, kv_fp8_dtype="e4m3fn")
     with pytest.raises(LayoutError, match=r"block_table has 1 pages of 64, fewer than max_context_len=70 needs \(2\)"):
         paged_mqa_logits(plan, batch.q_tokens, batch.kv_cache, batch.weights)
@@ -113,7 +113,7 @@ def test_the_step_refuses_a_top_k_output_outside_the_contract(returned, what):
     catalog = catalog_of(fake_backend("logits"), fake_backend("quant", Op.INDEXER_Q_QUANT),
                          fake_backend("bad", Op.TOPK, run=returned), fake_backend("ragged", Op.RAGGED_MQA_LOGITS))
     chooser = dispatcher(REGISTRY, catalog)
-    plan = build_plan(chooser, ForwardBatch(torch.tensor([5, 6, 7], dtype=torch.int32),
+    plan = build_plan(chooser, PagedBatch(torch.tensor([5, 6, 7], dtype=torch.int32),
                                             torch.zeros(3, 1, dtype=torch.int32), 8, ForwardMode.DECODE, 1),
                       kv_fp8_dtype="e4m3fn")
     with pytest.raises(BackendError, match=rf"backend `bad` .* returned {what} as topk's indices; the op's "

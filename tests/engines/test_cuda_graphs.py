@@ -7,7 +7,7 @@ import torch
 from dispatch.contract.errors import GraphMismatchError
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import ForwardMode
-from dispatch.step.plan import ForwardBatch
+from dispatch.step.paged_plan import PagedBatch
 from dispatch.contract.rope import RopeSpec
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,7 @@ B, N, H, D, MAX_LEN = 8, 4, 64, 128, 4096
 def _batch(generator, next_n=N, mode=ForwardMode.TARGET_VERIFY, batch_size=B):
     lens = torch.randint(next_n, MAX_LEN, (batch_size,), generator=generator, dtype=torch.int32)
     pages = torch.randperm(batch_size * (MAX_LEN // 64), generator=generator).view(batch_size, -1).to(torch.int32)
-    return ForwardBatch(lens.cuda(), pages.cuda(), MAX_LEN, mode, next_n)
+    return PagedBatch(lens.cuda(), pages.cuda(), MAX_LEN, mode, next_n)
 
 
 def _fill(inputs, generator):
@@ -95,7 +95,7 @@ def test_a_batch_that_decides_differently_is_refused(step):
         captured.update(_batch(generator, batch_size=B // 2))
     too_long = _batch(generator)
     with pytest.raises(GraphMismatchError, match="exceeds"):
-        captured.update(ForwardBatch(too_long.seq_lens, too_long.page_table, MAX_LEN + 1, too_long.forward_mode, N))
+        captured.update(PagedBatch(too_long.seq_lens, too_long.page_table, MAX_LEN + 1, too_long.forward_mode, N))
 
 
 def test_per_layer_call_does_no_host_device_sync(step):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dispatch.step.extend import ExtendPlan
+from dispatch.step.extend_plan import ExtendPlan
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "engine_loop.py"
 

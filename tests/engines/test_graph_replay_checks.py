@@ -7,7 +7,7 @@ import torch
 from dispatch.contract.errors import GraphMismatchError
 from dispatch.engines.graphs import check_replayable
 from dispatch.contract.key import ForwardMode
-from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.step.paged_plan import PagedBatch, build_plan
 from dispatch.deciding.runtime import load_dispatcher
 
 REGISTRY = """
@@ -38,7 +38,7 @@ def dispatcher(tmp_path):
 
 
 def _batch(mode=ForwardMode.TARGET_VERIFY, lens=(9, 17, 30), next_n=3, max_len=64, pages=1):
-    return ForwardBatch(torch.tensor(lens, dtype=torch.int32), torch.zeros(len(lens), pages, dtype=torch.int32),
+    return PagedBatch(torch.tensor(lens, dtype=torch.int32), torch.zeros(len(lens), pages, dtype=torch.int32),
                         max_len, mode, next_n)
 
 
@@ -75,9 +75,9 @@ def test_an_extend_batch_is_not_captured():
     from dispatch.engines.graphs import CapturedIndexerStep
     from dispatch.engines.indexer_step import IndexerStep
     from dispatch.contract.rope import RopeSpec
-    from tests.support.prefill_batch import prefill_case
+    from tests.support.extend_batch import extend_case
 
     step = IndexerStep(load_dispatcher(arch="cpu"), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
                        softmax_scale=1.0, head_scale=1.0)
     with pytest.raises(GraphMismatchError, match="captures paged batches.*got ExtendBatch"):
-        CapturedIndexerStep(step, prefill_case([3], [2]).batch, inputs=None)
+        CapturedIndexerStep(step, extend_case([3], [2]).batch, inputs=None)

@@ -12,7 +12,7 @@ from dispatch.contract.errors import GraphMismatchError
 from dispatch.engines.graphs import CapturedIndexerStep, StaticInputs
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import ForwardMode
-from dispatch.step.plan import ForwardBatch
+from dispatch.step.paged_plan import PagedBatch
 from dispatch.contract.rope import RopeSpec
 from dispatch.deciding.runtime import load_dispatcher
 from tests.support.paged_batch import paged_batch
@@ -54,7 +54,7 @@ def test_a_refused_update_leaves_the_captured_plan_as_it_was(tmp_path, declared)
                        softmax_scale=DIM**-0.5, head_scale=HEADS**-0.5, index_topk=16)
     first = paged_batch([70, 20], 2, heads=HEADS, head_dim=DIM, seed=1)
     blocks = first.kv_cache.shape[0]
-    batch = ForwardBatch(first.seq_lens, first.page_table, 72, ForwardMode.TARGET_VERIFY, 2,
+    batch = PagedBatch(first.seq_lens, first.page_table, 72, ForwardMode.TARGET_VERIFY, 2,
                          num_kv_blocks=blocks if declared else None)
     gen = torch.Generator().manual_seed(0)
     inputs = StaticInputs(q=torch.randn(4, HEADS, DIM, generator=gen).to(torch.bfloat16),
@@ -63,7 +63,7 @@ def test_a_refused_update_leaves_the_captured_plan_as_it_was(tmp_path, declared)
     captured = _uncaptured(step, batch, inputs)
     before = _replay(captured)
     snapshot = _snapshot(captured.plan)
-    other = ForwardBatch(torch.tensor([40, 9], dtype=torch.int32), first.page_table.flip(0).contiguous(), 72,
+    other = PagedBatch(torch.tensor([40, 9], dtype=torch.int32), first.page_table.flip(0).contiguous(), 72,
                          ForwardMode.TARGET_VERIFY, 2, num_kv_blocks=blocks + 1)
     with pytest.raises(GraphMismatchError, match=rf"num_kv_blocks={blocks + 1}; the graph's cache was checked against {blocks}"):
         captured.update(other)
@@ -74,6 +74,6 @@ def test_a_refused_update_leaves_the_captured_plan_as_it_was(tmp_path, declared)
     # The same kernels on the same plan and inputs: the same operations on the same values, so exact.
     assert torch.equal(_replay(captured), before)
     # An accepted update still goes through.
-    captured.update(ForwardBatch(torch.tensor([40, 9], dtype=torch.int32), first.page_table, 72,
+    captured.update(PagedBatch(torch.tensor([40, 9], dtype=torch.int32), first.page_table, 72,
                                  ForwardMode.TARGET_VERIFY, 2, num_kv_blocks=blocks))
     assert captured.plan.context_lens.tolist() == [[39, 40], [8, 9]]

@@ -30,7 +30,7 @@ def plans(metadata, num_blocks=64):
 @pytest.mark.parametrize("seq_lens,next_n", [([130, 64, 7], 1), ([130, 65, 9, 2], 2), ([300, 4], 4)])
 def test_decode_plan_is_vllms_decode(vllm_indexer, seq_lens, next_n):
     from dispatch.contract.layout import Layout
-    from dispatch.step.plan import visible_lengths
+    from dispatch.step.paged_plan import visible_lengths
 
     table = torch.arange(len(seq_lens) * 5, dtype=torch.int32).view(len(seq_lens), 5)
     metadata = vllm_metadata(vllm_indexer, seq_lens, [next_n] * len(seq_lens), len(seq_lens), table)
@@ -48,7 +48,7 @@ def test_decode_plan_is_vllms_decode(vllm_indexer, seq_lens, next_n):
 
 
 @pytest.mark.parametrize("budget", [512 * 1024 * 1024, 260 * 200 * 4])
-def test_prefill_plans_are_vllms_chunks(vllm_indexer, budget):
+def test_extend_plans_are_vllms_chunks(vllm_indexer, budget):
     seq_lens, query_lens = [5, 9, 100, 30, 300, 48], [1, 1, 100, 12, 260, 1]
     table = torch.arange(6 * 5, dtype=torch.int32).view(6, 5)
     metadata = vllm_metadata(vllm_indexer, seq_lens, query_lens, 2, table, max_logits_bytes=budget)

@@ -1,4 +1,4 @@
-"""The extend (prefill) step through IndexerStep: plan(ExtendBatch) then select, against a torch
+"""The extend step through IndexerStep: plan(ExtendBatch) then select, against a torch
 reference of the whole step written from the formula (Q quant, every request's keys read through its
 page table, the weighted relu scores, torch.topk), over ragged batches; chunking equivalence; the
 byte budget's error; no host-device sync on a GPU."""
@@ -11,16 +11,16 @@ import torch
 from backends.reference.q_quant import reference_indexer_q_quant
 from dispatch import load_dispatcher
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
-from dispatch.step.extend import ExtendPlan, build_extend_plan
+from dispatch.step.extend_plan import ExtendPlan, build_extend_plan
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import Fp8Dtype, Op
 from dispatch.contract.kv_cache import split_kv_cache
 from dispatch.contract.ops import gather_keys, ragged_mqa_logits
-from dispatch.step.plan import EXTEND_STEP_OPS, ops_for
-from dispatch.step.prefill import ExtendBatch
+from dispatch.step.paged_plan import EXTEND_STEP_OPS, ops_for
+from dispatch.step.extend_batch import ExtendBatch
 from dispatch.contract.rope import RopeSpec
 from tests.support.numerics import logits_tolerance
-from tests.support.prefill_batch import prefill_case
+from tests.support.extend_batch import extend_case
 
 H, D, ROT = 16, 64, 32
 # The Triton paths run compiled on a GPU, interpreted on the CPU; the reference of the whole step runs
@@ -121,7 +121,7 @@ def pinned_plan(dispatcher, case, backend: str, *, budget: int | None = None) ->
 @pytest.mark.parametrize("lengths", BATCHES, ids=lambda b: f"{b[0]}+{b[1]}")
 def test_extend_step_matches_the_formula(backend, fp8, lengths):
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case(*lengths, heads=H, head_dim=D, fp8_dtype=fp8, seed=len(lengths[0]), device=DEVICE)
+    case = extend_case(*lengths, heads=H, head_dim=D, fp8_dtype=fp8, seed=len(lengths[0]), device=DEVICE)
     step = step_for(dispatcher, fp8)
     plan = pinned_plan(dispatcher, case, backend)
     assert tuple(plan.decisions) == EXTEND_STEP_OPS and plan.ragged_logits.backend == backend
@@ -133,8 +133,8 @@ def test_extend_step_matches_the_formula(backend, fp8, lengths):
 def test_the_step_runs_every_layer_from_one_plan_with_its_own_cache():
     """The gather runs per layer: a second layer's cache gives that layer's selection."""
     dispatcher = load_dispatcher(arch="cpu")
-    first = prefill_case([30, 0], [10, 50], heads=H, head_dim=D, seed=5, device=DEVICE)
-    second = prefill_case([30, 0], [10, 50], heads=H, head_dim=D, seed=6, device=DEVICE)  # same lengths, other keys
+    first = extend_case([30, 0], [10, 50], heads=H, head_dim=D, seed=5, device=DEVICE)
+    second = extend_case([30, 0], [10, 50], heads=H, head_dim=D, seed=6, device=DEVICE)  # same lengths, other keys
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, k=16)
     plan = step.plan(first.batch)
     inputs = layer_inputs(first, seed=2)
@@ -156,7 +156,7 @@ def test_the_step_runs_every_layer_from_one_plan_with_its_own_cache():
 @pytest.mark.parametrize("backend", ["torch.reference", "triton"])
 def test_a_tiny_budget_and_a_huge_one_select_the_same(backend):
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([90, 0, 7], [20, 70, 3], heads=H, head_dim=D, seed=7, device=DEVICE)
+    case = extend_case([90, 0, 7], [20, 70, 3], heads=H, head_dim=D, seed=7, device=DEVICE)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, k=24)
     inputs = layer_inputs(case, seed=3)
     huge = pinned_plan(dispatcher, case, backend, budget=1 << 40)
@@ -174,7 +174,7 @@ def test_a_tiny_budget_and_a_huge_one_select_the_same(backend):
 
 def test_chunks_without_host_lengths_span_every_key_and_agree():
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([40, 0], [9, 30], heads=H, head_dim=D, seed=8, device=DEVICE)
+    case = extend_case([40, 0], [9, 30], heads=H, head_dim=D, seed=8, device=DEVICE)
     batch = case.batch
     untight = ExtendBatch(batch.prefix_lens, batch.extend_lens, batch.page_table, batch.total_tokens, batch.total_keys)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, k=20, budget=4 * 79 * 10)  # 10 rows of all 79 keys
@@ -187,7 +187,7 @@ def test_chunks_without_host_lengths_span_every_key_and_agree():
 
 def test_a_batch_whose_one_row_passes_the_budget_is_refused_at_plan_time():
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([100, 0], [3, 8], heads=H, head_dim=D, seed=9, device=DEVICE)
+    case = extend_case([100, 0], [3, 8], heads=H, head_dim=D, seed=9, device=DEVICE)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN, budget=4 * 102)  # row 2 of request 0 sees 103 keys
     with pytest.raises(LayoutError, match=r"query row 2 sees 103 keys.*412 bytes, more than the budget of 408"):
         step.plan(case.batch)
@@ -196,7 +196,7 @@ def test_a_batch_whose_one_row_passes_the_budget_is_refused_at_plan_time():
 @pytest.mark.parametrize("backend", ["torch.reference", "triton"])
 def test_transform_to_slots_gives_each_position_its_physical_slot(backend):
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([70, 0, 5], [6, 40, 1], heads=H, head_dim=D, seed=10, device=DEVICE)
+    case = extend_case([70, 0, 5], [6, 40, 1], heads=H, head_dim=D, seed=10, device=DEVICE)
     inputs = layer_inputs(case, seed=5)
     plan = pinned_plan(dispatcher, case, backend, budget=4 * 200)
     positions = step_for(dispatcher, Fp8Dtype.E4M3FN, k=32).select(plan, **inputs, kv_cache=case.kv_cache)
@@ -217,7 +217,7 @@ def test_the_extend_plan_decides_the_ragged_step_and_the_paged_plan_the_paged_on
                            ("gfx950", "triton"), ("sm120", "triton"), ("cpu", "torch.reference")):
         dispatcher = load_dispatcher(arch=arch, check_availability=False)  # the rules' choice, on any host
         fp8 = Fp8Dtype.E4M3FNUZ if arch == "gfx942" else Fp8Dtype.E4M3FN
-        case = prefill_case([10], [5], heads=H, head_dim=D, fp8_dtype=fp8, device=DEVICE)
+        case = extend_case([10], [5], heads=H, head_dim=D, fp8_dtype=fp8, device=DEVICE)
         plan = build_extend_plan(dispatcher, case.batch, kv_fp8_dtype=fp8)
         assert plan.ragged_logits.backend == expected, arch
         assert plan.ragged_logits.source == "rule" and plan.ragged_logits.rule_at
@@ -225,7 +225,7 @@ def test_the_extend_plan_decides_the_ragged_step_and_the_paged_plan_the_paged_on
 
 def test_wrong_inputs_are_named():
     dispatcher = load_dispatcher(arch="cpu")
-    case = prefill_case([10, 4], [5, 2], heads=H, head_dim=D, seed=11, device=DEVICE)
+    case = extend_case([10, 4], [5, 2], heads=H, head_dim=D, seed=11, device=DEVICE)
     step = step_for(dispatcher, Fp8Dtype.E4M3FN)
     plan = step.plan(case.batch)
     inputs = layer_inputs(case, seed=6)
@@ -248,7 +248,7 @@ def test_the_step_never_waits_on_the_device(backend):
     dispatcher = load_dispatcher()
     if backend not in {b.name for b in dispatcher.eligible(Op.RAGGED_MQA_LOGITS, _extend_key(dispatcher))}:
         pytest.skip(f"{backend} cannot run here")
-    case = prefill_case([300, 0, 64], [40, 200, 1], heads=64, head_dim=128, device="cuda", seed=12)
+    case = extend_case([300, 0, 64], [40, 200, 1], heads=64, head_dim=128, device="cuda", seed=12)
     step = IndexerStep(dispatcher, kv_fp8_dtype=case.fp8_dtype, index_topk=64, **SETTINGS)
     inputs = {name: value.cuda() for name, value in layer_inputs_at(case, 64, 128).items()}
     build_extend_plan(dispatcher, case.batch, kv_fp8_dtype=case.fp8_dtype, pinned={Op.RAGGED_MQA_LOGITS: backend},

@@ -10,7 +10,7 @@ import torch
 from dispatch.contract.errors import BackendError, DtypeMismatchError, LayoutError, RegistryError
 from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Fp8Dtype, Op
 from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits
-from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.step.paged_plan import PagedBatch, build_plan
 from dispatch.engines.reloading import LiveDispatcher, ReloadResult
 from dispatch.contract.rope import RopeSpec
 from tests.support.fakes import catalog_of, dispatcher, fake_backend
@@ -53,7 +53,7 @@ def plan_with(logits_error: Exception, quant_error: Exception | None = None):
         fake_backend("faulty", QUANT, run=raising(quant_error or logits_error)),
         fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS),
     )
-    batch = ForwardBatch(
+    batch = PagedBatch(
         seq_lens=torch.tensor([5, 9], dtype=torch.int32),
         page_table=torch.zeros(2, 1, dtype=torch.int32),
         max_seq_len=9,
@@ -94,7 +94,7 @@ def test_a_prepare_that_raises_is_a_backend_error_and_no_plan_is_returned():
         fake_backend("faulty", QUANT),
         fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS),
     )
-    batch = ForwardBatch(torch.tensor([5, 9], dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32), 9,
+    batch = PagedBatch(torch.tensor([5, 9], dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32), 9,
                          ForwardMode.TARGET_VERIFY, 2)
     with pytest.raises(BackendError) as error:
         build_plan(dispatcher(FAULTS, catalog), batch, kv_fp8_dtype="e4m3fn")
@@ -122,7 +122,7 @@ def test_q_quant_fault_names_the_fallback_that_chose_it():
 def test_a_pinned_backend_fault_says_pinned():
     catalog = catalog_of(fake_backend("faulty", run=raising(RuntimeError("x"))), fake_backend("q", QUANT), fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS))
     text = "version: 1\nops:\n  paged_mqa_logits:\n    fallback: [faulty]\n  indexer_q_quant:\n    fallback: [q]\n  topk:\n    fallback: [topk]\n  ragged_mqa_logits:\n    fallback: [topk]\n"
-    batch = ForwardBatch(torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 3, "decode", 1)
+    batch = PagedBatch(torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 3, "decode", 1)
     plan = build_plan(dispatcher(text, catalog), batch, kv_fp8_dtype="e4m3fn", pinned={LOGITS: "faulty"})
     with pytest.raises(BackendError, match="chosen by pinned: x$"):
         paged_mqa_logits(plan, *logits_inputs(1))

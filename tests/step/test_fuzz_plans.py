@@ -19,7 +19,7 @@ from dispatch.contract.backend import PAGED_MODES
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, ForwardMode, Fp8Dtype, Op, arch_can_hold
 from dispatch.contract.ops import paged_mqa_logits
-from dispatch.step.plan import ForwardBatch, build_plan
+from dispatch.step.paged_plan import PagedBatch, build_plan
 from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher, load_plugins
 from tests.support.paged_batch import PagedBatch, expected_logits
 
@@ -44,7 +44,7 @@ def ragged_batches(draw):
     """(seq_lens, next_n, forward_mode, extra_blocks, padding_pages, seed)."""
     next_n = draw(st.integers(1, 8))
     modes = sorted(m.value for m in PAGED_MODES if m is not ForwardMode.DECODE or next_n == 1)
-    # A request holds at least the next_n tokens it scores (ForwardBatch refuses shorter ones);
+    # A request holds at least the next_n tokens it scores (PagedBatch refuses shorter ones);
     # exactly next_n leaves its first token one visible key.
     length = st.one_of(
         st.integers(next_n, 3 * BLOCK_KV + 10),
@@ -106,7 +106,7 @@ def assert_agrees(out: torch.Tensor, ref: torch.Tensor, name: str) -> None:
 def test_every_runnable_backend_agrees_with_the_reference(fp8, case):
     seq_lens, next_n, mode, extra_blocks, padding_pages, seed = case
     inputs = paged_inputs(seq_lens, next_n, fp8, extra_blocks, padding_pages, seed)
-    batch = ForwardBatch(inputs.seq_lens, inputs.page_table, max(seq_lens), ForwardMode(mode), next_n)
+    batch = PagedBatch(inputs.seq_lens, inputs.page_table, max(seq_lens), ForwardMode(mode), next_n)
     names = runnable_backends(DispatchKey(HERE, mode, next_n, fp8))
     assert {"torch.reference", "torch.reference.flatten"} <= set(names)
     if HERE is Arch.CPU:  # a probe that stopped finding the interpreter would leave only the reference

@@ -11,7 +11,7 @@ from dispatch import load_dispatcher
 from dispatch.contract.errors import LayoutError
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import ForwardMode
-from dispatch.step.plan import ForwardBatch
+from dispatch.step.paged_plan import PagedBatch
 from dispatch.contract.rope import RopeSpec
 
 B, N, H, D = 2, 3, 8, 128
@@ -21,7 +21,7 @@ def step_and_inputs():
     step = IndexerStep(load_dispatcher(arch="cpu"), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
                        softmax_scale=D**-0.5, head_scale=H**-0.5, index_topk=16)
     seq_lens = torch.tensor([70, 9], dtype=torch.int32)
-    plan = step.plan(ForwardBatch(seq_lens, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), max_seq_len=128,
+    plan = step.plan(PagedBatch(seq_lens, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), max_seq_len=128,
                                   forward_mode=ForwardMode.TARGET_VERIFY, next_n=N))
     weights = torch.randn(B * N, H)
     positions = torch.cat([torch.arange(L - N, L) for L in seq_lens.tolist()])

@@ -12,7 +12,7 @@ from dispatch.contract import check_logits_inputs
 from dispatch.contract.errors import DtypeMismatchError, InvalidKeyError, LayoutError
 from dispatch.contract.key import Arch, ForwardMode, Fp8Dtype, Op
 from dispatch.contract.layout import Layout
-from dispatch.step.plan import ForwardBatch, build_plan, layout_tensors, visible_lengths
+from dispatch.step.paged_plan import PagedBatch, build_plan, layout_tensors, visible_lengths
 from tests.support.fakes import catalog_of, dispatcher, fake_backend
 from tests.support.plans import plan_for
 from tests.support.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match
@@ -79,8 +79,8 @@ def cpu_dispatcher():
     return load_dispatcher(DEFAULT_REGISTRY, arch="cpu", cluster=None, plugins=None)
 
 
-def batch(next_n=3, mode=ForwardMode.TARGET_VERIFY, seq_lens=SEQ_LENS, pages=PAGES) -> ForwardBatch:
-    return ForwardBatch(
+def batch(next_n=3, mode=ForwardMode.TARGET_VERIFY, seq_lens=SEQ_LENS, pages=PAGES) -> PagedBatch:
+    return PagedBatch(
         seq_lens=seq_lens, page_table=pages, max_seq_len=int(seq_lens.max()), forward_mode=mode, next_n=next_n
     )
 
@@ -154,20 +154,20 @@ def test_a_batch_that_cannot_occur_is_refused_where_built(fields, words):
     if "pages" not in fields and isinstance(values["seq_lens"], torch.Tensor) and values["seq_lens"].dim() == 1:
         values["pages"] = torch.zeros(len(values["seq_lens"]), 2, dtype=torch.int32)
     with pytest.raises(DispatchError) as refused:
-        ForwardBatch(values["seq_lens"], values["pages"], values["max_seq_len"], values["mode"], values["next_n"])
+        PagedBatch(values["seq_lens"], values["pages"], values["max_seq_len"], values["mode"], values["next_n"])
     assert words in str(refused.value)
 
 
 def test_a_batch_may_bound_max_seq_len_above_its_longest_request():
     # CUDA graphs capture with a length bound that later batches stay under.
-    assert ForwardBatch(SEQ_LENS, PAGES, 4096, "target_verify", 3).forward_mode is ForwardMode.TARGET_VERIFY
-    assert ForwardBatch(lengths(3, 3, 3, dtype=torch.int64), PAGES, 3, ForwardMode.TARGET_VERIFY, 3).next_n == 3
+    assert PagedBatch(SEQ_LENS, PAGES, 4096, "target_verify", 3).forward_mode is ForwardMode.TARGET_VERIFY
+    assert PagedBatch(lengths(3, 3, 3, dtype=torch.int64), PAGES, 3, ForwardMode.TARGET_VERIFY, 3).next_n == 3
 
 
 def test_lengths_on_a_device_are_left_to_the_kernels():
     # Not read (no sync): a device tensor of any values passes; the kernels' bounds flag covers it.
     on_device = lengths(-5, 0, 2).to("meta")
-    assert ForwardBatch(on_device, PAGES.to("meta"), 9, ForwardMode.TARGET_VERIFY, 3).seq_lens is on_device
+    assert PagedBatch(on_device, PAGES.to("meta"), 9, ForwardMode.TARGET_VERIFY, 3).seq_lens is on_device
 
 
 def test_plan_through_the_ops_matches_the_reference(cpu_dispatcher):
@@ -360,7 +360,7 @@ def test_a_cpu_batch_is_accepted_exactly_when_every_request_can_occur(next_n, va
     pages = torch.zeros(len(values), 1, dtype=torch.int32)
     can_occur = all(next_n <= length <= bound for length in values)
     try:
-        ForwardBatch(seq_lens, pages, bound, ForwardMode.TARGET_VERIFY, next_n)
+        PagedBatch(seq_lens, pages, bound, ForwardMode.TARGET_VERIFY, next_n)
     except InvalidBatchError as error:
         assert not can_occur
         first_bad = next(i for i, length in enumerate(values) if not next_n <= length <= bound)

@@ -7,10 +7,10 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dispatch.step.extend import build_extend_plan
+from dispatch.step.extend_plan import build_extend_plan
 from dispatch.contract.key import ForwardMode
-from dispatch.step.plan import ForwardBatch, build_plan
-from dispatch.step.prefill import ExtendBatch
+from dispatch.step.paged_plan import PagedBatch, build_plan
+from dispatch.step.extend_batch import ExtendBatch
 from dispatch import load_dispatcher
 
 # Ops that only describe a tensor (no kernel, no allocation): counted apart.
@@ -46,7 +46,7 @@ def _extend_batch(prefix: int, extend: int = 4096, requests: int = 4) -> ExtendB
 
 def test_a_paged_plan_at_b128_launches_a_handful_of_ops():
     dispatcher = load_dispatcher(arch="cpu")
-    batch = ForwardBatch(seq_lens=torch.full((128,), 4096, dtype=torch.int32),
+    batch = PagedBatch(seq_lens=torch.full((128,), 4096, dtype=torch.int32),
                          page_table=torch.zeros(128, 64, dtype=torch.int32), max_seq_len=4096,
                          forward_mode=ForwardMode.TARGET_VERIFY, next_n=4)
     build_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")  # caches warm, as on every later batch

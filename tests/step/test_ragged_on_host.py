@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dispatch.step.ragged_on_host as on_host
-from dispatch.step.prefill import ExtendBatch, build_ragged_metadata
+from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 
 FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "ranges")
 

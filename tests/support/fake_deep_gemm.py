@@ -10,7 +10,7 @@ real kernel does. A backend that passes tests against it must mask on its own.
 and, at next_n 4, asserts a schedule of num_sms / 2 + 1 rows, one task per cluster, as the real host
 code does. Without it the stand-in ships an SM90 source without the multicast kernel.
 
-The ragged (prefill) logits follow the same generations: "fp8_fp4" exposes fp8_fp4_mqa_logits (q as a
+The ragged (extend) logits follow the same generations: "fp8_fp4" exposes fp8_fp4_mqa_logits (q as a
 (values, scales) pair), "fp8" the first-generation fp8_mqa_logits (q a bare tensor, no max_seqlen_k).
 Without clean_logits they leave garbage outside each row's [ks, ke); with it, -inf.
 """

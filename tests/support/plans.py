@@ -8,7 +8,7 @@ import torch
 from dispatch.contract.backend import Backend
 from dispatch.contract.decision import Decision
 from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.step.plan import IndexerPlan, layout_tensors, page_rows
+from dispatch.step.paged_plan import PagedPlan, layout_tensors, page_rows
 
 
 def decision_for(backend: Backend, key: DispatchKey) -> Decision:
@@ -38,12 +38,12 @@ def plan_for(
     arch: Arch = Arch.CPU,
     max_seq_len: int | None = None,
     num_kv_blocks: int | None = None,
-) -> IndexerPlan:
+) -> PagedPlan:
     mode = forward_mode or (ForwardMode.DECODE if next_n == 1 else ForwardMode.TARGET_VERIFY)
     key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8_dtype)
     decision = decision_for(backend, key)
     context_lens, block_table = layout_tensors(backend.layout, seq_lens, page_table, next_n)
-    plan = IndexerPlan(
+    plan = PagedPlan(
         key=key,
         decisions={op: decision for op in Op},
         batch_size=seq_lens.shape[0],

@@ -115,7 +115,7 @@ def cpu_seqlens_expand(extend_seq_lens, seq_lens, total_len, max_q_len):
 @dataclass
 class Batch:
     """One forward batch as SGLang holds it at the indexer: its backend (whose init_forward_metadata
-    built the metadata), the ForwardBatch fields that backend read, and the indexer metadata."""
+    built the metadata), the PagedBatch fields that backend read, and the indexer metadata."""
 
     backend: DeepseekSparseAttnBackend
     forward_batch: SimpleNamespace
@@ -194,7 +194,7 @@ def quantised_q(tokens: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_extend_batch(pool, req_to_token, prefix: list[int], extend: list[int], requests: list[int], *, ragged: bool = False) -> Batch:
-    """init_forward_metadata as SGLang runs it for an extend (prefill) batch. `ragged` picks SGLang's
+    """init_forward_metadata as SGLang runs it for an extend batch. `ragged` picks SGLang's
     RAGGED top-k transform (an fp8 KV cache with flashmla_sparse prefill), else PAGED."""
     backend = make_backend(pool, req_to_token, 0, fused_topk=True)
     backend.supports_mha_one_shot = False

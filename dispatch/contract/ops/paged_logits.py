@@ -72,7 +72,7 @@ def paged_mqa_logits(plan, q_tokens: torch.Tensor, kv_cache: torch.Tensor, weigh
 
 
 def check_logits_inputs(
-    plan,  # a paged plan (dispatch.contract.IndexerPlan)
+    plan,  # a paged plan (dispatch.contract.PagedPlan)
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     weights: torch.Tensor,
@@ -117,7 +117,7 @@ def check_logits_inputs(
     if pool is not None and kv_cache.shape[0] < pool:
         raise LayoutError(
             f"kv_cache has {kv_cache.shape[0]} blocks, fewer than the pool of {pool} the batch's page table "
-            "was checked against (ForwardBatch.num_kv_blocks): every layer's cache must hold the whole pool"
+            "was checked against (PagedBatch.num_kv_blocks): every layer's cache must hold the whole pool"
         )
     expected_q = torch_dtype(plan.fp8_dtype)
     if q.dtype != expected_q:

@@ -1,10 +1,10 @@
-"""GPU probe of the prefill (extend) indexer step: K gather and ragged MQA logits at prefill shapes.
+"""GPU probe of the extend indexer step: K gather and ragged MQA logits at extend shapes.
 
-    PYTHONPATH=. python3 tools/probe_prefill.py              # on the H200: < 4 min, table last
-    PYTHONPATH=. python3 tools/probe_prefill.py --resources  # no GPU: sm_90 registers of each config
+    PYTHONPATH=. python3 tools/probe_extend.py              # on the H200: < 4 min, table last
+    PYTHONPATH=. python3 tools/probe_extend.py --resources  # no GPU: sm_90 registers of each config
 
 For each shape (several requests; M query tokens, S = prefix + new keys, H = 64, D = 128) it builds a
-shuffled paged cache, the batch's metadata (dispatch.step.prefill), gathers K with the Triton kernel and
+shuffled paged cache, the batch's metadata (dispatch.step.extend_batch), gathers K with the Triton kernel and
 checks it byte for byte against the torch gather, then times the Triton ragged logits in a few
 launch configs and deep_gemm's fp8_mqa_logits (clean_logits=True: both write -inf outside each row's
 range) on the same inputs, then both once with clean_logits=False. Each is checked first against the
@@ -12,7 +12,7 @@ torch reference (relative error over visible positions < 1e-3, -inf pattern exac
 floor is the useful fp8 work, sum over rows of (ke - ks) * H * D * 2 flops, at the torch._scaled_mm
 rate measured in this run (8192^3); the -inf writes (M * S * 4 bytes) at the copy bandwidth measured
 here are printed beside it. Timing: triton.testing.do_bench, median, L2 cleared before each call.
-JSON lines to $OUT/probe_prefill.jsonl when OUT is set.
+JSON lines to $OUT/probe_extend.jsonl when OUT is set.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from dispatch.bench.ceilings import measure_ceilings  # noqa: E402
 from dispatch.bench.compare import compare_logits  # noqa: E402
 from dispatch.contract.key import Fp8Dtype  # noqa: E402
 from dispatch.contract.kv_cache import BLOCK_KV, quantize_keys  # noqa: E402
-from dispatch.step.prefill import ExtendBatch, build_ragged_metadata  # noqa: E402
+from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata  # noqa: E402
 
 HEADS, HEAD_DIM = 64, 128
 TOLERANCE = 1e-3  # fp8 dot on the GPU
-DEVICE = "cuda"  # tests/cli/test_probe_prefill.py builds inputs on the CPU
+DEVICE = "cuda"  # tests/cli/test_probe_extend.py builds inputs on the CPU
 C = LaunchConfig
 CONFIGS = [C(4, 64, 1024, 4, 3), C(4, 64, 1024, 4, 4), C(2, 64, 1024, 4, 3), C(2, 128, 1024, 4, 3),
            C(8, 64, 1024, 8, 3), C(4, 128, 1024, 8, 3)]
@@ -90,7 +90,7 @@ def probe(args) -> None:
 
     started = time.time()
     out_dir = os.environ.get("OUT")
-    log = open(os.path.join(out_dir, "probe_prefill.jsonl"), "a") if out_dir else None
+    log = open(os.path.join(out_dir, "probe_extend.jsonl"), "a") if out_dir else None
 
     def record(entry):
         if log:

@@ -13,11 +13,11 @@ from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as 
 from backends.shared.kv_gather import triton_gather_keys
 from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
 
-PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "probe_prefill.py"
+PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "probe_extend.py"
 
 
 def load_probe():
-    spec = importlib.util.spec_from_file_location("probe_prefill", PATH)
+    spec = importlib.util.spec_from_file_location("probe_extend", PATH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.DEVICE = "cpu"
@@ -42,7 +42,7 @@ def test_probe_builds_a_consistent_batch_and_checks_it():
     assert probe.check(bad, ref, clean=False)[1] == "ok"  # unclean outputs are judged where visible only
 
 
-def test_probe_shapes_are_prefill_shapes():
+def test_probe_shapes_are_extend_shapes():
     probe = load_probe()
     for prefix, extend in probe.SHAPES.values():
         assert sum(extend) in (4096, 16384) and sum(prefix) + sum(extend) <= 65536

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatch.contract.errors import LayoutError
-from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch, build_ragged_metadata
+from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, ExtendBatch, build_ragged_metadata
 
 BLOCK_KV = 64
 

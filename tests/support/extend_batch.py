@@ -11,14 +11,14 @@ from dispatch.contract.paged_cache import build_paged_kv_cache
 from backends.reference.kv_gather import reference_gather_keys
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import FP8_MAX, Fp8Dtype
-from dispatch.step.prefill import ExtendBatch, RaggedMetadata, build_ragged_metadata
+from dispatch.step.extend_batch import ExtendBatch, RaggedMetadata, build_ragged_metadata
 
 # Page-table entries past a request's pages: an index far outside the cache, so a read through one fails.
 POISON_BLOCK = 1 << 30
 
 
 @dataclass(frozen=True)
-class PrefillCase:
+class ExtendCase:
     batch: ExtendBatch
     metadata: RaggedMetadata
     kv_cache: torch.Tensor  # uint8 [num_blocks, 64, 1, D + 4]
@@ -33,7 +33,7 @@ class PrefillCase:
                            key_offsets=self.metadata.key_offsets)
 
 
-def prefill_case(
+def extend_case(
     prefix_lens: list[int],
     extend_lens: list[int],
     *,
@@ -42,7 +42,7 @@ def prefill_case(
     fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN,
     device: str = "cpu",
     seed: int = 0,
-) -> PrefillCase:
+) -> ExtendCase:
     gen = torch.Generator().manual_seed(seed)
     totals = [p + e for p, e in zip(prefix_lens, extend_lens)]
     keys = [torch.randn(total, head_dim, generator=gen) for total in totals]
@@ -57,7 +57,7 @@ def prefill_case(
     rows = sum(extend_lens)
     q = (torch.randn(rows, heads, head_dim, generator=gen) * fp8_max / 3).clamp(-fp8_max, fp8_max)
     weights = torch.randn(rows, heads, generator=gen)
-    return PrefillCase(
+    return ExtendCase(
         batch=batch,
         metadata=build_ragged_metadata(batch),
         kv_cache=cache.to(device),

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ForwardBatch:
+class PagedBatch:
     """What an engine knows about a batch before the first layer runs; refused where built if it
     cannot occur. Checked here: the host-visible facts (types, shapes, dtypes, max_seq_len, next_n)
     and, when seq_lens is on the CPU, every request's length. Lengths on a GPU are not read: that
@@ -49,43 +49,43 @@ _LENGTH_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1  # the plan's lengths and the kernels' page entries are int32
 
 
-def check_batch(batch: ForwardBatch) -> None:
+def check_batch(batch: PagedBatch) -> None:
     """Every length L must hold the next_n tokens it scores (L >= next_n >= 1) and fit max_seq_len."""
     next_n, bound = batch.next_n, batch.max_seq_len
     if isinstance(next_n, bool) or not isinstance(next_n, int) or next_n < 1:
-        raise InvalidBatchError(f"ForwardBatch `next_n` is {next_n!r}; expected an integer >= 1")
+        raise InvalidBatchError(f"PagedBatch `next_n` is {next_n!r}; expected an integer >= 1")
     if not isinstance(batch.seq_lens, torch.Tensor) or batch.seq_lens.dim() != 1:
-        raise InvalidBatchError(f"ForwardBatch `seq_lens` is {_described(batch.seq_lens)}; expected an int32 tensor [B]")
+        raise InvalidBatchError(f"PagedBatch `seq_lens` is {_described(batch.seq_lens)}; expected an int32 tensor [B]")
     if batch.seq_lens.dtype not in _LENGTH_DTYPES:
-        raise InvalidBatchError(f"ForwardBatch `seq_lens` has dtype {batch.seq_lens.dtype}; expected torch.int32 (or int64)")
+        raise InvalidBatchError(f"PagedBatch `seq_lens` has dtype {batch.seq_lens.dtype}; expected torch.int32 (or int64)")
     size = batch.seq_lens.shape[0]
     if size == 0:
-        raise InvalidBatchError("ForwardBatch `seq_lens` is empty; a batch has at least one request")
+        raise InvalidBatchError("PagedBatch `seq_lens` is empty; a batch has at least one request")
     table = batch.page_table
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != size:
         raise InvalidBatchError(
-            f"ForwardBatch `page_table` is {_described(table)}; expected an int32 tensor [B={size}, max_pages]"
+            f"PagedBatch `page_table` is {_described(table)}; expected an int32 tensor [B={size}, max_pages]"
         )
     if table.dtype != torch.int32:
-        raise InvalidBatchError(f"ForwardBatch `page_table` has dtype {table.dtype}; expected torch.int32")
+        raise InvalidBatchError(f"PagedBatch `page_table` has dtype {table.dtype}; expected torch.int32")
     if table.device != batch.seq_lens.device:
         raise InvalidBatchError(
-            f"ForwardBatch `page_table` is on {table.device} and `seq_lens` on {batch.seq_lens.device}; expected one device"
+            f"PagedBatch `page_table` is on {table.device} and `seq_lens` on {batch.seq_lens.device}; expected one device"
         )
     bound_ok = not isinstance(bound, bool) and isinstance(bound, int)
     if bound_ok and batch.seq_lens.device.type == "cpu":
         _check_lengths(batch.seq_lens.tolist(), next_n, bound)  # first: these name the request at fault
     if not bound_ok or bound < next_n:
         raise InvalidBatchError(
-            f"ForwardBatch `max_seq_len` is {bound!r}; expected a host int >= next_n ({next_n}): every request's "
+            f"PagedBatch `max_seq_len` is {bound!r}; expected a host int >= next_n ({next_n}): every request's "
             "length includes the tokens it scores"
         )
     if bound > INT32_MAX:
-        raise InvalidBatchError(f"ForwardBatch `max_seq_len` is {bound}; the plan's lengths are int32 (at most {INT32_MAX})")
+        raise InvalidBatchError(f"PagedBatch `max_seq_len` is {bound}; the plan's lengths are int32 (at most {INT32_MAX})")
     blocks = batch.num_kv_blocks
     if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= INT32_MAX):
         raise InvalidBatchError(
-            f"ForwardBatch `num_kv_blocks` is {blocks!r}; expected None or a host int in [0, {INT32_MAX}] (the "
+            f"PagedBatch `num_kv_blocks` is {blocks!r}; expected None or a host int in [0, {INT32_MAX}] (the "
             "pool's block count, every layer's kv_cache.shape[0])"
         )
 
@@ -108,8 +108,8 @@ def _described(value: object) -> str:
 
 
 # The ops a batch's plan decides, per forward mode, in the order IndexerStep.select runs them. Paged
-# batches (decode, target_verify, draft_extend) score the paged cache; extend (prefill) batches score
-# keys gathered into one buffer with the ragged kernel (dispatch/step/extend.py). Adding an op to the
+# batches (decode, target_verify, draft_extend) score the paged cache; extend batches score
+# keys gathered into one buffer with the ragged kernel (dispatch/step/extend_plan.py). Adding an op to the
 # indexer step means adding it here; its per-batch work is its backend's `prepare`, kept per op.
 PAGED_STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.PAGED_MQA_LOGITS, Op.TOPK)
 EXTEND_STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.RAGGED_MQA_LOGITS, Op.TOPK)
@@ -144,7 +144,7 @@ def prepare_states(decisions: Mapping[Op, Decision], plan: Any) -> dict[Op, Any]
 
 
 class DecidedPlan:
-    """What every plan kind shares (IndexerPlan for paged batches, dispatch.step.extend.ExtendPlan for
+    """What every plan kind shares (PagedPlan for paged batches, dispatch.step.extend_plan.ExtendPlan for
     extend batches): its decisions and per-op states, read by op, and its error flags. A subclass is a
     frozen dataclass with `key`, `decisions`, `states` and `error_flags` fields."""
 
@@ -193,7 +193,7 @@ class DecidedPlan:
 
 
 @dataclass(frozen=True, eq=False)
-class IndexerPlan(DecidedPlan):
+class PagedPlan(DecidedPlan):
     """Decisions plus layout tensors. Backends read only this; nothing re-derives the path."""
 
     key: DispatchKey
@@ -207,7 +207,7 @@ class IndexerPlan(DecidedPlan):
     states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
     # int32 [1] on the plan's device, zeroed here, ORed into by backends (dispatch/contract/bounds.py bits).
     error_flags: torch.Tensor | None = None
-    num_kv_blocks: int | None = None  # ForwardBatch.num_kv_blocks: the pool the page table must index
+    num_kv_blocks: int | None = None  # PagedBatch.num_kv_blocks: the pool the page table must index
 
     def __post_init__(self) -> None:
         if self.error_flags is None:
@@ -282,14 +282,14 @@ def layout_tensors(layout: Layout, seq_lens: torch.Tensor, page_table: torch.Ten
 
 def build_plan(
     dispatcher: "Dispatcher",
-    batch: ForwardBatch,
+    batch: PagedBatch,
     *,
     kv_fp8_dtype: Fp8Dtype | torch.dtype,
     arch: Arch | str | None = None,
     pinned: dict[Op, str] | None = None,
     allow_disabled: bool = False,
     prepare: bool = True,
-) -> IndexerPlan:
+) -> PagedPlan:
     """Decide every op of ops_for(batch.forward_mode) for this batch and build the decided layout's tensors. No host-device sync.
 
     `kv_fp8_dtype` is the K cache's fp8 dtype (a key name or the cache's torch dtype): it becomes the
@@ -301,8 +301,8 @@ def build_plan(
     """
     if ForwardMode(batch.forward_mode) is ForwardMode.EXTEND:
         raise LayoutError(
-            "an extend batch is planned from an ExtendBatch (dispatch.step.prefill) through IndexerStep.plan or "
-            "dispatch.step.extend.build_extend_plan: its keys are gathered and scored ragged, not paged"
+            "an extend batch is planned from an ExtendBatch (dispatch.step.extend_batch) through IndexerStep.plan or "
+            "dispatch.step.extend_plan.build_extend_plan: its keys are gathered and scored ragged, not paged"
         )
     key = DispatchKey(
         arch=arch or dispatcher.target_arch,
@@ -315,7 +315,7 @@ def build_plan(
     logits = decisions[Op.PAGED_MQA_LOGITS]
     batch_size = batch.seq_lens.shape[0]
     context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
-    plan = IndexerPlan(
+    plan = PagedPlan(
         key=key,
         decisions=decisions,
         batch_size=batch_size,

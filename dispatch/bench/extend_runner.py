@@ -1,4 +1,4 @@
-"""`bench` rows of the extend (prefill) path: the ragged logits op per eligible backend, checked against
+"""`bench` rows of the extend path: the ragged logits op per eligible backend, checked against
 the reference and set against the fp8-compute floor, top-k alone over each row's key range, and the
 whole prefill step (gather + Q quant + logits + top-k per chunk) as IndexerStep.select runs it, with
 its peak memory."""
@@ -14,11 +14,11 @@ from dispatch.bench.timing import time_host, time_rotating
 from dispatch.bench.workload import BenchRun, RaggedInputs, RaggedShape, ragged_floor_counts, ragged_inputs, ragged_topk_floor_bytes
 from dispatch.contract.calling import call_backend
 from dispatch.deciding.dispatcher import Dispatcher
-from dispatch.step.extend import ExtendPlan, build_extend_plan
+from dispatch.step.extend_plan import ExtendPlan, build_extend_plan
 from dispatch.engines.indexer_step import IndexerStep
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.contract.ops import gather_keys, ragged_mqa_logits, topk_rows
-from dispatch.step.prefill import DEFAULT_LOGITS_BYTES
+from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES
 from dispatch.contract.rope import RopeSpec
 
 # Rows of the whole step checked against the reference (evenly spaced): the reference scores them

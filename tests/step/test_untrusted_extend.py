@@ -1,4 +1,4 @@
-"""The extend (prefill) path refuses or flags what the paged path does (issue 24): page entries far
+"""The extend path refuses or flags what the paged path does (issue 24): page entries far
 outside the pool are checked in 64-bit before the gather slots narrow to int32, lengths that are negative
 or disagree with the totals are refused where the host has them and flagged (every key poisoned) where
 only the device does, and a key with a non-finite scale or a NaN byte is never selected, on the
@@ -16,12 +16,12 @@ from backends.shared.kv_gather import triton_gather_keys
 from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
 from dispatch.contract.bounds import BAD_LENGTH, BAD_PAGE
 from dispatch.contract.errors import IndexBoundsError, LayoutError
-from dispatch.step.extend import build_extend_plan
+from dispatch.step.extend_plan import build_extend_plan
 from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import Fp8Dtype
-from dispatch.step.prefill import ExtendBatch, build_ragged_metadata
+from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 from dispatch.deciding.runtime import load_dispatcher
-from tests.support.prefill_batch import prefill_case
+from tests.support.extend_batch import extend_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -51,7 +51,7 @@ def test_the_pool_bound_is_honoured_and_without_it_int32_is():
 
 @pytest.mark.parametrize("fp8", [Fp8Dtype.E4M3FN])
 def test_the_gathers_refuse_or_flag_such_a_key(fp8):
-    case = prefill_case([30, 70], [5, 3], head_dim=64)
+    case = extend_case([30, 70], [5, 3], head_dim=64)
     table = case.batch.page_table.clone()
     table[1, 1] = 2**26 + 1
     batch = ExtendBatch.from_lengths([30, 70], [5, 3], table, num_kv_blocks=case.kv_cache.shape[0])
@@ -126,13 +126,13 @@ def test_consistent_device_lengths_are_not_flagged_and_match_the_host_path():
 
 
 def test_an_extend_plan_carries_the_length_flag_into_its_error_flags(monkeypatch):
-    import dispatch.step.extend
+    import dispatch.step.extend_plan
 
     batch = _unchecked(prefix_lens=torch.tensor([1, 2], dtype=torch.int32),
                        extend_lens=torch.tensor([3, -4], dtype=torch.int32),
                        page_table=torch.zeros(2, 2, dtype=torch.int32), total_tokens=7, total_keys=10)
     # The plan builds its metadata as it would from a GPU batch.
-    monkeypatch.setattr(dispatch.step.extend, "build_ragged_metadata", lambda b: build_ragged_metadata(b, host_checked=False))
+    monkeypatch.setattr(dispatch.step.extend_plan, "build_ragged_metadata", lambda b: build_ragged_metadata(b, host_checked=False))
     plan = build_extend_plan(load_dispatcher(arch="cpu"), batch, kv_fp8_dtype="e4m3fn", prepare=False)
     with pytest.raises(IndexBoundsError, match="lengths are negative or disagree"):
         plan.check_errors()
@@ -151,7 +151,7 @@ NAN_BYTE = {Fp8Dtype.E4M3FN: 0x7F, Fp8Dtype.E4M3FNUZ: 0x80}
 @pytest.mark.parametrize(("which", "fp8"), [("reference", Fp8Dtype.E4M3FN), ("triton", Fp8Dtype.E4M3FN),
                                             ("reference", Fp8Dtype.E4M3FNUZ), ("fnuz-emulated", Fp8Dtype.E4M3FNUZ)])
 @pytest.mark.parametrize("fault", ["+inf scale", "-inf scale", "nan scale", "nan key byte", "nan q byte"])
-def test_prefill_follows_the_paged_nan_rule(which, fp8, fault):
+def test_extend_follows_the_paged_nan_rule(which, fp8, fault):
     gen = torch.Generator().manual_seed(3)
     rows, heads, dim, keys = 6, 16, 64, 20
     # Positive q and k: every relu is live, so an inf scale would make a finite +inf logit, the largest.

@@ -1,4 +1,4 @@
-"""The per-batch plan of an extend (prefill) batch: one decision per op of the ragged step and the
+"""The per-batch plan of an extend batch: one decision per op of the ragged step and the
 ragged metadata, built once per batch from an ExtendBatch and carried into every layer's call.
 
 The step per layer (IndexerStep.select): gather this layer's K through the plan's slots, then per
@@ -21,8 +21,8 @@ from dispatch.contract.bounds import new_error_flags
 from dispatch.contract.decision import Decision
 from dispatch.contract.errors import LayoutError
 from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.step.plan import EXTEND_STEP_OPS, DecidedPlan, decider, key_fp8_dtype, prepare_states
-from dispatch.step.prefill import DEFAULT_LOGITS_BYTES, Chunk, ExtendBatch, RaggedMetadata, build_ragged_metadata
+from dispatch.step.paged_plan import EXTEND_STEP_OPS, DecidedPlan, decider, key_fp8_dtype, prepare_states
+from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, Chunk, ExtendBatch, RaggedMetadata, build_ragged_metadata
 
 if TYPE_CHECKING:
     from dispatch.deciding.dispatcher import Dispatcher

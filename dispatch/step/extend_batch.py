@@ -1,4 +1,4 @@
-"""What the indexer needs for an extend (prefill) batch, built from what an engine knows about it.
+"""What the indexer needs for an extend batch, built from what an engine knows about it.
 
 An extend batch is B requests; request r has prefix_lens[r] keys already cached and extend_lens[r] new
 tokens, whose keys the engine has written to the paged cache before the indexer runs (as SGLang and
@@ -41,7 +41,7 @@ class ExtendBatch:
     block_kv: int = 64
     host_prefix_lens: tuple[int, ...] | None = None
     host_extend_lens: tuple[int, ...] | None = None
-    # Blocks in the engine's KV pool (as ForwardBatch.num_kv_blocks): given, a page entry outside it
+    # Blocks in the engine's KV pool (as PagedBatch.num_kv_blocks): given, a page entry outside it
     # becomes gather slot -1 (refused by the reference gather, poisoned and flagged BAD_PAGE on the GPU).
     num_kv_blocks: int | None = None
 
@@ -122,7 +122,7 @@ class RaggedMetadata:
     # (every gather slot is then -1); None where the host checked the lengths (dispatch/contract/bounds.py).
     length_flags: torch.Tensor | None = None
     # int32 [2, M]: ks and ke as the rows of one tensor (ks and ke are its views), so a chunk's ranges
-    # shift in one op (dispatch.step.extend.chunk_tensors).
+    # shift in one op (dispatch.step.extend_plan.chunk_tensors).
     ranges: torch.Tensor | None = None
 
     def chunk_ranges(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
