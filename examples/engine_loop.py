@@ -26,10 +26,10 @@ from dispatch import ExtendBatch, PagedBatch, IndexerStep, RopeSpec, load_dispat
 
 HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
 BLOCK_KV = 64  # tokens per KV page: the engines' DSA caches and dispatch's kernels use pages of 64
-# After the two prefill steps, (forward mode, tokens scored per request): plain decode, MTP
+# After the two extend steps, (forward mode, tokens scored per request): plain decode, MTP
 # verification of 3 drafts, draft extension.
 SCHEDULE = [("decode", 1), ("target_verify", 4), ("draft_extend", 2)]
-PREFILL_STEPS = 2
+EXTEND_STEPS = 2
 
 
 class PagedKV:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
         sys.exit(f"engine_loop.py: --device cuda, but torch sees no CUDA GPU ({build}); use --device cpu")
     show_decisions(quiet=args.quiet)
     generator = torch.Generator().manual_seed(0)
-    # A small logits budget so the example's prefill runs in several chunks, as long prompts do.
+    # A small logits budget so the example's extend batches run in several chunks, as long prompts do.
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
                        softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, index_topk=256, logits_byte_budget=1 << 18)
     kv = PagedKV(args.layers, num_blocks=512, device=args.device, generator=generator)
@@ -81,12 +81,12 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     cos_sin = torch.randn(4096, ROT_DIM, generator=generator).to(torch.bfloat16).to(args.device)
     selected = []
     for number in range(args.steps):
-        if number < PREFILL_STEPS:
+        if number < EXTEND_STEPS:
             new = first_parts if number == 0 else [p - f for p, f in zip(prompts, first_parts)]
             plan, tokens, positions = extend_plan(step, kv, lengths, new, args.device)
             lengths = [n + e for n, e in zip(lengths, new)]
         else:
-            mode, next_n = SCHEDULE[(number - PREFILL_STEPS) % len(SCHEDULE)]
+            mode, next_n = SCHEDULE[(number - EXTEND_STEPS) % len(SCHEDULE)]
             lengths = [n + next_n for n in lengths]  # each request's total length L now includes this step's tokens
             plan, tokens, positions = paged_plan(step, kv, lengths, mode, next_n, args.device)
         for layer in range(args.layers):

@@ -240,7 +240,7 @@ def _figure(value) -> str:
     return format(value, ".0f") if value >= 100 else format(value, ".3g")
 
 
-# Extra figures some rows carry (the prefill rows), printed after the check when present.
+# Extra figures some rows carry (the extend rows), printed after the check when present.
 _NOTES = (
     ("engine", str),
     ("step", str),

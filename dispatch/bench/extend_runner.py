@@ -1,6 +1,6 @@
 """`bench` rows of the extend path: the ragged logits op per eligible backend, checked against
 the reference and set against the fp8-compute floor, top-k alone over each row's key range, and the
-whole prefill step (gather + Q quant + logits + top-k per chunk) as IndexerStep.select runs it, with
+whole extend step (gather + Q quant + logits + top-k per chunk) as IndexerStep.select runs it, with
 its peak memory."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def bench_extend_step(
     tolerance: float,
     logits_byte_budget: int = DEFAULT_LOGITS_BYTES,
 ) -> list[Row]:
-    """The whole prefill step through the decided backends (IndexerStep.select on an extend plan): its
+    """The whole extend step through the decided backends (IndexerStep.select on an extend plan): its
     time, its peak memory above what was allocated before it (torch.cuda.max_memory_allocated), the
     plan's host time, and STEP_CHECK_ROWS of its rows checked against torch.topk on reference logits."""
     key = DispatchKey(dispatcher.target_arch, ForwardMode.EXTEND, 1, fp8_dtype)
