@@ -432,7 +432,7 @@ def _backends(args: argparse.Namespace) -> int:
 
 
 def _gpus(args: argparse.Namespace) -> int:
-    from dispatch.cli.commands import gpu_table
+    from dispatch.cli import gpu_table
     from dispatch.contract.host import collect_backends
     from dispatch.registry.document import load_registry
     from dispatch.deciding.runtime import load_plugins, registry_path

@@ -16,6 +16,7 @@ import torch
 from backends.deepgemm.plugin import deepgemm_backends
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_kernel
 from backends.reference.plugin import register_backends as register_reference
+from dispatch.contract import check_logits_inputs
 from dispatch.contract.errors import LayoutError
 from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Fp8Dtype
 from dispatch.contract.ops import paged_mqa_logits
@@ -116,6 +117,15 @@ def test_every_tagged_backend_gives_the_reference_answer(seq_lens, next_n, mode)
     assert len(ran) >= 4  # both layouts, DeepGEMM stand-in and torch reference
 
 
+def refusing(backend):
+    """What refuses a mismatched plan before the kernel: the DeepGEMM backend's own run (it checks what its
+    kernel needs), else the op's checks, which the host runs against the decision's layout before any
+    backend (dispatch/contract/ops/paged_logits.py)."""
+    if backend.name.startswith("deepgemm"):
+        return backend.run
+    return lambda plan, q, kv_cache, weights: check_logits_inputs(plan, q, kv_cache, weights, consumes=backend.layout)
+
+
 @pytest.mark.parametrize("name", ["deepgemm.sm90.flatten", "torch.reference.flatten"])
 def test_a_flatten_plan_handed_native_q_raises(name):
     backend, arch = _tagged(name)
@@ -123,7 +133,7 @@ def test_a_flatten_plan_handed_native_q_raises(name):
     plan = plan_for(backend, batch.seq_lens, batch.page_table, 2, arch=arch)
     native_q = batch.q_tokens.view(2, 2, *batch.q_tokens.shape[1:])
     with pytest.raises(LayoutError, match="layout `flatten`"):
-        backend.run(plan, native_q, batch.kv_cache, batch.weights)
+        refusing(backend)(plan, native_q, batch.kv_cache, batch.weights)
 
 
 @pytest.mark.parametrize("name", ["deepgemm.sm90", "torch.reference"])
@@ -132,7 +142,7 @@ def test_a_native_plan_handed_flatten_q_raises(name):
     batch = paged_batch([70, 129], 2)
     plan = plan_for(backend, batch.seq_lens, batch.page_table, 2, arch=arch)
     with pytest.raises(LayoutError, match="layout `native`"):
-        backend.run(plan, batch.q_tokens[:, None], batch.kv_cache, batch.weights)
+        refusing(backend)(plan, batch.q_tokens[:, None], batch.kv_cache, batch.weights)
 
 
 @pytest.mark.parametrize("name", ["deepgemm.sm90", "torch.reference"])
@@ -143,7 +153,7 @@ def test_a_native_plan_holding_flatten_lens_raises(name):
     flatten_lens = plan.context_lens.reshape(-1, 1)
     wrong = type(plan)(**{**plan.__dict__, "context_lens": flatten_lens})
     with pytest.raises(LayoutError, match="context_lens"):
-        backend.run(wrong, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
+        refusing(backend)(wrong, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
 
 
 def test_a_plan_tagged_flatten_cannot_reach_the_native_kernel():

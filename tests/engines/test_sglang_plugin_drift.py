@@ -87,6 +87,6 @@ def test_objects_and_switches_the_plugin_reads(sglang_env):
     for method in ("is_decode_or_idle", "is_target_verify", "is_draft_extend_v2", "is_extend_without_speculative", "is_idle"):
         assert callable(getattr(ForwardMode, method)), method
     # The extend batch's host lengths the ragged plan reads.
-    from sglang.srt.model_executor.forward_batch_info import PagedBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    assert {"extend_prefix_lens_cpu", "extend_seq_lens_cpu"} <= {f.name for f in dataclasses.fields(PagedBatch)}
+    assert {"extend_prefix_lens_cpu", "extend_seq_lens_cpu"} <= {f.name for f in dataclasses.fields(ForwardBatch)}

@@ -21,7 +21,7 @@ from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, ForwardMode, Fp8Dt
 from dispatch.contract.ops import paged_mqa_logits
 from dispatch.step.paged_plan import PagedBatch, build_plan
 from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher, load_plugins
-from tests.support.paged_batch import PagedBatch, expected_logits
+from tests.support.paged_batch import PagedCase, expected_logits
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -60,7 +60,7 @@ def ragged_batches(draw):
     )
 
 
-def paged_inputs(seq_lens, next_n, fp8, extra_blocks, padding_pages, seed) -> PagedBatch:
+def paged_inputs(seq_lens, next_n, fp8, extra_blocks, padding_pages, seed) -> PagedCase:
     generator = torch.Generator().manual_seed(seed)
     keys = [torch.randn(length, HEAD_DIM, generator=generator) for length in seq_lens]
     cache, table = build_paged_kv_cache(keys, fp8, extra_blocks=extra_blocks, generator=generator)
@@ -70,7 +70,7 @@ def paged_inputs(seq_lens, next_n, fp8, extra_blocks, padding_pages, seed) -> Pa
     tokens = len(seq_lens) * next_n
     fp8_max = FP8_MAX[fp8]
     q = (torch.randn(tokens, HEADS, HEAD_DIM, generator=generator) * fp8_max / 3).clamp(-fp8_max, fp8_max)
-    return PagedBatch(
+    return PagedCase(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         page_table=table.to(DEVICE),
         kv_cache=cache.to(DEVICE),

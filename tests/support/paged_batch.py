@@ -13,7 +13,7 @@ from dispatch.contract.key import Fp8Dtype
 
 
 @dataclass(frozen=True)
-class PagedBatch:
+class PagedCase:
     seq_lens: torch.Tensor  # int32 [B]: total length L, drafts included
     page_table: torch.Tensor  # int32 [B, M]
     kv_cache: torch.Tensor  # uint8 [num_blocks, 64, 1, D + 4]
@@ -28,14 +28,14 @@ class PagedBatch:
 
 def paged_batch(
     seq_lens: list[int], next_n: int, *, heads: int = 32, head_dim: int = 32, device: str = "cpu", seed: int = 0
-) -> PagedBatch:
+) -> PagedCase:
     generator = torch.Generator().manual_seed(seed)
     keys = [torch.randn(length, head_dim, generator=generator) for length in seq_lens]
     kv_cache, page_table = build_paged_kv_cache(keys, Fp8Dtype.E4M3FN, extra_blocks=2, generator=generator)
     tokens = len(seq_lens) * next_n
     q = torch.randn(tokens, heads, head_dim, generator=generator).to(torch.float8_e4m3fn)
     weights = torch.randn(tokens, heads, generator=generator)
-    return PagedBatch(
+    return PagedCase(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         page_table=page_table.to(device),
         kv_cache=kv_cache.to(device),
@@ -45,7 +45,7 @@ def paged_batch(
     )
 
 
-def expected_logits(batch: PagedBatch) -> torch.Tensor:
+def expected_logits(batch: PagedCase) -> torch.Tensor:
     """Every token scored on its own, with the causal length L - N + j + 1 spelled out per token."""
     lens, tables = [], []
     for request, length in enumerate(batch.seq_lens.tolist()):

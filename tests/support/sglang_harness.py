@@ -115,7 +115,7 @@ def cpu_seqlens_expand(extend_seq_lens, seq_lens, total_len, max_q_len):
 @dataclass
 class Batch:
     """One forward batch as SGLang holds it at the indexer: its backend (whose init_forward_metadata
-    built the metadata), the PagedBatch fields that backend read, and the indexer metadata."""
+    built the metadata), the ForwardBatch fields that backend read, and the indexer metadata."""
 
     backend: DeepseekSparseAttnBackend
     forward_batch: SimpleNamespace
