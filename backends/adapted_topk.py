@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dispatch.errors import UnservedCallError
+from dispatch.contract import UnservedCallError
 
 if TYPE_CHECKING:
     import torch

@@ -9,8 +9,7 @@ import importlib.metadata
 from collections.abc import Callable
 from types import ModuleType
 
-from dispatch import detect
-from dispatch.contract import Arch, Availability
+from dispatch.contract import Arch, Availability, detect
 
 
 def import_module(name: str) -> Callable[[], ModuleType]:

@@ -10,31 +10,26 @@ Where SGLang decided the path inside the indexer with `ctx.shape == (B, next_n)`
 another module built under its own condition, here `step.plan(batch)` decides once per batch and the
 plan carries the decision; every layer's call is checked against it. Nothing looks at a shape. An
 ExtendBatch gets the ragged step (keys gathered per layer, logits chunked to a byte budget); a
-ForwardBatch the paged one; the same plan / select pair serves both.
+PagedBatch the paged one; the same plan / select pair serves both.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 
 import torch
 
-from dispatch import load_dispatcher
-from dispatch.indexer import IndexerStep
-from dispatch.key import ForwardMode
-from dispatch.kv_cache import BLOCK_KV
-from dispatch.logs import show_logs
-from dispatch.plan import ForwardBatch
-from dispatch.prefill import ExtendBatch
-from dispatch.rope import RopeSpec
+from dispatch import ExtendBatch, PagedBatch, IndexerStep, RopeSpec, load_dispatcher
 
 HEADS, HEAD_DIM, ROT_DIM = 64, 128, 64
-# After the two prefill steps, (forward mode, tokens scored per request): plain decode, MTP
+BLOCK_KV = 64  # tokens per KV page: the engines' DSA caches and dispatch's kernels use pages of 64
+# After the two extend steps, (forward mode, tokens scored per request): plain decode, MTP
 # verification of 3 drafts, draft extension.
-SCHEDULE = [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 2)]
-PREFILL_STEPS = 2
+SCHEDULE = [("decode", 1), ("target_verify", 4), ("draft_extend", 2)]
+EXTEND_STEPS = 2
 
 
 class PagedKV:
@@ -73,11 +68,11 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     if args.device == "cuda" and not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
         sys.exit(f"engine_loop.py: --device cuda, but torch sees no CUDA GPU ({build}); use --device cpu")
-    show_logs(0 if args.quiet else 1)
+    show_decisions(quiet=args.quiet)
     generator = torch.Generator().manual_seed(0)
-    # A small logits budget so the example's prefill runs in several chunks, as long prompts do.
+    # A small logits budget so the example's extend batches run in several chunks, as long prompts do.
     step = IndexerStep(load_dispatcher(), kv_fp8_dtype=torch.float8_e4m3fn, rope=RopeSpec.neox_head(),
-                       softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, topk=256, logits_byte_budget=1 << 18)
+                       softmax_scale=HEAD_DIM**-0.5, head_scale=HEADS**-0.5, index_topk=256, logits_byte_budget=1 << 18)
     kv = PagedKV(args.layers, num_blocks=512, device=args.device, generator=generator)
     prompts = torch.randint(40, 400, (args.requests,), generator=generator).tolist()  # ragged prompts
     # Two extend steps: the prompt's first part (a one-token first part for request 0), then the rest.
@@ -86,12 +81,12 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     cos_sin = torch.randn(4096, ROT_DIM, generator=generator).to(torch.bfloat16).to(args.device)
     selected = []
     for number in range(args.steps):
-        if number < PREFILL_STEPS:
+        if number < EXTEND_STEPS:
             new = first_parts if number == 0 else [p - f for p, f in zip(prompts, first_parts)]
-            plan, tokens, positions = prefill_plan(step, kv, lengths, new, args.device)
+            plan, tokens, positions = extend_plan(step, kv, lengths, new, args.device)
             lengths = [n + e for n, e in zip(lengths, new)]
         else:
-            mode, next_n = SCHEDULE[(number - PREFILL_STEPS) % len(SCHEDULE)]
+            mode, next_n = SCHEDULE[(number - EXTEND_STEPS) % len(SCHEDULE)]
             lengths = [n + next_n for n in lengths]  # each request's total length L now includes this step's tokens
             plan, tokens, positions = paged_plan(step, kv, lengths, mode, next_n, args.device)
         for layer in range(args.layers):
@@ -101,7 +96,20 @@ def main(argv: list[str] | None = None) -> list[tuple[object, torch.Tensor]]:
     return selected
 
 
-def prefill_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[int], device: str):
+def show_decisions(*, quiet: bool) -> None:
+    """dispatch logs each new decision at INFO on its `dispatch` logger and installs no handler: an
+    engine attaches its own. This one prints them on stderr unless quiet."""
+    logger = logging.getLogger("dispatch")
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    for handler in [h for h in logger.handlers if getattr(h, "engine_loop", False)]:
+        logger.removeHandler(handler)  # a second run (a test) writes to the stderr of its own time
+    handler = logging.StreamHandler(sys.stderr)
+    handler.engine_loop = True
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+
+
+def extend_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[int], device: str):
     """An extend batch: each request's `new` prompt tokens after its `cached` ones (their keys written
     to the cache before the indexer runs)."""
     for request, (prefix, extend) in enumerate(zip(cached, new)):
@@ -114,14 +122,14 @@ def prefill_plan(step: IndexerStep, kv: PagedKV, cached: list[int], new: list[in
     return plan, sum(new), positions
 
 
-def paged_plan(step: IndexerStep, kv: PagedKV, lengths: list[int], mode: ForwardMode, next_n: int, device: str):
+def paged_plan(step: IndexerStep, kv: PagedKV, lengths: list[int], mode: str, next_n: int, device: str):
     for request, length in enumerate(lengths):
         kv.grow(request, length)
-    batch = ForwardBatch(torch.tensor(lengths, dtype=torch.int32, device=device), kv.table(device),
+    batch = PagedBatch(torch.tensor(lengths, dtype=torch.int32, device=device), kv.table(device),
                          max_seq_len=max(lengths), forward_mode=mode, next_n=next_n,
                          num_kv_blocks=kv.caches.shape[1])  # the pool: its page table is checked once per batch
     plan = step.plan(batch)  # once per batch: the decision, its layout's tensors, the page checks
-    print(f"step: {mode.value:13s} next_n={next_n} -> logits {plan.logits.backend} "
+    print(f"step: {mode:13s} next_n={next_n} -> logits {plan.logits.backend} "
           f"({plan.layout.value}, {plan.logits.rule}), q quant {plan.indexer_q_quant.backend}")
     positions = torch.tensor([n - next_n + j for n in lengths for j in range(next_n)], device=device)
     return plan, len(lengths) * next_n, positions

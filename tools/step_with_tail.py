@@ -14,8 +14,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dispatch.bench.step as step_bench  # noqa: E402
-import dispatch.indexer as indexer  # noqa: E402
-from dispatch.cli import main  # noqa: E402
+import dispatch.engines.indexer_step as indexer  # noqa: E402
+from dispatch.cli.commands import main  # noqa: E402
 
 without_tail = indexer.paged_mqa_logits
 

@@ -14,14 +14,14 @@ import argparse
 
 import torch
 
-from backends.triton.page_guard import PageGuard
+from backends.shared.page_guard import PageGuard
 from dispatch.bench.timing import time_cuda, time_host
 from dispatch.bench.workload import LogitsShape, logits_inputs
-from dispatch.bounds import new_error_flags
-from dispatch.key import Fp8Dtype, ForwardMode, Op
-from dispatch.layout import Layout
-from dispatch.plan import ForwardBatch, build_plan, layout_tensors
-from dispatch.runtime import load_dispatcher
+from dispatch.contract.bounds import new_error_flags
+from dispatch.contract.key import Fp8Dtype, ForwardMode, Op
+from dispatch.contract.layout import Layout
+from dispatch.step.paged_plan import PagedBatch, build_plan, layout_tensors
+from dispatch.deciding.runtime import load_dispatcher
 
 
 def guard_seconds(inputs, next_n: int, layout: Layout) -> float:
@@ -38,7 +38,7 @@ def guard_seconds(inputs, next_n: int, layout: Layout) -> float:
 
 def plan_host_seconds(dispatcher, inputs, next_n: int, pool: int | None) -> float:
     mode = ForwardMode.DECODE if next_n == 1 else ForwardMode.TARGET_VERIFY
-    batch = ForwardBatch(inputs.seq_lens, inputs.page_table, max(inputs.seq_lens_host), mode, next_n, num_kv_blocks=pool)
+    batch = PagedBatch(inputs.seq_lens, inputs.page_table, max(inputs.seq_lens_host), mode, next_n, num_kv_blocks=pool)
 
     def plan():
         return build_plan(dispatcher, batch, kv_fp8_dtype=Fp8Dtype.E4M3FN, pinned={Op.PAGED_MQA_LOGITS: "triton"},

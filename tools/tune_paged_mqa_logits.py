@@ -23,12 +23,12 @@ import torch
 
 from dispatch.bench.ceilings import measure_ceilings
 from dispatch.bench.compare import compare_logits
-from dispatch.bench.paged_cache import build_paged_kv_cache, page_table_for, pages_of
+from dispatch.contract.paged_cache import build_paged_kv_cache, page_table_for, pages_of
 from dispatch.bench.workload import LogitsShape, logits_floor_counts
-from dispatch.bounds import new_error_flags
-from dispatch.kv_cache import BLOCK_KV
+from dispatch.contract.bounds import new_error_flags
+from dispatch.contract.kv_cache import BLOCK_KV
 from backends.reference.paged_mqa_logits import reference_paged_mqa_logits as reference_logits
-from backends.triton.page_guard import guard_pages
+from backends.shared.page_guard import guard_pages
 from backends.triton.paged_mqa_logits import (
     LaunchConfig,
     _paged_mqa_logits_kernel,
@@ -36,9 +36,9 @@ from backends.triton.paged_mqa_logits import (
     schedule_for,
     triton_paged_mqa_logits,
 )
-from dispatch.key import Fp8Dtype
-from dispatch.layout import Layout
-from dispatch.plan import layout_tensors
+from dispatch.contract.key import Fp8Dtype
+from dispatch.contract.layout import Layout
+from dispatch.step.paged_plan import layout_tensors
 
 HEADS, HEAD_DIM = 64, 128
 DEVICE = "cuda"  # a smoke test of the input building on the CPU sets "cpu"

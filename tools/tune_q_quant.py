@@ -27,8 +27,8 @@ from backends.reference.q_quant import reference_indexer_q_quant as reference
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.q_quant import launch, launch_config
 from dispatch.bench.ceilings import measure_copy_bandwidth
-from dispatch.key import Fp8Dtype
-from dispatch.rope import RopeSpec
+from dispatch.contract.key import Fp8Dtype
+from dispatch.contract.rope import RopeSpec
 
 HEADS, HEAD_DIM, ROT_DIM, MAX_POS = 64, 128, 64, 65536
 SOFTMAX_SCALE, HEAD_SCALE = HEAD_DIM**-0.5, HEADS**-0.5

@@ -39,8 +39,7 @@ def probe() -> Availability:
     """Backend.probe: the facts of this machine, then (the first time on it) the compile itself."""
     import torch
 
-    from dispatch.detect import detect_arch
-    from dispatch.errors import InvalidKeyError
+    from dispatch.contract import InvalidKeyError, detect_arch
 
     rocm = torch.version.hip is not None
     gpu_visible = not rocm and torch.cuda.is_available()

@@ -10,7 +10,7 @@ import importlib.metadata
 from backends.cuda_topk.build import CUDA_ARCHS, probe
 from dispatch.contract import ALL_MODES, Arch, Backend, Layout, Op, Support, Verified, hookimpl
 
-# Built and checked exact against torch.topk on the H200 (tests/test_cuda_topk.py, tools/probe_topk.py);
+# Built and checked exact against torch.topk on the H200 (tests/backends/test_cuda_topk.py, tools/probe_topk.py);
 # the other NVIDIA archs compile the same source at first use, never run here.
 VERIFIED = {Arch.SM90: Verified.MEASURED} | {arch: Verified.NOT_RUN for arch in CUDA_ARCHS - {Arch.SM90}}
 

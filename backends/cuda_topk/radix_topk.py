@@ -9,8 +9,7 @@ import torch
 
 from backends.adapted_topk import finish
 from backends.cuda_topk.build import extension
-from dispatch.contract import LayoutError
-from dispatch.input_checks import check_topk_inputs
+from dispatch.contract import LayoutError, check_topk_inputs
 
 
 def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: torch.Tensor | None = None,

@@ -22,7 +22,7 @@ The paged logits API, tolerant of the generations in the field:
 Every function takes the module as its first argument, so tests can hand in a recording stand-in.
 
 Bounds: deep_gemm follows every table entry a length covers without checking it, so prepare, once per
-batch, launches backends/triton/page_guard.py (one small kernel, no sync; at the first layer call when
+batch, launches backends/shared/page_guard.py (one small kernel, no sync; at the first layer call when
 the engine did not give the plan its pool size): every layer's deep_gemm call gets the guard's copy of
 the table, whose out-of-range entries point at block 0, the masking pass makes an affected token's row
 all NaN, and the plan's error flag is set. What the guard cannot fix: a length past max_context_len. The lens must stay
@@ -43,15 +43,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dispatch.bounds import check_pages, debug_bounds_on
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.input_checks import check_logits_inputs, check_ragged_logits_inputs
-from dispatch.kv_cache import BLOCK_KV
-from dispatch.layout import Layout
-from dispatch.plan import IndexerPlan
+from dispatch.contract import (
+    BLOCK_KV,
+    DtypeMismatchError,
+    PagedPlan,
+    Layout,
+    LayoutError,
+    check_logits_inputs,
+    check_pages,
+    check_ragged_logits_inputs,
+    debug_bounds_on,
+)
 
 if TYPE_CHECKING:
-    from backends.triton.page_guard import PageGuard
+    from backends.shared.page_guard import PageGuard
 
 MODULE_NAME = "deep_gemm"
 SCHEDULE = "get_paged_mqa_logits_metadata"
@@ -225,9 +230,9 @@ class DeepGemmPagedLogits:
     # schedule has num_sms / kv_multicast + 1 rows (2 for SM90 next_n 4; 1 everywhere else).
     kv_multicast: int = 1
 
-    def prepare(self, plan: IndexerPlan) -> DeepGemmState:
+    def prepare(self, plan: PagedPlan) -> DeepGemmState:
         """The batch's schedule, built from plan.context_lens itself, and its page guard."""
-        from backends.triton.page_guard import prepare_page_guard  # triton ships with torch on CUDA
+        from backends.shared.page_guard import prepare_page_guard  # triton ships with torch on CUDA
 
         module = self.load()
         lens = plan.context_lens
@@ -247,14 +252,14 @@ class DeepGemmPagedLogits:
     @staticmethod
     def refresh_state(captured: DeepGemmState, fresh: DeepGemmState) -> None:
         """Write a fresh batch's schedule into the captured plan's (same shape: [num_sms + 1, 2]) and guard
-        the captured plan's lens and table, already refreshed by dispatch.graphs, in place."""
+        the captured plan's lens and table, already refreshed by dispatch.engines.graphs, in place."""
         # The guard first: it refuses another pool before anything is written, so a refused update
-        # leaves the schedule as it was (dispatch.graphs restores the rest).
+        # leaves the schedule as it was (dispatch.engines.graphs restores the rest).
         captured.guard.refresh(fresh.guard.num_blocks)
         captured.schedule.copy_(fresh.schedule)
 
     def run(
-        self, plan: IndexerPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
+        self, plan: PagedPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
     ) -> torch.Tensor:
         check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
         self._check_schedule(plan)
@@ -273,11 +278,11 @@ class DeepGemmPagedLogits:
             return mask_past_lengths(logits, guard.lens, guard.fill)
         # No -inf tail, but a poisoned token's row (deep_gemm scored it through the guard's safe table)
         # must still become NaN: one small launch instead of the pass over every logit.
-        from backends.triton.poisoned_rows import nan_poisoned_rows  # triton ships with torch on CUDA
+        from backends.shared.poisoned_rows import nan_poisoned_rows  # triton ships with torch on CUDA
 
         return nan_poisoned_rows(logits, guard.lens)
 
-    def _check_schedule(self, plan: IndexerPlan) -> None:
+    def _check_schedule(self, plan: PagedPlan) -> None:
         state = plan.state
         schedule = getattr(state, "schedule", None)
         if not isinstance(schedule, torch.Tensor) or schedule.dim() != 2 or schedule.dtype != torch.int32:
@@ -371,7 +376,7 @@ class DeepGemmRaggedLogits:
 
     @staticmethod
     def prepare(plan):
-        from backends.triton.kv_gather import TritonKeyGather  # triton ships with every CUDA torch
+        from backends.shared.kv_gather import TritonKeyGather  # triton ships with every CUDA torch
 
         return TritonKeyGather.for_plan(plan)
 

@@ -26,8 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from dispatch import detect
-from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Fp8Dtype, Layout, Op, Support, Verified, hookimpl
+from dispatch.contract import (
+    PAGED_MODES,
+    Arch,
+    Availability,
+    Backend,
+    Fp8Dtype,
+    Layout,
+    Op,
+    Support,
+    Verified,
+    detect,
+    hookimpl,
+)
 
 _E4M3FN = frozenset({Fp8Dtype.E4M3FN})
 
@@ -243,7 +254,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
 
 
 def deepgemm_ragged_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list[Backend]:
-    """The two ragged (prefill) backends, named per arch like the paged ones, resolving deep_gemm
+    """The two ragged (extend) backends, named per arch like the paged ones, resolving deep_gemm
     through `load` (tests pass a stand-in)."""
     backends = []
     for arch in (Arch.SM100, Arch.SM90):

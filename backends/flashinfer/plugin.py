@@ -24,8 +24,19 @@ from typing import TYPE_CHECKING, Callable
 
 from backends.adapted_topk import finish
 from backends.engine_probe import engine_topk_availability
-from dispatch import detect
-from dispatch.contract import PAGED_MODES, Arch, Availability, Backend, Layout, LayoutError, Op, Support, Verified, hookimpl
+from dispatch.contract import (
+    PAGED_MODES,
+    Arch,
+    Availability,
+    Backend,
+    Layout,
+    LayoutError,
+    Op,
+    Support,
+    Verified,
+    detect,
+    hookimpl,
+)
 
 if TYPE_CHECKING:  # torch is imported where it runs: registering must not import it (`validate` runs without it)
     import torch
@@ -52,10 +63,7 @@ def topk_runner(load: Callable[[], ModuleType]) -> Callable[..., torch.Tensor]:
     def run(logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64, sorted=False):
         import torch
 
-        from dispatch.input_checks import check_topk_inputs
-
-        check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                          block_size=block_size)
+        
         if starts is not None:
             raise LayoutError("backend `flashinfer` reads every row from column 0; ragged rows (starts) need "
                               "another top-k backend")

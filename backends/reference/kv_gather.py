@@ -11,9 +11,7 @@ import dataclasses
 
 import torch
 
-from dispatch.kv_cache import split_kv_cache
-from dispatch.errors import LayoutError
-from dispatch.key import Fp8Dtype
+from dispatch.contract import Fp8Dtype, LayoutError, split_kv_cache
 
 
 def reference_gather_keys(
@@ -41,7 +39,7 @@ def reference_gather_keys(
             where += f" (request {request}, its key {position - int(key_offsets[request])})"
         slot = int(slots_host[position])
         # -1 is what the plan's metadata writes for a key whose page entry is outside the pool (or past
-        # int32), past the table's width, or whose batch's lengths were inconsistent (dispatch/prefill.py).
+        # int32), past the table's width, or whose batch's lengths were inconsistent (dispatch/step/extend_batch.py).
         why = "no valid page: its page-table entry is outside the pool or past the table" if slot == -1 \
             else f"outside the cache's [0, {num_slots})"
         raise LayoutError(f"{where} maps to slot {slot}, {why} ({num_blocks} blocks of {block_kv}); "

@@ -19,9 +19,7 @@ import math
 
 import torch
 
-from dispatch.bounds import check_pages
-from dispatch.kv_cache import split_kv_cache
-from dispatch.key import Fp8Dtype
+from dispatch.contract import Fp8Dtype, check_pages, split_kv_cache
 
 
 def reference_paged_mqa_logits(
@@ -37,7 +35,7 @@ def reference_paged_mqa_logits(
 ) -> torch.Tensor:
     """fp32 logits [rows * N, max_context_len], -inf at every position past a token's length.
 
-    `num_kv_blocks` (the engine's pool, ForwardBatch.num_kv_blocks) is what table entries are checked
+    `num_kv_blocks` (the engine's pool, PagedBatch.num_kv_blocks) is what table entries are checked
     against, as the page guard does; None: the cache's own block count."""
     rows, next_n, heads, head_dim = q.shape
     block_kv = kv_cache.shape[1]

@@ -11,11 +11,10 @@ from dispatch.contract import ALL_ARCHS, PAGED_MODES, Arch, Backend, Layout, Op,
 # so they are imported on first call (afterwards a sys.modules lookup).
 def run_paged_mqa_logits(plan, q, kv_cache, weights, *, clean_logits=True):
     from backends.reference.paged_mqa_logits import reference_paged_mqa_logits
-    from dispatch.contract import check_logits_inputs
 
     # Both reference backends run the same function, which reads the layout from the tensors' tag. It
     # writes the -inf tail whatever clean_logits says (the flag permits skipping it, never requires it).
-    check_logits_inputs(plan, q, kv_cache, weights)
+    # The inputs passed the op's checks before this run (dispatch/contract/ops/paged_logits.py).
     return reference_paged_mqa_logits(
         q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype,
         num_kv_blocks=plan.num_kv_blocks,
@@ -36,10 +35,9 @@ def run_topk(*args, **kwargs):
 
 def run_ragged_mqa_logits(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
     from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits
-    from dispatch.contract import check_ragged_logits_inputs
 
     # Always writes -inf outside [ks, ke): what clean_logits=False leaves unspecified may be -inf too.
-    check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
+    # The inputs passed the op's checks before this run (dispatch/contract/ops/ragged_logits.py).
     return reference_ragged_mqa_logits(q, k, scales, weights, ks, ke)
 
 

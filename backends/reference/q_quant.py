@@ -14,11 +14,7 @@ import math
 
 import torch
 
-from dispatch.bounds import check_positions
-from dispatch.fp8 import torch_dtype
-from dispatch.input_checks import check_q_quant_inputs
-from dispatch.key import FP8_MAX, Fp8Dtype
-from dispatch.rope import RopeSpec
+from dispatch.contract import FP8_MAX, Fp8Dtype, RopeSpec, check_positions, torch_dtype
 
 
 def apply_rope(
@@ -79,7 +75,6 @@ def reference_indexer_q_quant(
     """q [T, H, D] (any float dtype), weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H]).
 
     `error_flags` is accepted for the op's call convention and never written: a bad position raises."""
-    check_q_quant_inputs(q, weights, positions, cos_sin_cache, error_flags)
     check_positions(positions, cos_sin_cache.shape[0])
     fp8_max = FP8_MAX[Fp8Dtype(fp8_dtype)]
     # The engines keep their RoPE output in the activation dtype, bf16, before the amax and the division.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dispatch.errors import DtypeMismatchError
+from dispatch.contract import DtypeMismatchError
 
 # Rows per step: bounds the [rows, H, S] fp32 intermediate (64 rows x 64 heads x 64K keys = 1 GiB).
 _ROWS_PER_STEP = 64

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dispatch.input_checks import check_topk_inputs
-from dispatch.kv_cache import BLOCK_KV
+from dispatch.contract import BLOCK_KV
 
 
 def topk_indices(
@@ -27,9 +26,6 @@ def topk_indices(
 ) -> torch.Tensor:
     """int32 [rows, k]: positions (relative to starts[r]) of each row's k largest visible logits,
     best first, -1 past the number selectable; physical KV slots instead when page_table is given."""
-    check_topk_inputs(
-        logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows, block_size=block_size
-    )
     rows, width = logits.shape
     first = torch.zeros_like(lengths) if starts is None else starts
     columns = torch.arange(width, device=logits.device)

@@ -34,7 +34,6 @@ from types import ModuleType
 import torch
 
 from backends.adapted_topk import CallLimits, aligned_rows, clamped_lengths, finish
-from dispatch.input_checks import check_topk_inputs
 
 V2_MAX_K = 2048
 FAST_TOPK_K = 2048
@@ -77,8 +76,6 @@ def refresh_v2(captured: V2Plan, fresh: V2Plan) -> None:
 
 def run_v2_paged(module: ModuleType, logits, lengths, k, *, starts=None, page_table=None, page_rows=None,
                  block_size=64, sorted=False, state: V2Plan | None = None):
-    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                      block_size=block_size)
     rows, width = logits.shape
     V2_PAGED.check(rows, k, starts=starts is not None)
     if rows == 0 or width == 0:
@@ -97,8 +94,6 @@ def run_v2_paged(module: ModuleType, logits, lengths, k, *, starts=None, page_ta
 
 def run_v2_ragged(module: ModuleType, logits, lengths, k, *, starts=None, page_table=None, page_rows=None,
                   block_size=64, sorted=False):
-    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                      block_size=block_size)
     rows, width = logits.shape
     V2_RAGGED.check(rows, k, starts=starts is not None)
     if rows == 0 or width == 0:
@@ -121,8 +116,6 @@ def run_v2_ragged(module: ModuleType, logits, lengths, k, *, starts=None, page_t
 
 def run_fast_topk(module: ModuleType, logits, lengths, k, *, starts=None, page_table=None, page_rows=None,
                   block_size=64, sorted=False):
-    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                      block_size=block_size)
     rows, width = logits.shape
     FAST_TOPK.check(rows, k, starts=starts is not None, width=width)
     if rows == 0 or width == 0:

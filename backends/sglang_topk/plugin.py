@@ -85,7 +85,7 @@ def sglang_topk_backends(
             probe=probe_for(load_v2, V2_MODULE, V2_RAGGED_SYMBOLS, SGLANG_ARCHS),
             version=distribution_version("sglang"),
             verified=VERIFIED,
-            description="SGLang top-k v2 over row windows [ks, ke) (its DSA prefill path)",
+            description="SGLang top-k v2 over row windows [ks, ke) (its DSA extend path)",
         ),
         Backend(
             name="sglang.fast_topk",

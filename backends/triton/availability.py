@@ -5,10 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Callable
 
-from dispatch.backend import Availability
-from dispatch.detect import detect_arch, triton_interpreter_on
-from dispatch.errors import InvalidKeyError
-from dispatch.key import Arch
+from dispatch.contract import Arch, Availability, InvalidKeyError, detect_arch, triton_interpreter_on
 
 # fp8 tensor-core dots need sm89+ (sm80 here is 8.0/8.6/8.7, which have none) or CDNA3+; sm89 (Ada)
 # runs the fp8 tl.dot natively. e4m3fn does not compile for gfx942. The CPU runs the kernels under

@@ -13,8 +13,7 @@ import functools
 
 import torch
 
-from dispatch.detect import rocm_gcn_arch
-from dispatch.key import Fp8Dtype
+from dispatch.contract import Fp8Dtype, rocm_gcn_arch
 
 
 class Fp8Mode(str, enum.Enum):

@@ -4,7 +4,7 @@ the length-balanced schedule (one program) as programs of a single grid, instead
 They are independent: the schedule reads the plan's lengths, which the guard only reads too (it writes
 its own outputs), so running them side by side computes exactly what the two launches do one after the
 other. Programs [0, R) run the guard's body for their row (the guard kernel reads its row from the
-program id), program R runs the schedule's. The bodies are backends/triton/page_guard.py's and
+program id), program R runs the schedule's. The bodies are backends/shared/page_guard.py's and
 backends/triton/paged_schedule.py's kernels, called as device functions: one source for each.
 
 Where the pool size is unknown at prepare (the engine did not pass num_kv_blocks), the guard must wait
@@ -19,15 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton.page_guard import SCAN_PAGES, PageGuard, _page_guard_kernel
+from backends.shared.page_guard import SCAN_PAGES, PageGuard, _page_guard_kernel
 from backends.triton.paged_mqa_logits import default_config, work_row_tokens
 from backends.triton.paged_schedule import (BOUNDS_PER_STEP, COMPUTE_COST, FILL_COST, ROWS_PER_STEP, PagedSchedule,
                                             _schedule_kernel, program_count)
-from dispatch.bounds import BAD_PAGE, LENGTH_PAST_BOUND
-from dispatch.errors import LayoutError
+from dispatch.contract import BAD_PAGE, LENGTH_PAST_BOUND, LayoutError
 
 if TYPE_CHECKING:
-    from dispatch.plan import IndexerPlan
+    from dispatch.contract import PagedPlan
 
 
 @triton.jit
@@ -90,7 +89,7 @@ def launch_guard_and_schedule(guard: PageGuard, schedule: PagedSchedule, num_blo
     )
 
 
-def prepare_guard_and_schedule(plan: "IndexerPlan") -> tuple[PageGuard, PagedSchedule]:
+def prepare_guard_and_schedule(plan: "PagedPlan") -> tuple[PageGuard, PagedSchedule]:
     """The Triton paged backend's per-batch state: one launch when the plan knows its pool size, else the
     schedule now and the guard at the first layer call (PageGuard.for_cache)."""
     guard = PageGuard.allocate(plan.context_lens, plan.block_table, plan.max_context_len, plan.error_flags)

@@ -12,8 +12,8 @@ in one fp8 dot: tokens x heads is the dot's N, so the relu-weighted sum over hea
 thread and its quad rather than crossing warps (DeepGEMM's SM90 kernel has the same orientation).
 q^T and the weights are loaded once per work row a program touches. Pages past every token's length are never read.
 
-Bounds (dispatch/bounds.py): the kernel reads the per-batch page guard's output
-(backends/triton/page_guard.py), not the engine's table and lengths: a table whose every entry lies in
+Bounds (dispatch/contract/bounds.py): the kernel reads the per-batch page guard's output
+(backends/shared/page_guard.py), not the engine's table and lengths: a table whose every entry lies in
 the cache, and lengths where a poisoned token (a needed page out of range, or a length past
 max_context_len) has -1. The page loop's stores skip a poisoned token and a
 last loop, empty unless a token of the program is poisoned, writes NaN across its row: the page loop
@@ -35,13 +35,17 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
-from backends.triton.page_guard import PageGuard, guard_pages
+from backends.shared.page_guard import PageGuard, guard_pages
 from backends.triton.paged_schedule import PagedSchedule, program_count, schedule_pages
-from dispatch.bounds import check_pages, debug_bounds_on, scratch_error_flags
-from dispatch.detect import triton_interpreter_on
-from dispatch.errors import LayoutError
-from dispatch.fp8 import torch_dtype
-from dispatch.key import Fp8Dtype
+from dispatch.contract import (
+    Fp8Dtype,
+    LayoutError,
+    check_pages,
+    debug_bounds_on,
+    scratch_error_flags,
+    torch_dtype,
+    triton_interpreter_on,
+)
 
 
 # Where the dot reads an fp8 NaN byte as a number, the kernel finds NaN bytes itself (q once per program,
@@ -271,7 +275,7 @@ def triton_paged_mqa_logits(
     A token whose length passes max_context_len, or that needs a page-table entry outside
     [0, num_blocks), gets an all-NaN row, and BAD_PAGE / LENGTH_PAST_BOUND is ORed into `error_flags`
     (int32 [1], the plan's; a per-device scratch word when None). `guard` is this batch's page guard
-    (backends/triton/page_guard.py), launched once per batch by the plan; without one this call
+    (backends/shared/page_guard.py), launched once per batch by the plan; without one this call
     launches a guard first (one small extra launch). `schedule` is this batch's length-balanced
     schedule (backends/triton/paged_schedule.py), built by the plan for `config`; without one this call
     builds it first (one more small launch). `fnuz_mode` overrides fnuz_mode_for_here() for

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dispatch.detect import triton_interpreter_on
-from dispatch.errors import LayoutError
+from dispatch.contract import LayoutError, triton_interpreter_on
 
 # Relative cost of a page that is scored (8.4 KB of keys read, a dot, TG x 256 B written) and of one
 # only filled with -inf (TG x 256 B written). The ratio need not be exact: it only moves the cuts.

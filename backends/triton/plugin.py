@@ -24,7 +24,7 @@ TRITON_VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.CPU: Verified.CPU_TESTS} |
 }
 # e4m3fnuz is emulated bit-exactly through e4m3fn (CPU interpreter, H200); no AMD GPU ran it.
 FNUZ_VERIFIED = {Arch.GFX942: Verified.EMULATED, Arch.CPU: Verified.CPU_TESTS}
-# The ragged logits and the top-k ran on the H200 (tools/probe_prefill.py, tools/probe_topk.py) and the
+# The ragged logits and the top-k ran on the H200 (tools/probe_extend.py, tools/probe_topk.py) and the
 # interpreter; elsewhere they are portable Triton with no evidence from that arch.
 PORTABLE_VERIFIED = {Arch.SM90: Verified.MEASURED, Arch.CPU: Verified.CPU_TESTS} | {
     arch: Verified.NOT_RUN for arch in (Arch.SM80, Arch.SM89, Arch.SM100, Arch.SM120, Arch.GFX942, Arch.GFX950)
@@ -39,9 +39,7 @@ def logits_runner(layout: Layout, fnuz_mode: Fp8Mode | None = None) -> Callable:
     choose."""
 
     def run(plan, q, kv_cache, weights, *, clean_logits=True):
-        from dispatch.contract import check_logits_inputs
-
-        check_logits_inputs(plan, q, kv_cache, weights, consumes=layout)
+        # The inputs passed the op's checks against this layout first (dispatch/contract/ops/paged_logits.py).
         from backends.triton.paged_mqa_logits import triton_paged_mqa_logits
 
         return triton_paged_mqa_logits(
@@ -200,10 +198,8 @@ def ragged_runner(fnuz_mode: Fp8Mode | None = None) -> Callable:
 
     def run(q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True):
         from backends.triton.ragged_mqa_logits import triton_ragged_mqa_logits
-        from dispatch.contract import check_ragged_logits_inputs
 
-        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
-
+        # The inputs passed the op's checks first (dispatch/contract/ops/ragged_logits.py).
         return triton_ragged_mqa_logits(q, k, scales, weights, ks, ke, clean_logits=clean_logits, fnuz_mode=fnuz_mode)
 
     return run
@@ -211,13 +207,13 @@ def ragged_runner(fnuz_mode: Fp8Mode | None = None) -> Callable:
 
 def triton_key_gather(plan):
     """The extend plan's K gather: the Triton copy kernel (bytes, so e4m3fn and e4m3fnuz alike)."""
-    from backends.triton.kv_gather import TritonKeyGather  # imports triton, which the probe found
+    from backends.shared.kv_gather import TritonKeyGather  # imports triton, which the probe found
 
     return TritonKeyGather.for_plan(plan)
 
 
 def ragged_backends() -> list[Backend]:
-    """The ragged (prefill) logits kernel twice, as the paged one: `triton` reads OCP e4m3fn, `rocm.fnuz`
+    """The ragged (extend) logits kernel twice, as the paged one: `triton` reads OCP e4m3fn, `rocm.fnuz`
     e4m3fnuz (tl.float8e4b8 on gfx94x, emulated exactly through e4m3fn elsewhere)."""
     version = triton_version()
     return [

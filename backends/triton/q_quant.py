@@ -26,12 +26,17 @@ import triton
 import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
-from dispatch.bounds import BAD_POSITION, check_positions, debug_bounds_on, scratch_error_flags
-from dispatch.detect import triton_interpreter_on
-from dispatch.fp8 import torch_dtype
-from dispatch.input_checks import check_q_quant_inputs
-from dispatch.key import FP8_MAX, Fp8Dtype
-from dispatch.rope import RopeSpec
+from dispatch.contract import (
+    BAD_POSITION,
+    FP8_MAX,
+    Fp8Dtype,
+    RopeSpec,
+    check_positions,
+    debug_bounds_on,
+    scratch_error_flags,
+    torch_dtype,
+    triton_interpreter_on,
+)
 
 STORE_E4M3FN: tl.constexpr = tl.constexpr(0)
 STORE_FNUZ_NATIVE: tl.constexpr = tl.constexpr(1)
@@ -325,6 +330,7 @@ _FP8_MAX_BITS = {dtype: _exponent_and_mantissa(value) for dtype, value in FP8_MA
 
 
 def _check(q, weights, positions, cos_sin_cache, error_flags) -> None:
-    check_q_quant_inputs(q, weights, positions, cos_sin_cache, error_flags)
+    # The op's checks ran before this run (dispatch/contract/ops/q_quant.py); a debug run also reads
+    # every position on the host, to raise where the kernel would only flag.
     if debug_bounds_on():
         check_positions(positions, cos_sin_cache.shape[0])

@@ -1,4 +1,4 @@
-"""An extend batch's ragged metadata on a GPU in one launch: what dispatch.prefill.build_ragged_metadata's
+"""An extend batch's ragged metadata on a GPU in one launch: what dispatch.step.extend_batch.build_ragged_metadata's
 device path computes with ~50 torch ops (each a launch, 5-10 us of the H200 host's time), computed by one
 Triton kernel, value for value.
 
@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dispatch.bounds import BAD_LENGTH
+from dispatch.contract import BAD_LENGTH
 
 if TYPE_CHECKING:
-    from dispatch.prefill import ExtendBatch, RaggedMetadata
+    from dispatch.contract import ExtendBatch, RaggedMetadata
 
 INDICES_PER_PROGRAM = 256  # rows or keys of one program
 REQUESTS_PER_STEP = 16  # requests per step of a program's pass over the offsets
@@ -180,8 +180,8 @@ def ragged_metadata_on_device(
 
 def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
     """build_ragged_metadata's device path (lengths the host never read) as one kernel launch: the same
-    RaggedMetadata, field for field (tests/test_ragged_metadata_kernel.py)."""
-    from dispatch.prefill import HostRanges, RaggedMetadata
+    RaggedMetadata, field for field (tests/backends/test_ragged_metadata_kernel.py)."""
+    from dispatch.contract import HostRanges, RaggedMetadata
 
     out = ragged_metadata_on_device(batch.prefix_lens, batch.extend_lens, batch.page_table, batch.total_tokens,
                                     batch.total_keys, batch.block_kv, batch.num_kv_blocks)

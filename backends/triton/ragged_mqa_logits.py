@@ -23,8 +23,7 @@ import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from backends.triton.paged_mqa_logits import NAN_BY_HARDWARE, _is_nan_byte, nan_bytes_mode
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.fp8 import fp8_dtype_of
+from dispatch.contract import DtypeMismatchError, LayoutError, fp8_dtype_of
 
 
 @triton.jit

@@ -53,9 +53,7 @@ from backends.triton.topk_keys import (
     _row_window,
     _sample_window,
 )
-from dispatch.detect import triton_interpreter_on
-from dispatch.errors import LayoutError
-from dispatch.input_checks import check_topk_inputs
+from dispatch.contract import LayoutError, triton_interpreter_on
 
 
 @triton.jit(do_not_specialize=ROW_STRIDE_NOT_SPECIALISED)
@@ -306,10 +304,8 @@ def _scratch(device: torch.device, rows: int, cap: int, fine: int, ties: int) ->
 
 
 def _check(logits, lengths, k, starts, page_table, page_rows, block_size) -> tuple[int, int]:
-    """The contract's checks (shared by every top-k backend), then what this kernel adds: one device,
-    and a page table contiguous along its pages (a row is read as a flat array)."""
-    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                      block_size=block_size)
+    """What this kernel adds to the op's checks (run by the host before it, dispatch/contract/ops/top_k.py):
+    one device, and a page table contiguous along its pages (a row is read as a flat array)."""
     if page_table is not None and page_table.shape[1] > 1 and page_table.stride(1) != 1:
         raise LayoutError(f"page_table must be contiguous along its pages; got strides {list(page_table.stride())}")
     tensors = [t for t in (logits, lengths, starts, page_table, page_rows) if t is not None]

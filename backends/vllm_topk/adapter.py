@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from backends.adapted_topk import CallLimits, aligned_rows, clamped_lengths, finish
-from dispatch.input_checks import check_topk_inputs
 
 RADIX_K = frozenset({512, 1024, 2048})
 PER_ROW_MAX_K = 2048
@@ -66,8 +65,6 @@ def run_auto(ops, logits, lengths, k, **options):
 
 def run_per_row(ops, logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64,
                 sorted=False):
-    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                      block_size=block_size)
     rows, width = logits.shape
     PER_ROW.check(rows, k, starts=starts is not None)
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
@@ -85,8 +82,6 @@ def run_per_row(ops, logits, lengths, k, *, starts=None, page_table=None, page_r
 
 def _radix(kernel, limits: CallLimits, logits, lengths, k, *, starts=None, page_table=None, page_rows=None,
            block_size=64, sorted=False, row_multiple: int = 1):
-    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                      block_size=block_size)
     rows, width = logits.shape
     limits.check(rows, k, starts=starts is not None)
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)

@@ -5,7 +5,7 @@ and its run in adapter.py.
 | backend                | torch.ops._C op                               | modes        | k                | rows |
 | vllm.persistent_topk   | persistent_topk                               | paged modes  | 512, 1024, 2048  | from column 0 |
 | vllm.cooperative_topk  | cooperative_topk                              | paged modes  | 512, 1024, 2048  | from column 0, at most 64 rows |
-| vllm.top_k_per_row     | top_k_per_row_decode / top_k_per_row_prefill  | every mode   | 1..2048          | from column 0 (decode) or row starts (prefill) |
+| vllm.top_k_per_row     | top_k_per_row_decode / top_k_per_row_prefill  | every mode   | 1..2048          | from column 0 (decode) or row starts (extend) |
 | vllm.auto              | vLLM's auto chain over the three above        | paged modes  | 1..2048          | from column 0 |
 
 All: CUDA, fp32 logits with a contiguous last dim, -1 past a row's length, a selected NaN turned into
@@ -32,7 +32,7 @@ _TABLE = (
     ("vllm.cooperative_topk", "run_cooperative", ("cooperative_topk",), COOPERATIVE_ARCHS, PAGED_MODES,
      "vLLM cooperative_topk: one thread-block cluster per row with TMA loads (<= 64 rows)"),
     ("vllm.top_k_per_row", "run_per_row", ("top_k_per_row_decode", "top_k_per_row_prefill"), VLLM_ARCHS,
-     ALL_MODES, "vLLM top_k_per_row_decode / _prefill: one CTA a row (its prefill path)"),
+     ALL_MODES, "vLLM top_k_per_row_decode / _prefill: one CTA a row (its extend path)"),
     ("vllm.auto", "run_auto", ("cooperative_topk", "persistent_topk", "top_k_per_row_decode"), COOPERATIVE_ARCHS,
      PAGED_MODES, "vLLM's auto top-k: cooperative for <= 64 rows, else persistent"),
 )

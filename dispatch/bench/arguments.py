@@ -8,7 +8,7 @@ import argparse
 import re
 from typing import Callable
 
-from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, cut
+from dispatch.contract.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, cut
 
 MAX_LIST = 16  # values per list, as a workload takes
 _SHAPE = re.compile(r"(\d{1,8})x(\d{1,8})(?:\+(\d{1,8}))?")
@@ -43,7 +43,7 @@ def int_list(high: int) -> Callable[[str], list[int]]:
     return parse
 
 
-def prefill_shapes(text: str) -> list[str]:
+def extend_shapes(text: str) -> list[str]:
     """`RxE+P,...`: R in 1..MAX_CLI_BATCH requests, E in 1..2^20 new tokens, P in 0..2^20 cached keys."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts or len(parts) > MAX_LIST:

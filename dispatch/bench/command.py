@@ -8,13 +8,13 @@ import json
 import platform
 import sys
 
-from dispatch.bench.arguments import BATCH_SIZES, K, LENGTHS, NEXT_N, TOKENS, positive_int, prefill_shapes
-from dispatch.key import Fp8Dtype, Op
+from dispatch.bench.arguments import BATCH_SIZES, K, LENGTHS, NEXT_N, TOKENS, positive_int, extend_shapes
+from dispatch.contract.key import Fp8Dtype, Op
 
 
-# M in {4K, 16K} query rows, S from 4K to 64K keys, several requests (issue 12's prefill shapes).
-PREFILL_SHAPES = ["4x1024+0", "2x2048+14336", "4x4096+0", "4x4096+12288"]
-QUICK_PREFILL_SHAPES = ["2x24+40"]
+# M in {4K, 16K} query rows, S from 4K to 64K keys, several requests (issue 12's extend shapes).
+EXTEND_SHAPES = ["4x1024+0", "2x2048+14336", "4x4096+0", "4x4096+12288"]
+QUICK_EXTEND_SHAPES = ["2x24+40"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,16 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens for indexer_q_quant (a decode step has few: 64 and 512 show small-batch cost; "
                              "default: 64,512,16384)")
     parser.add_argument(
-        "--prefill-shapes",
-        type=prefill_shapes,
+        "--extend-shapes",
+        type=extend_shapes,
         default=None,
         metavar="RxE+P,...",
-        help="extend batches for ragged_mqa_logits and the prefill step: RxE+P is R requests of E new tokens "
-        "after P cached keys (M = R*E query rows, S = R*(P+E) keys); default " + ",".join(PREFILL_SHAPES)
-        + " (--quick: " + ",".join(QUICK_PREFILL_SHAPES) + ")",
+        help="extend batches for ragged_mqa_logits and the extend step: RxE+P is R requests of E new tokens "
+        "after P cached keys (M = R*E query rows, S = R*(P+E) keys); default " + ",".join(EXTEND_SHAPES)
+        + " (--quick: " + ",".join(QUICK_EXTEND_SHAPES) + ")",
     )
     parser.add_argument("--logits-budget", type=positive_int(1 << 40), default=None, metavar="BYTES",
-                        help="the prefill step's logits byte budget (default: dispatch.prefill's, 512 MiB)")
+                        help="the extend step's logits byte budget (default: dispatch.step.extend_batch's, 512 MiB)")
     parser.add_argument("--heads", type=positive_int(1024), default=64,
                         help="indexer heads H, 1 to 1024 (default: %(default)s)")
     parser.add_argument("--head-dim", type=positive_int(1024), default=128,
@@ -63,7 +63,7 @@ def _progress(message: str) -> None:
 
 def _cpu_note() -> None:
     """On a CPU, say what the report can and cannot show, before the user waits for it."""
-    from dispatch.detect import triton_interpreter_on
+    from dispatch.contract.detect import triton_interpreter_on
 
     _progress("no GPU visible to torch: CPU timings show no kernel's GPU speed")
     if not triton_interpreter_on():
@@ -74,23 +74,33 @@ def _cpu_note() -> None:
         )
 
 
+def job_table() -> dict:
+    """op -> jobs(BenchRun): every runner module's JOBS, one row per op of OP_CONTRACTS."""
+    from dispatch.bench import extend_runner, runner
+    from dispatch.contract.ops import OP_CONTRACTS
+
+    table = {**runner.JOBS, **extend_runner.JOBS}
+    missing = [op.value for op in OP_CONTRACTS if op not in table]
+    assert not missing, f"every op needs a way to be measured: no JOBS row for {missing}"
+    return {op: table[op] for op in OP_CONTRACTS}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from dispatch.bench.ceilings import measure_ceilings
-    from dispatch.bench.runner import bench_logits, bench_quant, bench_topk, dispatch_overhead
-    from dispatch.bench.prefill_runner import bench_extend_step, bench_ragged
-    from dispatch.bench.workload import LogitsShape, QuantShape, RaggedShape
-    from dispatch.prefill import DEFAULT_LOGITS_BYTES
-    from dispatch.detect import platform_fp8_dtype
-    from dispatch.runtime import load_dispatcher
+    from dispatch.bench.runner import dispatch_overhead
+    from dispatch.bench.workload import BenchRun, LogitsShape, QuantShape, RaggedShape
+    from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES
+    from dispatch.contract.detect import platform_fp8_dtype
+    from dispatch.deciding.runtime import load_dispatcher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.batch_sizes, args.lengths, args.tokens, args.repeats = [2], [256], [64], min(args.repeats, 3)
-        args.prefill_shapes = args.prefill_shapes or QUICK_PREFILL_SHAPES
+        args.extend_shapes = args.extend_shapes or QUICK_EXTEND_SHAPES
         args.k = [min(k, 64) for k in args.k]
-    args.prefill_shapes = args.prefill_shapes or PREFILL_SHAPES
+    args.extend_shapes = args.extend_shapes or EXTEND_SHAPES
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else platform_fp8_dtype(dispatcher.target_arch)
     wanted = set(args.backends.split(",")) if args.backends else None
@@ -100,7 +110,6 @@ def run_bench(args: argparse.Namespace) -> int:
         _cpu_note()
     ceilings = measure_ceilings(device) if device == "cuda" else None
     tolerance = 1e-3 if device == "cuda" else 1e-5
-    common = dict(device=device, ceilings=ceilings, repeats=args.repeats, wanted=wanted)
 
     logits_shapes = [
         LogitsShape(batch_size, next_n, length, args.heads, args.head_dim)
@@ -108,42 +117,19 @@ def run_bench(args: argparse.Namespace) -> int:
         for length in args.lengths
         for next_n in args.next_n
     ]
-    ragged_shapes = [RaggedShape.parse(text, args.heads, args.head_dim) for text in args.prefill_shapes]
+    ragged_shapes = [RaggedShape.parse(text, args.heads, args.head_dim) for text in args.extend_shapes]
     budget = DEFAULT_LOGITS_BYTES if args.logits_budget is None else args.logits_budget
-    # One job per (op, shape), labelled for the progress line on stderr.
-    jobs = {
-        Op.INDEXER_Q_QUANT: [
-            (shape.label(), lambda shape=shape: bench_quant(dispatcher, shape, fp8, **common))
-            for shape in (QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens)
-        ],
-        Op.PAGED_MQA_LOGITS: [
-            (shape.label(), lambda shape=shape: bench_logits(dispatcher, shape, fp8, tolerance=tolerance, **common))
-            for shape in logits_shapes
-        ],
-        Op.TOPK: [
-            (f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(dispatcher, shape, fp8, k=k, **common))
-            for shape in logits_shapes
-            for k in args.k
-        ],
-    }
-    # The ragged op's jobs: the op per eligible backend, then the whole prefill step per shape and k
-    # (gather + quant + logits + top-k through the decided backends, with its peak memory).
-    jobs[Op.RAGGED_MQA_LOGITS] = [
-        (shape.label(), lambda shape=shape: bench_ragged(dispatcher, shape, fp8, tolerance=tolerance, **common))
-        for shape in ragged_shapes
-    ] + [
-        (f"{shape.label()} k={k} step", lambda shape=shape, k=k: bench_extend_step(
-            dispatcher, shape, fp8, k=k, device=device, ceilings=ceilings, repeats=args.repeats,
-            tolerance=tolerance, logits_byte_budget=budget))
-        for shape in ragged_shapes
-        for k in args.k
-    ]
+    run = BenchRun(dispatcher, fp8, device, ceilings, args.repeats, wanted, tolerance,
+                   [QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens], logits_shapes,
+                   ragged_shapes, args.k, budget)
+    # One job per (op, shape), labelled for the progress line on stderr; each op's from its runner's JOBS.
+    jobs = {op: build(run) for op, build in job_table().items()}
     chosen = [(op.value, label, job) for op in Op if args.op in ("all", op.value) for label, job in jobs[op]]
     if args.op in ("all", "step"):
         from dispatch.bench.step import bench_step
 
         chosen += [
-            ("step", f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_step(dispatcher, shape, fp8, k=k, **common))
+            ("step", f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_step(dispatcher, shape, fp8, k=k, **run.common))
             for shape in logits_shapes
             for k in args.k
         ]
@@ -254,7 +240,7 @@ def _figure(value) -> str:
     return format(value, ".0f") if value >= 100 else format(value, ".3g")
 
 
-# Extra figures some rows carry (the prefill rows), printed after the check when present.
+# Extra figures some rows carry (the extend rows), printed after the check when present.
 _NOTES = (
     ("engine", str),
     ("step", str),

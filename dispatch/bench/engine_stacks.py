@@ -13,7 +13,7 @@ Read from the releases' call sites (sglang 0.5.23, vllm 0.33.0; /work/shared/dom
 
 from __future__ import annotations
 
-from dispatch.key import Arch, DispatchKey, ForwardMode
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode
 
 SGLANG = "SGLang"
 VLLM = "vLLM"

@@ -1,4 +1,4 @@
-"""`tune` for the extend (prefill) key: every op the extend step runs (dispatch.plan.EXTEND_STEP_OPS)
+"""`tune` for the extend key: every op the extend step runs (dispatch.step.paged_plan.EXTEND_STEP_OPS)
 with more than one eligible backend, over the workload's extend batches (every combination of
 `extend_requests`, `extend_lens` and `prefix_lens`), each backend checked against the reference first.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from dispatch.bench.workload import QuantShape, RaggedShape
-from dispatch.key import DispatchKey, ForwardMode, Op
-from dispatch.plan import EXTEND_STEP_OPS
+from dispatch.contract.key import DispatchKey, ForwardMode, Op
+from dispatch.step.paged_plan import EXTEND_STEP_OPS
 
 
 def measure_extend(tuner) -> None:
@@ -49,7 +49,7 @@ def _quant(tuner, shapes: list[RaggedShape], names: set[str]) -> list:
 
 
 def _ragged(tuner, shapes: list[RaggedShape], names: set[str]) -> list:
-    from dispatch.bench.prefill_runner import bench_ragged
+    from dispatch.bench.extend_runner import bench_ragged
 
     rows = []
     for shape in shapes:
@@ -68,7 +68,7 @@ def _as_the_step_calls(row):
 
 
 def _topk(tuner, shapes: list[RaggedShape], names: set[str]) -> list:
-    from dispatch.bench.prefill_runner import bench_ragged_topk
+    from dispatch.bench.extend_runner import bench_ragged_topk
 
     rows = []
     for shape in shapes:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from dispatch.bench.timing import time_host
-from dispatch.dispatcher import Dispatcher
-from dispatch.key import ForwardMode
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.key import ForwardMode
 
 PAGED_TARGET_US = 50.0
 EXTEND_TARGET_US = 200.0
@@ -56,9 +56,9 @@ def plan_host_times(dispatcher: Dispatcher, *, device: str, fp8_dtype) -> list[H
 
 
 def _paged(dispatcher: Dispatcher, device: str, fp8_dtype, pool: int | None) -> HostTime:
-    from dispatch.plan import ForwardBatch, build_plan
+    from dispatch.step.paged_plan import PagedBatch, build_plan
 
-    batch = ForwardBatch(
+    batch = PagedBatch(
         seq_lens=torch.full((_PAGED_BATCH,), _LENGTH, dtype=torch.int32, device=device),
         page_table=torch.arange(_PAGED_BATCH * _PAGES, dtype=torch.int32, device=device).view(_PAGED_BATCH, _PAGES),
         max_seq_len=_LENGTH,
@@ -72,8 +72,8 @@ def _paged(dispatcher: Dispatcher, device: str, fp8_dtype, pool: int | None) -> 
 
 
 def _extend(dispatcher: Dispatcher, device: str, fp8_dtype, prefix: int) -> HostTime:
-    from dispatch.extend import build_extend_plan
-    from dispatch.prefill import ExtendBatch
+    from dispatch.step.extend_plan import build_extend_plan
+    from dispatch.step.extend_batch import ExtendBatch
 
     pages = -(-(prefix + _EXTEND) // 64)
     table = torch.arange(_REQUESTS * pages, dtype=torch.int32, device=device).view(_REQUESTS, pages)

@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from dispatch.errors import OptionError
+from dispatch.contract.errors import OptionError
 
 
 def check_writable(path: str | os.PathLike) -> Path:

@@ -11,6 +11,7 @@ from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_logits, compare_q_quant, compare_topk
 from dispatch.bench.timing import time_host, time_rotating
 from dispatch.bench.workload import (
+    BenchRun,
     LogitsShape,
     QuantShape,
     logits_floor_counts,
@@ -19,16 +20,16 @@ from dispatch.bench.workload import (
     quant_inputs,
     topk_floor_bytes,
 )
-from dispatch.calling import call_backend
-from dispatch.dispatcher import Dispatcher
-from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.ops import paged_mqa_logits, topk
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.rope import RopeSpec
+from dispatch.contract.calling import call_backend
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.ops import paged_mqa_logits, topk
+from dispatch.step.paged_plan import PagedBatch, build_plan
+from dispatch.contract.rope import RopeSpec
 
 L2_BYTES = 60 << 20  # H200; only sizes how many input sets to rotate through
 REFERENCE = "torch.reference"
-# A row's check when its backend refused the call (dispatch.errors.UnservedCallError).
+# A row's check when its backend refused the call (dispatch.contract.errors.UnservedCallError).
 UNSERVED = "cannot serve"
 
 
@@ -49,7 +50,7 @@ class Row:
     def failed(self, error: Exception) -> None:
         """Record a backend that raised: a benchmark reports it and goes on with the others. A kernel
         that refuses the call (UnservedCallError: its k, rows or starts) is not wrong, only unable."""
-        from dispatch.errors import UnservedCallError
+        from dispatch.contract.errors import UnservedCallError
 
         prefix = UNSERVED if isinstance(error, UnservedCallError) else "failed"
         self.check = f"{prefix}: {type(error).__name__}: {error}"
@@ -138,7 +139,7 @@ def bench_logits(
 
 
 def _plan(dispatcher: Dispatcher, backend: str, mode: ForwardMode, inputs, fp8_dtype: Fp8Dtype, op: Op = Op.PAGED_MQA_LOGITS):
-    batch = ForwardBatch(
+    batch = PagedBatch(
         seq_lens=inputs.seq_lens,
         page_table=inputs.page_table,
         max_seq_len=max(inputs.seq_lens_host),
@@ -236,14 +237,14 @@ def bench_topk(
 
 def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 128, next_n: int = 4) -> dict[str, float]:
     """Host cost of a cached decide, and of building a B=128 plan, in microseconds."""
-    from dispatch.detect import platform_fp8_dtype
+    from dispatch.contract.detect import platform_fp8_dtype
 
     fp8 = platform_fp8_dtype(dispatcher.target_arch)
     key = DispatchKey(dispatcher.target_arch, ForwardMode.TARGET_VERIFY, next_n, fp8)
     dispatcher.decide(Op.PAGED_MQA_LOGITS, key)
     loops = 10000
     decide_s = time_host(lambda: [dispatcher.decide(Op.PAGED_MQA_LOGITS, key) for _ in range(loops)], repeats=5) / loops
-    batch = ForwardBatch(
+    batch = PagedBatch(
         seq_lens=torch.full((batch_size,), 4096, dtype=torch.int32, device=device),
         page_table=torch.zeros(batch_size, 64, dtype=torch.int32, device=device),
         max_seq_len=4096,
@@ -253,3 +254,24 @@ def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 
     plan_s = time_host(lambda: build_plan(dispatcher, batch, kv_fp8_dtype=fp8), repeats=200, warmup=20)
     return {"decide_cached_us": decide_s * 1e6, "build_plan_B128_us": plan_s * 1e6}
 
+
+# --- the jobs of this module's ops: (label, job) per shape, for `bench` (dispatch/bench/command.py) ---
+
+
+def _quant_jobs(run: BenchRun):
+    return [(shape.label(), lambda shape=shape: bench_quant(run.dispatcher, shape, run.fp8, **run.common))
+            for shape in run.quant_shapes]
+
+
+def _logits_jobs(run: BenchRun):
+    return [(shape.label(), lambda shape=shape: bench_logits(run.dispatcher, shape, run.fp8, tolerance=run.tolerance,
+                                                            **run.common))
+            for shape in run.logits_shapes]
+
+
+def _topk_jobs(run: BenchRun):
+    return [(f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(run.dispatcher, shape, run.fp8, k=k, **run.common))
+            for shape in run.logits_shapes for k in run.ks]
+
+
+JOBS = {Op.INDEXER_Q_QUANT: _quant_jobs, Op.PAGED_MQA_LOGITS: _logits_jobs, Op.TOPK: _topk_jobs}

@@ -24,12 +24,12 @@ from dispatch.bench.workload import (
     quant_inputs,
     topk_floor_bytes,
 )
-from dispatch.dispatcher import Dispatcher
-from dispatch.indexer import IndexerStep
-from dispatch.key import DispatchKey, Fp8Dtype, Op
-from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
-from dispatch.plan import ForwardBatch, build_plan
-from dispatch.rope import RopeSpec
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.key import DispatchKey, Fp8Dtype, Op
+from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk
+from dispatch.step.paged_plan import PagedBatch, build_plan
+from dispatch.contract.rope import RopeSpec
 
 STEP = "indexer_step"
 
@@ -54,7 +54,7 @@ def bench_step(
     activations = quant_inputs(QuantShape(tokens, shape.heads, shape.head_dim), device, seed=1)
     rope = RopeSpec.neox_head()
     step_settings = dict(rope=rope, softmax_scale=shape.head_dim**-0.5, head_scale=shape.heads**-0.5)
-    batch = ForwardBatch(
+    batch = PagedBatch(
         seq_lens=paged.seq_lens,
         page_table=paged.page_table,
         max_seq_len=max(paged.seq_lens_host),
@@ -80,7 +80,7 @@ def bench_step(
         try:
             plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, allow_disabled=True,
                               pinned={Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: topk_backend})
-            step = IndexerStep(dispatcher, fp8_dtype, topk=k, **step_settings)
+            step = IndexerStep(dispatcher, fp8_dtype, index_topk=k, **step_settings)
             stages, scored = _stages(plan, paged, activations, step_settings, k)
 
             def run_step(plan=plan, step=step):

@@ -2,7 +2,7 @@
 eligible backend of every op against the reference and time it (the bench's own runners), then write
 the cluster's measured overlay: per op and key, the backends fastest first, with the evidence.
 
-Keys: each forward mode's own ops (dispatch.plan.ops_for). Paged keys by next_n: 1 is `decode`; next_n
+Keys: each forward mode's own ops (dispatch.step.paged_plan.ops_for). Paged keys by next_n: 1 is `decode`; next_n
 > 1 is `target_verify` and `draft_extend`, which hand the kernels the same tensors, so one measurement
 serves both (a mode whose eligible backends differ is left to the rules). Q quant's time depends on
 its token count alone, so its measurement at the workload's token counts serves every paged key. The
@@ -24,11 +24,11 @@ import yaml
 
 from dispatch.bench.arguments import positive_int
 from dispatch.bench.overlay_file import check_writable, write_atomically
-from dispatch.key import DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.registry.document import END_MARKER
+from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.registry.reading import END_MARKER
 from dispatch.registry.measured import MEASURED_TIE as TIE, geometric_mean
 from dispatch.registry.models import Workload
-from dispatch.version import dispatch_version
+from dispatch.contract.version import dispatch_version
 
 BUDGET_S = 0.5  # timing per backend and shape at most about this long: a slow reference takes 3 repeats
 QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,), extend_requests=(2,), extend_lens=(24,), prefix_lens=(40,))
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from dispatch.runtime import load_dispatcher
+    from dispatch.deciding.runtime import load_dispatcher
 
     started = time.perf_counter()
     dispatcher = load_dispatcher(args.registry, cluster=args.cluster)
@@ -100,8 +100,8 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
     import torch
 
     from dispatch.bench.extend_tune import measure_extend
-    from dispatch.detect import platform_fp8_dtype
-    from dispatch.plan import PAGED_STEP_OPS
+    from dispatch.contract.detect import platform_fp8_dtype
+    from dispatch.step.paged_plan import PAGED_STEP_OPS
     from dispatch.registry.measured import parse_measured
 
     name = dispatcher.cluster

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from dispatch.bench.paged_cache import build_paged_kv_cache
-from dispatch.fp8 import torch_dtype
-from dispatch.key import FP8_MAX, Fp8Dtype, ForwardMode
+from dispatch.contract.paged_cache import build_paged_kv_cache
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.contract.key import FP8_MAX, Fp8Dtype, ForwardMode
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def topk_floor_bytes(lengths: list[int], next_n: int, k: int) -> float:
 
 @dataclass(frozen=True)
 class RaggedShape:
-    """An extend (prefill) batch: `requests` requests of `extend` new tokens after `prefix` cached keys
+    """An extend batch: `requests` requests of `extend` new tokens after `prefix` cached keys
     each, so M = requests * extend query rows and S = requests * (prefix + extend) gathered keys."""
 
     requests: int
@@ -150,7 +151,7 @@ class RaggedShape:
 
 @dataclass(frozen=True)
 class RaggedInputs:
-    batch: "ExtendBatch"  # noqa: F821 (dispatch.prefill; imported where built)
+    batch: "ExtendBatch"  # noqa: F821 (dispatch.step.extend_batch; imported where built)
     kv_cache: torch.Tensor  # uint8 [num_blocks, BLOCK_KV, 1, D + 4]
     q: torch.Tensor  # bf16 [M, H, D], before quantisation (the step's input)
     weights: torch.Tensor  # fp32 [M, H]
@@ -160,7 +161,7 @@ class RaggedInputs:
 
 def ragged_inputs(shape: RaggedShape, fp8_dtype: Fp8Dtype, device: str, seed: int) -> RaggedInputs:
     """One extend batch on `device`: every request's keys quantised into shuffled pages, bf16 q."""
-    from dispatch.prefill import ExtendBatch
+    from dispatch.step.extend_batch import ExtendBatch
 
     on = torch.Generator(device=device).manual_seed(seed)
     total = shape.prefix + shape.extend
@@ -196,3 +197,26 @@ def ragged_floor_counts(shape: RaggedShape) -> tuple[float, float]:
     visible = ragged_visible_count(shape)
     bytes_ = shape.keys * (shape.head_dim + 4) + shape.rows * shape.keys * 4 + shape.rows * shape.heads * (shape.head_dim + 4)
     return float(bytes_), 2.0 * shape.heads * shape.head_dim * visible
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One `bench` run's settings: what each op's jobs are built from (the JOBS table of each runner
+    module, keyed by op; `bench` takes one row per op of dispatch.contract.OP_CONTRACTS)."""
+
+    dispatcher: Any
+    fp8: Fp8Dtype
+    device: str
+    ceilings: Any
+    repeats: int
+    wanted: set[str] | None
+    tolerance: float
+    quant_shapes: list[QuantShape]
+    logits_shapes: list[LogitsShape]
+    ragged_shapes: list[RaggedShape]
+    ks: list[int]
+    logits_budget: int
+
+    @property
+    def common(self) -> dict[str, Any]:
+        return dict(device=self.device, ceilings=self.ceilings, repeats=self.repeats, wanted=self.wanted)

@@ -7,11 +7,12 @@ import difflib
 import itertools
 from dataclasses import dataclass, field
 
-from dispatch.catalog import Catalog
-from dispatch.errors import InvalidKeyError
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.limits import cut
-from dispatch.registry.document import RegistryDocument, dotted, errors_in_file_order
+from dispatch.contract.catalog import Catalog
+from dispatch.contract.errors import InvalidKeyError
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.limits import cut
+from dispatch.registry.document import RegistryDocument
+from dispatch.registry.reading import dotted, errors_in_file_order
 
 
 def check_backend_names(document: RegistryDocument, catalog: Catalog) -> None:
@@ -58,7 +59,7 @@ def _unknown(name: str, known: list[str], op: Op | None) -> str:
     by_lower = {k.lower(): k for k in known}
     near = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
     hint = f"; did you mean `{by_lower[near[0]]}`?" if near else ""
-    from dispatch.plugins import not_allowed_hint  # reads entry-point metadata only when a name is unknown
+    from dispatch.contract.host import not_allowed_hint  # reads entry-point metadata only when a name is unknown
 
     registered = ", ".join(known) or "none"
     # The plugin hint (what to set) before the list of names, which grows with every backend and is what

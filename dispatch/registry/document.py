@@ -1,23 +1,33 @@
-"""Reading registry.yaml: safe YAML, every node's line remembered, errors that name file, line and key."""
+"""registry.yaml as a validated document: the Registry with where each of its parts came from, its
+`extends: default` merge and its clusters' measured overlays attached."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
-from dispatch.errors import RegistryError
-from dispatch.limits import MAX_ERRORS_LISTED, MAX_REGISTRY_BYTES, MAX_REGISTRY_NODES, clipped, quoted
+from dispatch.contract.errors import RegistryError
+from dispatch.contract.limits import MAX_REGISTRY_BYTES, cut
+from dispatch.registry.extends import onto_packaged
+from dispatch.registry.measured import MeasuredDocument, load_measured
 from dispatch.registry.models import Registry
-
-Location = tuple  # a path into the document: ("ops", "paged_mqa_logits", "rules", 0, "use")
+from dispatch.registry.reading import (
+    Location,
+    deepest_line,
+    read_bounded,
+    safe_load_with_lines,
+    too_big,
+    errors_in_file_order,
+    is_sealed,
+    located_error,
+    validation_problems,
+)
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,7 @@ class RegistryDocument:
     inherited: tuple[Location, ...] = field(default=(), repr=False)
     inherited_from: tuple[str, dict[Location, int]] | None = field(default=None, repr=False)
     # Whether the text ends with END_MARKER: once a loaded registry has it, a reload refuses a file
-    # without it (dispatch/reloading.py), since a file cut short loses its last line first.
+    # without it (dispatch/engines/reloading.py), since a file cut short loses its last line first.
     sealed: bool = False
 
     @property
@@ -52,7 +62,7 @@ class RegistryDocument:
 
     def line_of(self, location: Location) -> int | None:
         """The line of the deepest part of `location` that the file has."""
-        return _deepest_line(self.lines, location)
+        return deepest_line(self.lines, location)
 
     def where_of(self, location: Location) -> str:
         """"file:line" of `location`, in the packaged file for a part `extends: default` took from it."""
@@ -60,43 +70,18 @@ class RegistryDocument:
             path, lines = self.inherited_from
         else:
             path, lines = self.path, self.lines
-        line = _deepest_line(lines, location)
+        line = deepest_line(lines, location)
         return f"{path}:{line}" if line else path
 
     def error(self, location: Location, message: str) -> RegistryError:
         return located_error(self.path, self.line_of(location), location, message)
 
 
-def located_error(path: str, line: int | None, location: Location, message: str) -> RegistryError:
-    return RegistryError(located(path, line, location, message))
-
-
-def located(path: str, line: int | None, location: Location, message: str) -> str:
-    where = f"{path}:{line}" if line else path
-    key = dotted(location)
-    return clipped(f"{where}: {key}: {message}" if key else f"{where}: {message}")
-
-
-def errors_in_file_order(path: str, problems: list[tuple[int | None, Location, str]]) -> RegistryError:
-    """One RegistryError listing every problem, one per line, in file order (unlocated ones last)."""
-    texts = list(dict.fromkeys(located(path, *p) for p in sorted(problems, key=lambda p: (p[0] is None, p[0] or 0))))
-    if len(texts) > MAX_ERRORS_LISTED:
-        texts = texts[:MAX_ERRORS_LISTED] + [f"{path}: ... and {len(texts) - MAX_ERRORS_LISTED} more errors"]
-    return RegistryError("\n".join(texts))
-
-
-def dotted(location: Location) -> str:
-    text = ""
-    for part in location:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
 def load_registry(path: str | Path, overlay_problems: list[str] | None = None) -> RegistryDocument:
     """The validated registry at `path`. With `overlay_problems`, a measured overlay that cannot be
     attached is listed there rather than raised (validate reports it with everything else)."""
     path = Path(path)
-    raw = _read_bounded(path)
+    raw = read_bounded(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -105,63 +90,12 @@ def load_registry(path: str | Path, overlay_problems: list[str] | None = None) -
     return parse_registry(text, str(path), overlay_problems)
 
 
-# The last line of a complete file. A YAML prefix of a file is often valid YAML that means less (a
-# cluster's `prefer` lost, an overlay cut before `ops:`), so completeness is said by the writer: tune
-# ends every overlay with it, and the shipped registry.yaml ends with it (a human keeps it last).
-END_MARKER = "# end"
-
-
-def is_sealed(text: str) -> bool:
-    """Whether `text`'s last non-blank line is END_MARKER."""
-    lines = text.rstrip().splitlines()
-    return bool(lines) and lines[-1].strip() == END_MARKER
-
-
-def _read_bounded(path: Path) -> bytes:
-    """The file's bytes, read only from a regular file and only up to MAX_REGISTRY_BYTES: a FIFO would
-    block forever and /dev/zero never ends. O_NONBLOCK lets the open of a FIFO return so fstat can see it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as error:
-        raise RegistryError(f"{path}: cannot read the registry: {error.strerror or error}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RegistryError(f"{path}: cannot read the registry: not a regular file (a device, FIFO or directory)")
-        if info.st_size > MAX_REGISTRY_BYTES:
-            raise RegistryError(_too_big(path, info.st_size))
-        with os.fdopen(fd, "rb", closefd=False) as stream:
-            raw = stream.read(MAX_REGISTRY_BYTES + 1)  # the file may grow between fstat and read
-    except OSError as error:
-        raise RegistryError(f"{path}: cannot read the registry: {error.strerror or error}") from None
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_REGISTRY_BYTES:
-        raise RegistryError(_too_big(path, len(raw)))
-    return raw
-
-
-def _too_big(path: object, size: int) -> str:
-    return f"{path}: the registry is {size} bytes; the limit is {MAX_REGISTRY_BYTES} (a registry is a few KB)"
-
-
-def validation_problems(error: ValidationError, lines) -> list:
-    """pydantic's errors as (line, location, message), the form errors_in_file_order takes."""
-    problems = []
-    for detail in error.errors():
-        location = tuple(part for part in detail["loc"] if not _is_validator_tag(part))
-        problems.append((_deepest_line(lines, location), location, _message(detail)))
-    return problems
-
-
 def parse_registry(text: str, path: str = "<registry>", overlay_problems: list[str] | None = None) -> RegistryDocument:
     if len(text) > MAX_REGISTRY_BYTES:
-        raise RegistryError(_too_big(path, len(text)))
-    data, lines = _safe_load_with_lines(text, path)
+        raise RegistryError(too_big(path, len(text)))
+    data, lines = safe_load_with_lines(text, path)
     inheriting: dict[str, Any] = {}
     if "extends" in data:
-        from dispatch.registry.extends import onto_packaged
-
         data, inheriting = onto_packaged(data, lines, path)
     try:
         registry = Registry.model_validate(data)
@@ -170,8 +104,6 @@ def parse_registry(text: str, path: str = "<registry>", overlay_problems: list[s
     duplicates = list(_duplicate_rule_ids(registry, lines))
     if duplicates:
         raise errors_in_file_order(path, duplicates)
-    from dispatch.registry.measured import attach_measured  # it reads files with this module's loader
-
     document = RegistryDocument(registry=registry, path=path, lines=lines, sealed=is_sealed(text), **inheriting)
     return attach_measured(document, overlay_problems)
 
@@ -181,137 +113,50 @@ def _duplicate_rule_ids(registry: Registry, lines: dict[Location, int]):
         first: dict[str, int] = {}
         for index, rule in enumerate(table.rules):
             location = ("ops", op.value, "rules", index, "id")
-            line = _deepest_line(lines, location)
+            line = deepest_line(lines, location)
             if rule.id in first:
                 yield line, location, f"duplicate rule id `{rule.id}` (first used on line {first[rule.id]})"
             else:
                 first[rule.id] = line
 
 
-def _is_validator_tag(part: Any) -> bool:
-    # pydantic adds the union member or a "[key]" marker to some locations; they are not document keys.
-    return isinstance(part, str) and (part in ("[key]",) or part.startswith(("function-", "lax-", "tagged-")))
-
-
-def _deepest_line(lines: dict[Location, int], location: Location) -> int | None:
-    for end in range(len(location), -1, -1):
-        if tuple(location[:end]) in lines:
-            return lines[tuple(location[:end])]
-    return None
-
-
-def _message(error: dict[str, Any]) -> str:
-    message = error["msg"]
-    message = message.removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        return "unknown field (not part of the registry schema; see `python -m dispatch schema`)"
-    if error["type"] == "enum":
-        return f"{quoted(error['input'])} is not allowed: {message}"
-    if error["type"] == "missing":
-        return "required field is missing"
-    return message
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader, but a scalar its tag cannot build (`!!int abc`, `!!timestamp x`) is a YAML error
-    at that scalar's line; PyYAML lets the constructor's own exception escape instead. And the
-    document is counted as it is composed: each alias as a copy of its anchor, so an alias bomb is
-    refused at the alias that crosses MAX_REGISTRY_NODES, before anything expands it."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.expanded_nodes = 0
-        self._sizes: dict[yaml.Node, int] = {}
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            anchored = self.anchors.get(event.anchor)
-            if anchored is not None:
-                if anchored not in self._sizes:  # still being composed: the alias is inside its anchor
-                    raise _located_yaml_error(f"alias *{event.anchor} refers to a node that contains it", event)
-                self._count(self._sizes[anchored], event)
-            return super().compose_node(parent, index)
-        before = self.expanded_nodes
-        self._count(1, self.peek_event())
-        node = super().compose_node(parent, index)
-        self._sizes[node] = self.expanded_nodes - before
-        return node
-
-    def _count(self, nodes: int, event: yaml.Event) -> None:
-        self.expanded_nodes += nodes
-        if self.expanded_nodes > MAX_REGISTRY_NODES:
-            raise _located_yaml_error(
-                f"more than {MAX_REGISTRY_NODES} YAML nodes with aliases expanded (a registry has a few hundred)", event
-            )
-
-    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+def attach_measured(document: RegistryDocument, problems: list[str] | None = None) -> RegistryDocument:
+    """`document` with each cluster's `measured:` overlay loaded, a relative path read from the folder of
+    the file that names it. Every overlay that cannot be attached is one RegistryError listing all of
+    them; with `problems` (validate's list) each is appended there instead, and the rest still loads."""
+    measured, failed = {}, []
+    for name, cluster in document.registry.clusters.items():
+        if cluster.measured is None:
+            continue
         try:
-            return super().construct_object(node, deep)
-        except (ValueError, KeyError, AttributeError, TypeError):  # what SafeConstructor's scalar parsers raise
-            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-            problem = f"{quoted(node.value)} is not a valid {tag}"
-            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+            measured[name] = _overlay_of(document, name, cluster.measured)
+        except RegistryError as error:
+            failed.append(str(error))
+    if failed and problems is None:
+        raise RegistryError("\n".join(failed))
+    if problems is not None:
+        problems.extend(failed)
+    return dataclasses.replace(document, measured=measured) if measured else document
 
 
-def _located_yaml_error(problem: str, event: yaml.Event) -> yaml.YAMLError:
-    return yaml.composer.ComposerError(None, None, problem, event.start_mark)
-
-
-def _safe_load_with_lines(text: str, path: str) -> tuple[Any, dict[Location, int]]:
+def _overlay_of(document: RegistryDocument, name: str, named: str) -> MeasuredDocument:
+    location = ("clusters", name, "measured")
+    folder = document.measured_dirs.get(name, Path(document.path).parent)
+    path = folder / named
     try:
-        loader = _Loader(text)  # the reader rejects non-printable characters here, before parsing
-    except yaml.reader.ReaderError as error:
-        line = text.count("\n", 0, error.position) + 1
-        raise RegistryError(
-            f"{path}:{line}: not valid YAML: unacceptable character #x{error.character:04x}: {error.reason}"
-        ) from None
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            raise RegistryError(f"{path}: the registry is empty")
-        lines: dict[Location, int] = {}
-        _index_lines(node, (), lines, path, set())
-        data = loader.construct_document(node)
-    except yaml.YAMLError as error:
-        from dispatch.registry.yaml_words import in_words
-
-        line, message = in_words(error, text)
-        raise RegistryError(clipped(f"{path}{f':{line}' if line else ''}: not valid YAML: {message}")) from None
-    except RecursionError:
-        # PyYAML composes recursively; a registry is a few levels deep.
-        raise RegistryError(f"{path}: not valid YAML: nested too deeply") from None
-    finally:
-        loader.dispose()
-    if not isinstance(data, dict):
-        raise RegistryError(f"{path}:1: the registry must be a mapping with `version` and `ops`")
-    return data, lines
-
-
-def _index_lines(
-    node: yaml.Node, location: Location, lines: dict[Location, int], path: str, indexed: set[yaml.Node]
-) -> None:
-    lines[location] = node.start_mark.line + 1
-    # An alias is its anchored node again. Indexing each node once keeps a recursive alias from
-    # recursing forever and nested aliases from costing exponential time; parts of a node reached
-    # through a later alias are then located at the alias's key.
-    if node in indexed:
-        return
-    indexed.add(node)
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for key_node, value_node in node.value:
-            line = key_node.start_mark.line + 1
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise located_error(path, line, location, "a key must be a plain name, not a list or mapping")
-            key = key_node.value
-            if key in seen:
-                raise located_error(
-                    path, line, location + (key,), f"duplicate key (first given on line {seen[key]})"
-                )
-            seen[key] = line
-            _index_lines(value_node, location + (key,), lines, path, indexed)
-            lines[location + (key,)] = line
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            _index_lines(item, location + (index,), lines, path, indexed)
+        present = path.is_file()
+    except OSError as error:  # a name longer than the filesystem allows
+        raise document.error(location, f"the measured overlay {cut(str(path))} cannot be read: "
+                                       f"{error.strerror or error}") from None
+    if not present:
+        where = "an absolute path" if Path(named).is_absolute() else f"relative to {folder}, the folder of the file naming it"
+        raise document.error(
+            location,
+            f"the measured overlay `{cut(named)}` ({where}) is {path}, which is not a file; copy the overlay there, "
+            "name it by an absolute path, or start the file with `extends: default` to keep the packaged clusters "
+            "and their overlays",
+        )
+    overlay = load_measured(path)  # its own errors name its own file and line
+    if overlay.overlay.cluster not in (None, name):
+        raise document.error(location, f"{overlay.path} was measured for cluster `{overlay.overlay.cluster}`, not `{name}`")
+    return overlay

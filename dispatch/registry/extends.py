@@ -12,7 +12,7 @@ import importlib.resources
 from pathlib import Path
 from typing import Any
 
-from dispatch.registry.document import Location, located_error
+from dispatch.registry.reading import Location, located_error, read_bounded, safe_load_with_lines
 
 # The registry shipped with the package. In a checkout dispatch/registry.yaml is a link to the
 # top-level registry.yaml (the one file anyone edits); a wheel carries the linked file's bytes.
@@ -25,8 +25,6 @@ MERGED = ("ops", "clusters")  # merged by name; every other key replaces the pac
 def onto_packaged(data: dict[str, Any], lines: dict[Location, int], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the merged document, the RegistryDocument fields that say which parts came from the packaged
     file: `measured_dirs`, `inherited`, `inherited_from`)."""
-    from dispatch.registry.document import _read_bounded, _safe_load_with_lines
-
     named = data["extends"]
     if named not in EXTENDABLE:
         raise located_error(
@@ -34,8 +32,8 @@ def onto_packaged(data: dict[str, Any], lines: dict[Location, int], path: str) -
             f"`extends` takes only `default` (the packaged registry, {PACKAGED_REGISTRY}), not {str(named)[:60]!r}: "
             "a registry names no other file",
         )
-    text = _read_bounded(PACKAGED_REGISTRY).decode("utf-8")
-    base, base_lines = _safe_load_with_lines(text, str(PACKAGED_REGISTRY))
+    text = read_bounded(PACKAGED_REGISTRY).decode("utf-8")
+    base, base_lines = safe_load_with_lines(text, str(PACKAGED_REGISTRY))
     if "extends" in base:
         raise located_error(str(PACKAGED_REGISTRY), None, ("extends",), "the packaged registry cannot extend another")
     merged = dict(base)

@@ -23,23 +23,22 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from dispatch.errors import RegistryError
-from dispatch.key import Arch, DispatchKey, Fp8Dtype, Op
-from dispatch.limits import cut
-from dispatch.registry.document import (
+from dispatch.contract.errors import RegistryError
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, Op
+from dispatch.contract.limits import cut
+from dispatch.registry.reading import (
     END_MARKER,
     Location,
-    RegistryDocument,
-    _deepest_line,
-    _read_bounded,
-    is_sealed,
-    _safe_load_with_lines,
+    deepest_line,
     dotted,
     errors_in_file_order,
+    is_sealed,
+    read_bounded,
+    safe_load_with_lines,
     validation_problems,
 )
 from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
-from dispatch.version import dispatch_version, release_of
+from dispatch.contract.version import dispatch_version, release_of
 
 Micros = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -155,7 +154,7 @@ class MeasuredDocument:
         return None if position is None else (position, self.overlay.ops[op].preferences[position])
 
     def where(self, location: Location) -> str:
-        line = _deepest_line(self.lines, location)
+        line = deepest_line(self.lines, location)
         return f"{self.path}:{line}" if line else self.path
 
 
@@ -168,12 +167,12 @@ def parse_measured(text: str, path: str = "<measured>") -> MeasuredDocument:
             f"{path}:{line}: incomplete: a measured overlay's last line is `{END_MARKER}` (tune writes it); this "
             "file ends without it, so it was cut short (caught mid-write?): re-run tune"
         )
-    data, lines = _safe_load_with_lines(text, path)
+    data, lines = safe_load_with_lines(text, path)
     try:
         overlay = MeasuredOverlay.model_validate(data)
     except ValidationError as error:
         raise errors_in_file_order(path, validation_problems(error, lines)) from None
-    problems = [(_deepest_line(lines, at), at, message) for at, message in _across_preferences(overlay)]
+    problems = [(deepest_line(lines, at), at, message) for at, message in _across_preferences(overlay)]
     if problems:
         raise errors_in_file_order(path, problems)
     return MeasuredDocument(overlay=overlay, path=path, lines=lines)
@@ -200,54 +199,12 @@ def load_measured(path: str | Path) -> MeasuredDocument:
 
 
 def _read(path: Path) -> str:
-    raw = _read_bounded(path)  # the registry's size bound, and no hanging on a FIFO
+    raw = read_bounded(path)  # the registry's size bound, and no hanging on a FIFO
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line = raw.count(b"\n", 0, error.start) + 1
         raise RegistryError(f"{path}:{line}: not UTF-8 text: byte {raw[error.start]:#04x} is {error.reason}") from None
-
-
-def attach_measured(document: RegistryDocument, problems: list[str] | None = None) -> RegistryDocument:
-    """`document` with each cluster's `measured:` overlay loaded, a relative path read from the folder of
-    the file that names it. Every overlay that cannot be attached is one RegistryError listing all of
-    them; with `problems` (validate's list) each is appended there instead, and the rest still loads."""
-    measured, failed = {}, []
-    for name, cluster in document.registry.clusters.items():
-        if cluster.measured is None:
-            continue
-        try:
-            measured[name] = _overlay_of(document, name, cluster.measured)
-        except RegistryError as error:
-            failed.append(str(error))
-    if failed and problems is None:
-        raise RegistryError("\n".join(failed))
-    if problems is not None:
-        problems.extend(failed)
-    return dataclasses.replace(document, measured=measured) if measured else document
-
-
-def _overlay_of(document: RegistryDocument, name: str, named: str) -> MeasuredDocument:
-    location = ("clusters", name, "measured")
-    folder = document.measured_dirs.get(name, Path(document.path).parent)
-    path = folder / named
-    try:
-        present = path.is_file()
-    except OSError as error:  # a name longer than the filesystem allows
-        raise document.error(location, f"the measured overlay {cut(str(path))} cannot be read: "
-                                       f"{error.strerror or error}") from None
-    if not present:
-        where = "an absolute path" if Path(named).is_absolute() else f"relative to {folder}, the folder of the file naming it"
-        raise document.error(
-            location,
-            f"the measured overlay `{cut(named)}` ({where}) is {path}, which is not a file; copy the overlay there, "
-            "name it by an absolute path, or start the file with `extends: default` to keep the packaged clusters "
-            "and their overlays",
-        )
-    overlay = load_measured(path)  # its own errors name its own file and line
-    if overlay.overlay.cluster not in (None, name):
-        raise document.error(location, f"{overlay.path} was measured for cluster `{overlay.overlay.cluster}`, not `{name}`")
-    return overlay
 
 
 def this_machine() -> str:
@@ -265,8 +222,8 @@ def this_machine() -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
-def stale_evidence(document: RegistryDocument, catalog, machine: str | None = None, dispatch: str | None = None) -> list[str]:
-    """Warnings (not errors) for measurements that may no longer hold: a backend's version differs
+def stale_evidence(document, catalog, machine: str | None = None, dispatch: str | None = None) -> list[str]:
+    """Warnings (not errors) for a RegistryDocument's measurements that may no longer hold: a backend's version differs
     from the one it was measured with, a measured backend is no longer registered, or dispatch's
     release differs (its own kernels are part of what was measured; `dispatch`, default this one's). With
     `machine`, only overlays measured on that kind of machine are compared: an H200 overlay read on a
@@ -297,7 +254,7 @@ def stale_evidence(document: RegistryDocument, catalog, machine: str | None = No
 
 def _dispatch_release_changed(measured: str, current: str) -> str | None:
     """Why dispatch's version makes the evidence stale, or None. Releases are compared, not whole
-    versions: a source tree's version carries its commit (dispatch.version), which changes with every
+    versions: a source tree's version carries its commit (dispatch.contract.version), which changes with every
     commit, and "source" or "unknown" name no release at all; neither says the kernels changed."""
     then, now = release_of(measured), release_of(current)
     if then is None or now is None or then == now:

@@ -10,8 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from dispatch.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, MAX_RULE_NEXT_N, MAX_TUNE_LOGITS_BYTES
+from dispatch.contract.key import FP8_DTYPES_BY_ARCH, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.limits import MAX_CLI_BATCH, MAX_CLI_NEXT_N, MAX_CLI_SEQ_LEN, MAX_RULE_NEXT_N, MAX_TUNE_LOGITS_BYTES
 
 
 def _as_tuple(value: object) -> object:
@@ -166,7 +166,7 @@ class Workload(Strict):
     fp8_dtype: Fp8Dtype | None = None  # default: the platform's
     tokens: _bounded(MAX_CLI_SEQ_LEN) = (64, 512, 16384)  # token counts for indexer_q_quant
     k: _bounded(MAX_CLI_SEQ_LEN) = (2048,)  # keys kept per token, for topk
-    # Extend (prefill) batches, every combination: R requests of E new tokens after P cached keys each,
+    # Extend batches, every combination: R requests of E new tokens after P cached keys each,
     # M = R*E query rows over S = R*(P+E) gathered keys (chunked prefill and prefix caching give P > 0).
     extend_requests: _bounded(MAX_CLI_BATCH) = (4,)
     extend_lens: _bounded(MAX_CLI_SEQ_LEN) = (1024, 4096)
@@ -174,7 +174,7 @@ class Workload(Strict):
 
     @model_validator(mode="after")
     def _extend_logits_fit(self) -> "Workload":
-        # tune scores each extend batch in one chunk (dispatch.limits says why this bound).
+        # tune scores each extend batch in one chunk (dispatch.contract.limits says why this bound).
         requests, new, cached = max(self.extend_requests), max(self.extend_lens), max(self.prefix_lens)
         size = requests * new * requests * (cached + new) * 4
         if size > MAX_TUNE_LOGITS_BYTES:

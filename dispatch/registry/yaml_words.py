@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from dispatch.limits import cut
+from dispatch.contract.limits import cut
 
 # (what PyYAML's problem text starts with, what it means in a registry)
 _WORDS = (

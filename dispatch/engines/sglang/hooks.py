@@ -1,5 +1,5 @@
 """The plugin's hooks, registered with SGLang's own HookRegistry (sglang/srt/plugins/hook_registry.py):
-the only mechanism it uses to change SGLang. tests/test_sglang_plugin_drift.py checks every target and
+the only mechanism it uses to change SGLang. tests/engines/test_sglang_plugin_drift.py checks every target and
 signature here against the pinned release."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 from dispatch.engines.sglang import indexer, plans
 from dispatch.engines.sglang.release import check_release
 from dispatch.engines.sglang.session import session
-from dispatch.key import ForwardMode
+from dispatch.contract.key import ForwardMode
 
 logger = logging.getLogger("dispatch.engines.sglang")
 

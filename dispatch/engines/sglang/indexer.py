@@ -15,7 +15,7 @@ import torch
 
 from dispatch.engines.sglang import plans
 from dispatch.engines.sglang.session import session
-from dispatch.errors import LayoutError
+from dispatch.contract.errors import LayoutError
 
 HEAD_DIM_WITH_SCALE = 132  # 128 fp8 key bytes + one fp32 scale per token
 

@@ -11,12 +11,12 @@ import weakref
 
 import torch
 
-from dispatch.errors import LayoutError
-from dispatch.extend import ExtendPlan
-from dispatch.graphs import refresh_captured_plan
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch, IndexerPlan
-from dispatch.prefill import ExtendBatch
+from dispatch.contract.errors import LayoutError
+from dispatch.step.extend_plan import ExtendPlan
+from dispatch.engines.graphs import refresh_captured_plan
+from dispatch.contract.key import ForwardMode
+from dispatch.step.paged_plan import PagedBatch, PagedPlan
+from dispatch.step.extend_batch import ExtendBatch
 
 PAGE_SIZE = 64  # SGLang's DSA pages (its indexer asserts it on CUDA), dispatch's BLOCK_KV
 
@@ -43,7 +43,7 @@ def check_served(metadata) -> None:
         )
 
 
-def paged_batch(metadata, mode: ForwardMode, next_n: int) -> ForwardBatch:
+def paged_batch(metadata, mode: ForwardMode, next_n: int) -> PagedBatch:
     """The paged batch SGLang's DSAMetadata describes. cache_seqlens_int32 [B] is each request's total
     length (drafts included), and real_page_table its 64-token pages: one row per request in decode,
     repeated next_n times per request (SGLang expands it per token) in target_verify / draft_extend."""
@@ -59,7 +59,7 @@ def paged_batch(metadata, mode: ForwardMode, next_n: int) -> ForwardBatch:
         )
     if rows_per_request > 1:
         table = table[::rows_per_request]
-    return ForwardBatch(
+    return PagedBatch(
         seq_lens=seq_lens,
         page_table=table.to(torch.int32).contiguous(),  # a per-batch copy of [B, pages] when strided
         # The logits' width, as SGLang's own _get_topk_paged sets it (a host int: no sync).
@@ -86,9 +86,9 @@ class PlanTable:
     plan goes when SGLang drops its metadata). DSAMetadata is an unhashable frozen dataclass, hence ids."""
 
     def __init__(self) -> None:
-        self._plans: dict[int, tuple[weakref.ref, IndexerPlan | ExtendPlan]] = {}
+        self._plans: dict[int, tuple[weakref.ref, PagedPlan | ExtendPlan]] = {}
 
-    def get(self, metadata) -> IndexerPlan | ExtendPlan | None:
+    def get(self, metadata) -> PagedPlan | ExtendPlan | None:
         entry = self._plans.get(id(metadata))
         if entry is None or entry[0]() is not metadata:
             return None
@@ -102,7 +102,7 @@ class PlanTable:
 PLANS = PlanTable()
 
 
-def plan_paged(step, metadata, sglang_mode, next_n: int) -> IndexerPlan | None:
+def plan_paged(step, metadata, sglang_mode, next_n: int) -> PagedPlan | None:
     """The plan for this metadata: built once, or, for a metadata object refilled in place (a CUDA
     graph's static metadata on replay), the captured plan refilled in place. None for an empty batch."""
     if metadata.cache_seqlens_int32.shape[0] == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from dispatch.errors import EngineVersionError
+from dispatch.contract.errors import EngineVersionError
 
 KNOWN_RELEASES = ("0.5.23",)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatch.key import Arch, DispatchKey, ForwardMode, Op
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Op
 
 RELEASE = "sglang 0.5.23"
 _HIP = (Arch.GFX942, Arch.GFX950)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from dispatch.indexer import IndexerStep
-from dispatch.rope import RopeSpec
-from dispatch.runtime import load_dispatcher, registry_path
+from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.rope import RopeSpec
+from dispatch.deciding.runtime import load_dispatcher, registry_path
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,7 +33,7 @@ class Session:
 
     def step(self, topk: int, *, to_slots: bool) -> IndexerStep:
         if (topk, to_slots) not in self._steps:
-            self._steps[topk, to_slots] = dataclasses.replace(self._step, topk=topk, transform_to_slots=to_slots)
+            self._steps[topk, to_slots] = dataclasses.replace(self._step, index_topk=topk, transform_to_slots=to_slots)
         return self._steps[topk, to_slots]
 
     def describe(self) -> str:

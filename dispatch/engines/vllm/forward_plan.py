@@ -2,7 +2,7 @@
 (`DeepseekV32IndexerMetadata`, made by `DeepseekV32IndexerMetadataBuilder.build`) once per forward.
 
 vLLM orders a forward's requests decodes first: tokens [0, num_decode_tokens) are the decode part,
-the rest the prefill part. The decode part becomes one paged plan (a ForwardBatch of the decode
+the rest the prefill part. The decode part becomes one paged plan (a PagedBatch of the decode
 requests' total lengths and page-table rows: dispatch, not vLLM's start-up flag, decides native or
 flatten). The prefill part becomes one extend plan per group of vLLM's prefill chunks: a chunk of whole
 requests is a group; a request vLLM split over several query chunks (its logits alone pass vLLM's
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from dispatch.dispatcher import Dispatcher
-from dispatch.extend import ExtendPlan, build_extend_plan
-from dispatch.key import ForwardMode
-from dispatch.plan import ForwardBatch, IndexerPlan, build_plan
-from dispatch.prefill import DEFAULT_LOGITS_BYTES, ExtendBatch
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.step.extend_plan import ExtendPlan, build_extend_plan
+from dispatch.contract.key import ForwardMode
+from dispatch.step.paged_plan import PagedBatch, PagedPlan, build_plan
+from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, ExtendBatch
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,12 @@ class ForwardPlans:
     """Every plan of one forward; `metadata` is the vLLM object they were built from."""
 
     metadata: Any
-    decode: IndexerPlan | None
+    decode: PagedPlan | None
     decode_tokens: int
     prefills: tuple[PrefillPart, ...]
 
     @property
-    def plans(self) -> tuple[IndexerPlan | ExtendPlan, ...]:
+    def plans(self) -> tuple[PagedPlan | ExtendPlan, ...]:
         return ((self.decode,) if self.decode is not None else ()) + tuple(p.plan for p in self.prefills)
 
 
@@ -89,11 +89,11 @@ def build_forward_plans(
     return ForwardPlans(metadata, decode, metadata.num_decode_tokens, prefills)
 
 
-def decode_batch(metadata: Any, num_kv_blocks: int) -> ForwardBatch:
-    """The decode requests as a ForwardBatch: vLLM's per-request total lengths and block-table rows
+def decode_batch(metadata: Any, num_kv_blocks: int) -> PagedBatch:
+    """The decode requests as a PagedBatch: vLLM's per-request total lengths and block-table rows
     (the builder's own inputs, before it expands them for its native or flatten kernel)."""
     requests, next_n = metadata.num_decodes, metadata.decode.write_max_decode_len
-    return ForwardBatch(
+    return PagedBatch(
         seq_lens=metadata.seq_lens[:requests],
         page_table=metadata.block_table[:requests],
         max_seq_len=metadata.max_seq_len,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 
-from dispatch.errors import PluginError
+from dispatch.contract.errors import PluginError
 
 PLUGIN_NAME = "dispatch"  # the entry point's name: what VLLM_PLUGINS must list
 DIRECT_CALL_MODULE = "vllm.models.deepseek_v32.attention"
@@ -44,8 +44,8 @@ def register() -> None:
     indexer = _dispatch_indexer()
     _register_layer()
     _rebind_direct_call(indexer)
-    from dispatch.clusters import requested_cluster
-    from dispatch.runtime import registry_path
+    from dispatch.deciding.clusters import requested_cluster
+    from dispatch.deciding.runtime import registry_path
 
     logger.info(
         "dispatch plugin `%s` active for vllm %s: registry %s, cluster %s; serving %s (register_oot) and %s.%s",
@@ -63,7 +63,7 @@ def _dispatch_indexer():
         from vllm.model_executor.layers import sparse_attn_indexer as layer_module
 
         from dispatch.engines.vllm.op import DispatchIndexer
-        from dispatch.runtime import load_dispatcher
+        from dispatch.deciding.runtime import load_dispatcher
 
         _INDEXER = DispatchIndexer(layer_module.sparse_attn_indexer, load_dispatcher)
     return _INDEXER

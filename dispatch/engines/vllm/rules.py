@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatch.key import Arch, DispatchKey, ForwardMode
+from dispatch.contract.key import Arch, DispatchKey, ForwardMode
 
 SM90_NATIVE_NEXT_N = frozenset({1, 2, 4})  # native_next_n_supported on SM90
 
@@ -32,7 +32,7 @@ class EngineChoice:
 
 
 def vllm_choice(key: DispatchKey, *, adaptive_verification: bool = False) -> EngineChoice:
-    """vLLM's paged-logits layout for `key` (DeepGEMM present on NVIDIA), or its prefill path."""
+    """vLLM's paged-logits layout for `key` (DeepGEMM present on NVIDIA), or its extend path."""
     if key.forward_mode is ForwardMode.EXTEND:
         return EngineChoice("vllm", "ragged", "sparse_attn_indexer (prefill chunks)",
                             "prefill gathers K per chunk and scores it with fp8_fp4_mqa_logits on every arch")

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch.errors import DtypeMismatchError, LayoutError
-from dispatch.fp8 import torch_dtype
-from dispatch.indexer import select_extend
-from dispatch.ops import indexer_q_quant, paged_mqa_logits, topk
-from dispatch.rope import RopeSpec
+from dispatch.contract.errors import DtypeMismatchError, LayoutError
+from dispatch.contract.fp8 import torch_dtype
+from dispatch.engines.indexer_step import select_extend
+from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk
+from dispatch.contract.rope import RopeSpec
 
 from dispatch.engines.vllm.forward_plan import ForwardPlans
 

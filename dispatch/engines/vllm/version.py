@@ -1,11 +1,11 @@
 """The vLLM releases the plugin knows: every hook target, patched name, signature and metadata field it
-relies on was read from these (tests/test_vllm_plugin_drift.py checks them against the installed one)."""
+relies on was read from these (tests/engines/test_vllm_plugin_drift.py checks them against the installed one)."""
 
 from __future__ import annotations
 
 from importlib import metadata
 
-from dispatch.errors import EngineVersionError, PluginError
+from dispatch.contract.errors import EngineVersionError, PluginError
 
 KNOWN_VLLM_VERSIONS = ("0.33.0",)
 

@@ -1,0 +1,167 @@
+"""Rendering decisions and backends for people. Nothing here decides: it prints Decision values.
+
+    from dispatch.cli.explain import explain
+    explanation = explain(load_dispatcher(arch="sm90"), DispatchKey("sm90", "target_verify", 4, "e4m3fn"))
+    print(explanation.text())          # what `python -m dispatch explain` prints
+    explanation.as_dict()              # what `python -m dispatch explain --json` prints
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dispatch.contract.backend import Backend
+from dispatch.contract.decision import Decision
+from dispatch.deciding.dispatcher import Dispatcher
+from dispatch.contract.key import DispatchKey, Op
+
+if TYPE_CHECKING:
+    from dispatch.step.paged_plan import PagedPlan
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The decisions for a key, and with seq_lens the plan an engine would build for that batch."""
+
+    dispatcher: Dispatcher
+    decisions: tuple[Decision, ...]
+    plan: "PagedPlan | None" = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """{"decisions": [decision, ...], "plan": {...} or null}: one shape for one op, all ops, or a batch."""
+        plan = None
+        if self.plan is not None:
+            plan = {key: value for key, value in self.plan.as_dict().items() if key != "decisions"}
+            plan |= {"context_lens": self.plan.context_lens.tolist(), "block_table": self.plan.block_table.tolist()}
+        return {"decisions": [decision.as_dict() for decision in self.decisions], "plan": plan}
+
+    def text(self) -> str:
+        parts = []
+        if self.plan is not None:
+            plan = self.plan
+            parts.append(
+                f"plan for B={plan.batch_size}, next_n={plan.next_n}, max_context_len={plan.max_context_len}\n"
+                f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {plan.context_lens.tolist()}\n"
+                f"  block_table {list(plan.block_table.shape)}: {plan.block_table.tolist()}"
+            )
+        parts += [decision_text(decision, self.dispatcher) for decision in self.decisions]
+        return "\n\n".join(parts)
+
+
+def explain(
+    dispatcher: Dispatcher,
+    key: DispatchKey,
+    *,
+    ops: Iterable[Op | str] = tuple(Op),
+    seq_lens: Sequence[int] | None = None,
+) -> Explanation:
+    """Decide `ops` for `key`, or with `seq_lens` (each request's total length) build the whole plan for
+    that batch on the CPU. Backends are never run: a per-batch `prepare` is skipped, so a what-if for
+    another machine needs none of its vendor libraries. Raises InvalidBatchError for lengths that
+    cannot occur, NoBackendError when no backend fits."""
+    if seq_lens is None:
+        return Explanation(dispatcher, tuple(dispatcher.decide(Op(op), key) for op in ops))
+    from dispatch.step.paged_plan import build_plan
+
+    plan = build_plan(dispatcher, example_batch(seq_lens, key), kv_fp8_dtype=key.fp8_dtype, arch=key.arch, prepare=False)
+    return Explanation(dispatcher, tuple(plan.decisions.values()), plan)
+
+
+def example_batch(seq_lens: Sequence[int], key: DispatchKey):
+    """A PagedBatch on the CPU for these lengths: pages numbered in request order."""
+    import torch
+
+    from dispatch.contract.paged_cache import page_table_for
+    from dispatch.step.paged_plan import PagedBatch
+
+    lengths = list(seq_lens)
+    table = page_table_for(lengths)
+    return PagedBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths, default=0), key.forward_mode, key.next_n)
+
+
+def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
+    document = dispatcher.document
+    lines = [f"{decision.op.value} for {decision.key}"]
+    if not decision.availability_checked:
+        lines.append("  what-if: availability on this machine was not checked for this key")
+    where = f" ({decision.rule_at})" if decision.rule_at else ""
+    lines += [
+        f"  chosen:   {decision.backend}",
+        f"  layout:   {decision.layout.value}: {decision.layout.describe()}",
+        f"  by:       {decision.chosen_by}{where}",
+        f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution} "
+        f"{decision.impl.plugin_version or '-'}; library version {decision.impl.version or '-'})",
+        f"  cluster:  {decision.cluster or 'none'}",
+        *_evidence(decision),
+        *_here(decision),
+        f"  registry: {document.path} (fingerprint {decision.registry_fingerprint})",
+    ]
+    if decision.rejected:
+        width = max(len(r.backend) for r in decision.rejected)
+        lines.append("  rejected:")
+        lines += [f"    {r.backend.ljust(width)}  {r.reason}" for r in decision.rejected]
+    return "\n".join(lines)
+
+
+def _evidence(decision: Decision) -> list[str]:
+    if decision.evidence is None:
+        return []
+    evidence = decision.evidence
+    return [f"  evidence: {evidence.summary()} ({evidence.at})"] + [f"            {line}" for line in evidence.details()]
+
+
+def _here(decision: Decision) -> list[str]:
+    """In a what-if, whether the chosen backend could run on this machine, and why not."""
+    if decision.availability_checked:
+        return []
+    availability = decision.impl.availability()
+    return [f"  here:     {'available on this machine' if availability.ok else 'not available on this machine: ' + availability.reason}"]
+
+
+def backend_row(backend: Backend) -> dict:
+    availability = backend.availability()
+    return {
+        "name": backend.name,
+        "op": backend.op.value,
+        "layout": backend.layout.value,
+        "plugin": backend.plugin,
+        "distribution": backend.distribution,
+        "plugin_version": backend.plugin_version,
+        "version": backend.version,
+        "supports": backend.supports.as_dict(),
+        "available": availability.ok,
+        "reason": availability.reason,
+        "description": backend.description,
+        "verified": {arch.value: backend.verified_on(arch).value for arch in backend.supports.archs},
+    }
+
+
+def backends_text(rows: list[dict]) -> str:
+    out = []
+    for row in rows:
+        s = row["supports"]
+        next_n = f"{s['next_n']['min']}..{s['next_n']['max'] or ''}"
+        here = "available here" if row["available"] else f"NOT available here: {row['reason']}"
+        out += [
+            f"{row['name']}  [{row['op']}, {row['layout']}]",
+            f"  plugin {row['plugin']} (distribution {row['distribution']} {row['plugin_version'] or '-'}), "
+            f"library version {row['version'] or '-'}",
+            f"  supports arch {', '.join(s['archs'])}; modes {', '.join(s['forward_modes'])}; "
+            f"next_n {next_n}; fp8 {', '.join(s['fp8_dtypes'])}",
+            f"  {here}",
+        ]
+        if row["description"]:
+            out.append(f"  {row['description']}")
+        out.append(f"  verified: {_verified_text(row['verified'])}")
+    return "\n".join(out)
+
+
+def _verified_text(verified: dict[str, str]) -> str:
+    """{"sm90": "measured on an H200", "cpu": "CPU tests"} as "sm90 measured on an H200; cpu CPU tests",
+    archs of one kind together."""
+    by_kind: dict[str, list[str]] = {}
+    for arch, kind in sorted(verified.items()):
+        by_kind.setdefault(kind, []).append(arch)
+    return "; ".join(f"{', '.join(archs)}: {kind}" for kind, archs in by_kind.items())

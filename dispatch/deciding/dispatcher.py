@@ -1,0 +1,293 @@
+"""The dispatcher: for an (op, key), the one decision, from the registry's ordered rules.
+
+Order of consideration: the cluster's `prefer` list, then the cluster's measured order for the key
+(the overlay `python -m dispatch tune` wrote, fastest first, only backends that passed the check),
+then the first rule whose `when` matches the key (its `use` list in order), then the op's fallback
+chain. A candidate is eligible when it is not disabled, supports the key and (when checked) is
+available on this machine. The first eligible candidate wins; every other registered backend of the
+op is listed with the reason it lost (a measured one: "measured slower: 202.6 us vs 161.9 us").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from dispatch.contract.backend import Backend
+from dispatch.contract.catalog import Catalog
+from dispatch.contract.decision import Decision, Evidence, Rejection
+from dispatch.contract.errors import NoBackendError
+from dispatch.contract.key import Arch, DispatchKey, Op
+from dispatch.registry.document import RegistryDocument
+
+logger = logging.getLogger("dispatch")
+# The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
+REFERENCE_PLUGIN = "backends.reference.plugin"
+_warned_reference: set[tuple[Op, Arch]] = set()  # once per process, not once per dispatcher or reload
+
+
+@dataclass(frozen=True)
+class _Step:
+    backend: str
+    rule: str
+    source: str
+    label: str  # how explain names the step: "rule `x`", "cluster `c` prefer", "fallback[1]"
+    location: tuple  # where registry.yaml says it: ("ops", op, "rules", i), ("clusters", c, "prefer", i), ...
+    where: str = ""  # "file:line" when a measured overlay, not registry.yaml, says it
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        document: RegistryDocument,
+        catalog: Catalog,
+        *,
+        cluster: str | None,
+        target_arch: Arch,
+        check_availability: bool = True,
+    ) -> None:
+        """`target_arch` is the arch decisions are made for: this machine's, or another in a what-if
+        (then `check_availability` is normally off, since this machine's availability says nothing)."""
+        self.document = document
+        self.catalog = catalog
+        self.cluster = cluster
+        self.target_arch = target_arch
+        self.check_availability = check_availability
+        self._disabled = self._disabled_backends()
+        self._measured = document.measured.get(cluster) if cluster is not None else None
+        self._cache: dict[tuple[Op, DispatchKey], Decision] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.document.fingerprint
+
+    def decide(self, op: Op | str, key: DispatchKey) -> Decision:
+        """The decision for `key`; computed once per (op, key), then served from the cache."""
+        op = Op(op)
+        cached = self._cache.get((op, key))
+        if cached is not None:
+            return cached
+        with self._lock:
+            cached = self._cache.get((op, key))
+            if cached is None:
+                cached = self._decide(op, key)
+                self._cache[(op, key)] = cached
+                self._log(cached)
+                self._warn_if_reference_on_a_gpu(cached)
+        return cached
+
+    def can_decide(self, op: Op, key: DispatchKey) -> bool:
+        """Whether `decide` would find a backend, without caching or logging a decision (a reload's
+        coverage check asks this of every kind of key)."""
+        op = Op(op)
+        # _decide's choice without its rejections and messages: a step whose backend is eligible.
+        # (validate asks this of every key and cluster, so it must stay cheap.)
+        return any(
+            (backend := self.catalog.get(op, step.backend)) is not None and not self._why_ineligible(backend, key)
+            for step in self._steps(op, key)
+        )
+
+    def decided_keys(self) -> list[tuple[Op, DispatchKey]]:
+        """The (op, key) pairs decided so far, from the cache."""
+        return list(self._cache)
+
+    def pin(self, op: Op | str, key: DispatchKey, backend: str, *, allow_disabled: bool = False) -> Decision:
+        """A decision naming `backend` outright (a benchmark, or an engine flag forcing a path). It is
+        still tagged and checked: an unknown, unsupported or unavailable backend is refused, and so is
+        a disabled one unless `allow_disabled` (a benchmark comparing every path that can run)."""
+        op = Op(op)
+        impl = self.catalog.get(op, backend)
+        if impl is None:
+            raise NoBackendError(f"no backend `{backend}` for {op.value} (registered: {', '.join(self.catalog.names(op))})")
+        reason = self._why_ineligible(impl, key, respect_disabled=not allow_disabled)
+        if reason:
+            raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
+        return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), ())
+
+    def eligible(self, op: Op | str, key: DispatchKey, *, respect_disabled: bool = True) -> list[Backend]:
+        """Every registered backend of `op` that could serve `key` here (what a benchmark compares),
+        by the same test the decision uses; `respect_disabled=False` includes disabled ones."""
+        op = Op(op)
+        return [
+            b for b in self.catalog.for_op(op) if not self._why_ineligible(b, key, respect_disabled=respect_disabled)
+        ]
+
+    def _decide(self, op: Op, key: DispatchKey) -> Decision:
+        candidates = self.catalog.for_op(op)
+        ineligible = {b.name: reason for b in candidates if (reason := self._why_ineligible(b, key))}
+        steps = self._steps(op, key)
+        chosen = next((s for s in steps if s.backend not in ineligible), None)
+        named_at = {}
+        for step in steps:
+            named_at.setdefault(step.backend, step)
+        unnamed = "eligible, but no cluster preference, matching rule or fallback names it"
+        if chosen is None:
+            lines = [
+                f"  {b.name}: "
+                + (self._explained(ineligible[b.name], named_at.get(b.name)) if b.name in ineligible else unnamed)
+                for b in candidates
+            ]
+            raise NoBackendError(f"no backend for {op.value} at {key}:\n" + "\n".join(lines))
+        measured = self._measured_preference(op, key)
+        failed = measured[1].failed if measured else {}
+        rejected = []
+        for backend in candidates:
+            if backend.name == chosen.backend:
+                continue
+            if backend.name in ineligible:
+                reason = self._explained(ineligible[backend.name], named_at.get(backend.name))
+            elif backend.name in failed:
+                reason = f"failed the check against the reference when measured: {failed[backend.name]}"
+            elif backend.name in named_at and chosen.source == named_at[backend.name].source == "measured":
+                reason = self._measured_slower(measured[1], backend.name, chosen.backend)
+            elif backend.name in named_at:
+                reason = self._lost_to(chosen, named_at[backend.name])
+            else:
+                reason = unnamed
+            rejected.append(Rejection(backend.name, reason))
+        impl = self.catalog.get(op, chosen.backend)
+        return self._decision(op, key, impl, chosen, tuple(rejected))
+
+    def _decision(
+        self, op: Op, key: DispatchKey, impl: Backend, step: _Step, rejected: tuple[Rejection, ...]
+    ) -> Decision:
+        line = self.document.line_of(step.location) if step.location else None
+        measured = self._measured_preference(op, key) if step.source == "measured" else None
+        return Decision(
+            op=op,
+            key=key,
+            backend=impl.name,
+            layout=impl.layout,
+            rule=step.rule,
+            source=step.source,
+            rule_at=step.where or (self.document.where_of(step.location) if line else ""),
+            evidence=self._evidence(op, *measured) if measured else None,
+            cluster=self.cluster,
+            plugin=impl.plugin,
+            rejected=rejected,
+            registry_fingerprint=self.fingerprint,
+            availability_checked=self.check_availability,
+            impl=impl,
+        )
+
+    def _steps(self, op: Op, key: DispatchKey) -> list[_Step]:
+        steps = []
+        if self.cluster is not None:
+            for index, name in enumerate(self.document.registry.clusters[self.cluster].prefer):
+                if self.catalog.get(op, name) is not None:
+                    label = f"cluster `{self.cluster}` prefer[{index}]"
+                    location = ("clusters", self.cluster, "prefer", index)
+                    steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", label, location))
+        measured = self._measured_preference(op, key)
+        if measured is not None:
+            position, preference = measured
+            for index, name in enumerate(preference.order):
+                if self.catalog.get(op, name) is not None:
+                    where = self._measured.where(("ops", op.value, "preferences", position, "order", index))
+                    label = f"cluster `{self.cluster}` measured"
+                    steps.append(_Step(name, f"measured[{index}]", "measured", label, (), where))
+        table = self.document.registry.table(op)
+        index = table.first_match(key)
+        if index is not None:
+            rule, location = table.rules[index], ("ops", op.value, "rules", index)
+            steps += [_Step(name, rule.id, "rule", f"rule `{rule.id}`", location) for name in rule.use]
+        steps += [
+            _Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]", ("ops", op.value, "fallback", i))
+            for i, name in enumerate(table.fallback)
+        ]
+        return steps
+
+    def _measured_preference(self, op: Op, key: DispatchKey):
+        """(position, Preference) the cluster's measured overlay holds for (op, key), or None."""
+        return self._measured.find(op, key) if self._measured is not None else None
+
+    def _evidence(self, op: Op, position: int, preference) -> Evidence:
+        overlay = self._measured.overlay
+        order = preference.order
+        return Evidence(
+            machine=overlay.machine,
+            date=overlay.date.isoformat(),
+            at=self._measured.where(("ops", op.value, "preferences", position)),
+            means=tuple((name, round(preference.mean_us(name), 3)) for name in order),
+            shapes=tuple((s.shape, tuple((name, s.median_us[name]) for name in order)) for s in preference.shapes),
+            failed=tuple(sorted(preference.failed.items())),
+        )
+
+    @staticmethod
+    def _measured_slower(preference, backend: str, chosen: str) -> str:
+        over = "" if len(preference.shapes) == 1 else f", geometric mean over {len(preference.shapes)} shapes"
+        slower, faster = preference.mean_us(backend), preference.mean_us(chosen)
+        return f"measured slower: {slower:.1f} us vs {faster:.1f} us ({chosen}{over})"
+
+    def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:
+        if respect_disabled and backend.name in self._disabled:
+            return self._disabled[backend.name]
+        unsupported = backend.why_unsupported(key)
+        if unsupported:
+            return unsupported
+        if self.check_availability:
+            availability = backend.availability()
+            if not availability.ok:
+                return f"not available here: {availability.reason}"
+        return None
+
+    @staticmethod
+    def _lost_to(chosen: _Step, later: _Step) -> str:
+        if later.label == chosen.label:
+            return f"eligible, but {chosen.label} lists `{chosen.backend}` before it"
+        return f"eligible, but {chosen.label} (`{chosen.backend}`) comes before {later.label}"
+
+    @staticmethod
+    def _explained(reason: str, step: _Step | None) -> str:
+        return f"{step.label} names it, but {reason}" if step else reason
+
+    def _disabled_backends(self) -> dict[str, str]:
+        registry = self.document.registry
+        disabled = {name: "disabled by the registry's `disabled` list" for name in registry.disabled}
+        if self.cluster is not None:
+            overlay = registry.clusters[self.cluster]
+            for name in overlay.enable:
+                disabled.pop(name, None)
+            for name in overlay.disable:
+                disabled[name] = f"disabled by cluster `{self.cluster}`"
+        return disabled
+
+    def _warn_if_reference_on_a_gpu(self, decision: Decision) -> None:
+        """A GPU that lands on the torch reference, because no rule had a GPU path for the key or the
+        backends its rule named could not run, is slower than the registry meant: say so, and why, once.
+        A reference the registry chose on purpose (a rule or a cluster naming it first) stays quiet."""
+        if not self.check_availability or self.target_arch is Arch.CPU or decision.plugin != REFERENCE_PLUGIN:
+            return  # a what-if describes another machine; on a CPU the reference is the fast path
+        named = [r for r in decision.rejected if " names it, but " in r.reason]  # what the registry tried first
+        if decision.source == "cluster-prefer" or (decision.source == "rule" and not named):
+            return
+        if (decision.op, self.target_arch) in _warned_reference:
+            return
+        _warned_reference.add((decision.op, self.target_arch))
+        logger.warning(
+            "%s on this %s GPU runs on the torch reference `%s`, chosen by %s at %s, not on a GPU kernel "
+            "backend: %s (python -m dispatch explain shows every candidate)",
+            decision.op.value,
+            self.target_arch.value,
+            decision.backend,
+            decision.chosen_by,
+            decision.key,
+            "; ".join(f"{r.backend}: {r.reason}" for r in named or decision.rejected) or "none is registered",
+        )
+
+    def _log(self, decision: Decision) -> None:
+        others = ", ".join(r.backend for r in decision.rejected)
+        logger.info(
+            "using %s (%s, by %s) for %s at %s out of [%s]",
+            decision.backend,
+            decision.layout.value,
+            decision.chosen_by,  # "rule `x`", "fallback[1]": the source said once
+            decision.op.value,
+            decision.key,
+            others,
+        )
+        if os.environ.get("DISPATCH_TRACE") == "1":
+            logger.info("dispatch trace: %s", decision.as_dict())

@@ -1,0 +1,166 @@
+"""The per-batch plan of an extend batch: one decision per op of the ragged step and the
+ragged metadata, built once per batch from an ExtendBatch and carried into every layer's call.
+
+The step per layer (IndexerStep.select): gather this layer's K through the plan's slots, then per
+query-row chunk: Q quant -> ragged logits over the chunk's key window -> top-k over each row's
+[ks, ke). The chunks keep each chunk's fp32 logits under `logits_byte_budget` bytes; their per-row
+tensors (ranges relative to the chunk's window, top-k starts and lengths, page rows) are built here,
+once per batch, with device ops only: nothing waits on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dispatch.contract.bounds import new_error_flags
+from dispatch.contract.decision import Decision
+from dispatch.contract.errors import LayoutError
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.step.paged_plan import EXTEND_STEP_OPS, DecidedPlan, decider, key_fp8_dtype, prepare_states
+from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, Chunk, ExtendBatch, RaggedMetadata, build_ragged_metadata
+
+if TYPE_CHECKING:
+    from dispatch.deciding.dispatcher import Dispatcher
+
+
+@dataclass(frozen=True)
+class ChunkTensors:
+    """One chunk of query rows and what its logits and top-k calls take, built once per batch."""
+
+    chunk: Chunk
+    ks: torch.Tensor  # int32 [rows]: each row's first visible key, relative to the chunk's window
+    ke: torch.Tensor  # int32 [rows]: one past its last
+    lengths: torch.Tensor  # int32 [rows]: ke - ks, the top-k's visible lengths (its starts are ks)
+    page_rows: torch.Tensor  # int32 [rows]: the request of each row, i.e. its row of the page table
+
+    @property
+    def rows(self) -> slice:
+        return self.chunk.rows
+
+    @property
+    def keys(self) -> slice:
+        return self.chunk.keys
+
+
+@dataclass(frozen=True, eq=False)
+class ExtendPlan(DecidedPlan):
+    """Decisions plus the ragged metadata. Backends read only this; nothing re-derives the path."""
+
+    key: DispatchKey
+    decisions: Mapping[Op, Decision]  # one per op of EXTEND_STEP_OPS
+    metadata: RaggedMetadata
+    chunks: tuple[ChunkTensors, ...]
+    page_table: torch.Tensor  # int32 [B, P]: each request's pages, for the slot transform
+    block_kv: int
+    logits_byte_budget: int
+    states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
+    # int32 [1] on the batch's device (dispatch/contract/bounds.py bits): the GPU gather ORs BAD_PAGE for a slot
+    # outside the cache, Q quant BAD_POSITION for a position outside the cos/sin cache.
+    error_flags: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.error_flags is None:
+            flags = self.metadata.length_flags
+            flags = new_error_flags(self.page_table.device) if flags is None else flags.clone()
+            object.__setattr__(self, "error_flags", flags)
+
+    kind = "extend plan"
+
+    @property
+    def ragged_logits(self) -> Decision:
+        return self.decision(Op.RAGGED_MQA_LOGITS)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.metadata.total_tokens
+
+    @property
+    def total_keys(self) -> int:
+        return self.metadata.total_keys
+
+    @property
+    def peak_logits_bytes(self) -> int:
+        """The largest chunk's fp32 logits: what the budget bounds."""
+        return max((c.chunk.logits_bytes for c in self.chunks), default=0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key.as_dict(),
+            "requests": self.page_table.shape[0],
+            "total_tokens": self.total_tokens,
+            "total_keys": self.total_keys,
+            "block_kv": self.block_kv,
+            "logits_byte_budget": self.logits_byte_budget,
+            "peak_logits_bytes": self.peak_logits_bytes,
+            "chunks": [dataclasses.asdict(c.chunk) for c in self.chunks],
+            "decisions": {op.value: decision.as_dict() for op, decision in self.decisions.items()},
+        }
+
+
+def build_extend_plan(
+    dispatcher: "Dispatcher",
+    batch: ExtendBatch,
+    *,
+    kv_fp8_dtype: Fp8Dtype | torch.dtype,
+    logits_byte_budget: int = DEFAULT_LOGITS_BYTES,
+    arch: Arch | str | None = None,
+    pinned: dict[Op, str] | None = None,
+    allow_disabled: bool = False,
+    prepare: bool = True,
+) -> ExtendPlan:
+    """Decide every op of EXTEND_STEP_OPS for this batch and build its ragged metadata and chunks.
+    No host-device sync: row and key counts come from the batch's host totals (and its host lengths,
+    when given, for tight chunks). LayoutError when one query row's logits alone pass the budget.
+
+    `kv_fp8_dtype` is the K cache's fp8 dtype and becomes the key's, as in build_plan; `pinned` and
+    `allow_disabled` as there; `prepare=False` skips the backends' per-batch state (a what-if)."""
+    key = DispatchKey(
+        arch=arch or dispatcher.target_arch,
+        forward_mode=ForwardMode.EXTEND,
+        next_n=1,
+        fp8_dtype=key_fp8_dtype(kv_fp8_dtype),
+    )
+    decide = decider(dispatcher, key, pinned, allow_disabled)
+    decisions = {op: decide(op) for op in EXTEND_STEP_OPS}
+    metadata = build_ragged_metadata(batch)
+    plan = ExtendPlan(
+        key=key,
+        decisions=decisions,
+        metadata=metadata,
+        chunks=chunk_tensors(metadata, metadata.chunks(logits_byte_budget)),
+        page_table=batch.page_table,
+        block_kv=batch.block_kv,
+        logits_byte_budget=logits_byte_budget,
+    )
+    if not prepare:
+        return plan
+    states = prepare_states(decisions, plan)
+    return dataclasses.replace(plan, states=states) if states else plan
+
+
+def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
+    """Every chunk's per-row tensors, as views of three per-batch tensors (device ops, no sync): the
+    top-k lengths ke - ks once for all rows (a shift does not change them), and the ranges relative to
+    each chunk's window in one subtraction per chunk that starts past key 0 (a chunk at key 0 views the
+    metadata's own). The plan is built every batch on the host's critical path: few ops, few launches."""
+    ks, ke = metadata.ks, metadata.ke
+    ranges = metadata.ranges if metadata.ranges is not None else torch.stack((ks, ke))
+    lengths = ke - ks
+    shifted = None
+    out = []
+    for chunk in chunks:
+        begin, count = chunk.row_begin, chunk.row_end - chunk.row_begin
+        pair = ranges.narrow(1, begin, count)
+        if chunk.key_begin:
+            if shifted is None:
+                shifted = torch.empty_like(ranges)
+            pair = torch.sub(pair, chunk.key_begin, out=shifted.narrow(1, begin, count))
+        chunk_ks, chunk_ke = pair.unbind()
+        out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths.narrow(0, begin, count),
+                                page_rows=metadata.row_request.narrow(0, begin, count)))
+    return tuple(out)

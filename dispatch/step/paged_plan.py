@@ -1,0 +1,347 @@
+"""The per-batch plan: one decision per op and the tensors of the decided layout, built once per
+batch from the engine's metadata and carried, as the tag, into every layer's call."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dispatch.contract.bounds import new_error_flags, raise_for_flags
+from dispatch.contract.calling import call_backend
+from dispatch.contract.decision import Decision
+from dispatch.contract.errors import InvalidBatchError, LayoutError
+from dispatch.contract.fp8 import fp8_dtype_of
+from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op, parse_enum
+from dispatch.contract.layout import Layout, rows_and_tokens
+
+if TYPE_CHECKING:
+    from dispatch.deciding.dispatcher import Dispatcher
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """What an engine knows about a batch before the first layer runs; refused where built if it
+    cannot occur. Checked here: the host-visible facts (types, shapes, dtypes, max_seq_len, next_n)
+    and, when seq_lens is on the CPU, every request's length. Lengths on a GPU are not read: that
+    would synchronise the host with the device on every batch."""
+
+    seq_lens: torch.Tensor  # int32 [B]: each request's total length L, draft tokens included
+    page_table: torch.Tensor  # int32 [B, M]: logical page -> physical KV block
+    max_seq_len: int  # host-side bound on max(L); engines keep it on the host, so reading it costs no sync
+    forward_mode: ForwardMode
+    next_n: int  # tokens scored per request in this batch (1 + drafts when verifying)
+    # Blocks in the engine's KV pool: every layer's kv_cache.shape[0] (engines slice layers out of one
+    # pool). Given, the page table is checked against it once per batch, in build_plan; None defers that
+    # to the first layer call, which reads it from that layer's cache (dispatch/contract/bounds.py).
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forward_mode", parse_enum(ForwardMode, self.forward_mode, "forward_mode"))
+        check_batch(self)
+
+
+_LENGTH_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1  # the plan's lengths and the kernels' page entries are int32
+
+
+def check_batch(batch: PagedBatch) -> None:
+    """Every length L must hold the next_n tokens it scores (L >= next_n >= 1) and fit max_seq_len."""
+    next_n, bound = batch.next_n, batch.max_seq_len
+    if isinstance(next_n, bool) or not isinstance(next_n, int) or next_n < 1:
+        raise InvalidBatchError(f"PagedBatch `next_n` is {next_n!r}; expected an integer >= 1")
+    if not isinstance(batch.seq_lens, torch.Tensor) or batch.seq_lens.dim() != 1:
+        raise InvalidBatchError(f"PagedBatch `seq_lens` is {_described(batch.seq_lens)}; expected an int32 tensor [B]")
+    if batch.seq_lens.dtype not in _LENGTH_DTYPES:
+        raise InvalidBatchError(f"PagedBatch `seq_lens` has dtype {batch.seq_lens.dtype}; expected torch.int32 (or int64)")
+    size = batch.seq_lens.shape[0]
+    if size == 0:
+        raise InvalidBatchError("PagedBatch `seq_lens` is empty; a batch has at least one request")
+    table = batch.page_table
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != size:
+        raise InvalidBatchError(
+            f"PagedBatch `page_table` is {_described(table)}; expected an int32 tensor [B={size}, max_pages]"
+        )
+    if table.dtype != torch.int32:
+        raise InvalidBatchError(f"PagedBatch `page_table` has dtype {table.dtype}; expected torch.int32")
+    if table.device != batch.seq_lens.device:
+        raise InvalidBatchError(
+            f"PagedBatch `page_table` is on {table.device} and `seq_lens` on {batch.seq_lens.device}; expected one device"
+        )
+    bound_ok = not isinstance(bound, bool) and isinstance(bound, int)
+    if bound_ok and batch.seq_lens.device.type == "cpu":
+        _check_lengths(batch.seq_lens.tolist(), next_n, bound)  # first: these name the request at fault
+    if not bound_ok or bound < next_n:
+        raise InvalidBatchError(
+            f"PagedBatch `max_seq_len` is {bound!r}; expected a host int >= next_n ({next_n}): every request's "
+            "length includes the tokens it scores"
+        )
+    if bound > INT32_MAX:
+        raise InvalidBatchError(f"PagedBatch `max_seq_len` is {bound}; the plan's lengths are int32 (at most {INT32_MAX})")
+    blocks = batch.num_kv_blocks
+    if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= INT32_MAX):
+        raise InvalidBatchError(
+            f"PagedBatch `num_kv_blocks` is {blocks!r}; expected None or a host int in [0, {INT32_MAX}] (the "
+            "pool's block count, every layer's kv_cache.shape[0])"
+        )
+
+
+def _check_lengths(lengths: list[int], next_n: int, bound: int) -> None:
+    for request, length in enumerate(lengths):
+        if length < next_n:
+            raise InvalidBatchError(
+                f"request {request} has seq_len {length}; every request's total length must be at least next_n "
+                f"({next_n}), the tokens it scores in this batch (draft tokens included)"
+            )
+        if length > bound:
+            raise InvalidBatchError(f"request {request} has seq_len {length}, above the batch's max_seq_len {bound}")
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+# The ops a batch's plan decides, per forward mode, in the order IndexerStep.select runs them. Paged
+# batches (decode, target_verify, draft_extend) score the paged cache; extend batches score
+# keys gathered into one buffer with the ragged kernel (dispatch/step/extend_plan.py). Adding an op to the
+# indexer step means adding it here; its per-batch work is its backend's `prepare`, kept per op.
+PAGED_STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.PAGED_MQA_LOGITS, Op.TOPK)
+EXTEND_STEP_OPS: tuple[Op, ...] = (Op.INDEXER_Q_QUANT, Op.RAGGED_MQA_LOGITS, Op.TOPK)
+STEP_OPS = PAGED_STEP_OPS  # the paged step's, as before the extend path existed
+
+
+def ops_for(mode: ForwardMode | str) -> tuple[Op, ...]:
+    """The ops a batch of `mode` runs, so its plan decides exactly these (and explain, validate's
+    callers and rank agreement ask for these): extend the ragged step, every other mode the paged one."""
+    return EXTEND_STEP_OPS if ForwardMode(mode) is ForwardMode.EXTEND else PAGED_STEP_OPS
+
+
+def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | None, allow_disabled: bool):
+    """decide(op) -> Decision for `key`: the pinned backend where `pinned` names one, else the rules'."""
+    pinned = pinned or {}
+
+    def decide(op: Op) -> Decision:
+        if op in pinned:
+            return dispatcher.pin(op, key, pinned[op], allow_disabled=allow_disabled)
+        return dispatcher.decide(op, key)
+
+    return decide
+
+
+def prepare_states(decisions: Mapping[Op, Decision], plan: Any) -> dict[Op, Any]:
+    """Each decided backend's per-batch state (its prepare(plan)), for those that have one."""
+    return {
+        op: call_backend(decision, plan, entry=decision.impl.prepare)
+        for op, decision in decisions.items()
+        if decision.impl.prepare is not None
+    }
+
+
+class DecidedPlan:
+    """What every plan kind shares (PagedPlan for paged batches, dispatch.step.extend_plan.ExtendPlan for
+    extend batches): its decisions and per-op states, read by op, and its error flags. A subclass is a
+    frozen dataclass with `key`, `decisions`, `states` and `error_flags` fields."""
+
+    key: DispatchKey
+    decisions: Mapping[Op, Decision]
+    states: Mapping[Op, Any]
+    error_flags: torch.Tensor | None
+
+    # --- Error flags (dispatch/contract/bounds.py): the device-side record of out-of-range input. ---
+
+    def check_errors(self) -> None:
+        """Sync, read and clear the error flags; raise IndexBoundsError naming what a backend saw.
+
+        Call it where the engine syncs anyway (the step's end), or after each select in debug runs:
+        a set flag means some rows of this plan's logits are NaN and their top-k is meaningless."""
+        bits = int(self.error_flags.item())
+        if bits:
+            self.error_flags.zero_()
+            raise_for_flags(bits, f"{self.kind} for {self.key}")
+
+    def reset_errors(self) -> None:
+        """Zero the flags in place, with no sync (a captured graph's plan is reused across batches)."""
+        self.error_flags.zero_()
+
+    kind = "plan"  # how check_errors names the plan
+
+    def decision(self, op: Op) -> Decision:
+        if op not in self.decisions:
+            raise LayoutError(f"the plan decided {', '.join(o.value for o in self.decisions)}; not {Op(op).value}")
+        return self.decisions[op]
+
+    def state_of(self, op: Op) -> Any:
+        return self.states.get(op)
+
+    @property
+    def indexer_q_quant(self) -> Decision:
+        return self.decision(Op.INDEXER_Q_QUANT)
+
+    @property
+    def topk(self) -> Decision:
+        return self.decision(Op.TOPK)
+
+    @property
+    def fp8_dtype(self) -> Fp8Dtype:
+        return self.key.fp8_dtype
+
+
+@dataclass(frozen=True, eq=False)
+class PagedPlan(DecidedPlan):
+    """Decisions plus layout tensors. Backends read only this; nothing re-derives the path."""
+
+    key: DispatchKey
+    decisions: Mapping[Op, Decision]  # one per op of ops_for(key.forward_mode)
+    batch_size: int
+    next_n: int
+    context_lens: torch.Tensor  # native [B, N]; flatten [B*N, 1]
+    block_table: torch.Tensor  # native [B, M]; flatten [B*N, M]
+    max_context_len: int
+    page_rows: torch.Tensor | None = None  # int32 [B*N]: the block_table row that serves each token
+    states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
+    # int32 [1] on the plan's device, zeroed here, ORed into by backends (dispatch/contract/bounds.py bits).
+    error_flags: torch.Tensor | None = None
+    num_kv_blocks: int | None = None  # PagedBatch.num_kv_blocks: the pool the page table must index
+
+    def __post_init__(self) -> None:
+        if self.error_flags is None:
+            object.__setattr__(self, "error_flags", new_error_flags(self.context_lens.device))
+
+    @property
+    def logits(self) -> Decision:
+        return self.decision(Op.PAGED_MQA_LOGITS)
+
+    @property
+    def state(self) -> Any:
+        """The logits backend's per-batch state (e.g. a DeepGEMM schedule)."""
+        return self.state_of(Op.PAGED_MQA_LOGITS)
+
+    @property
+    def layout(self) -> Layout:
+        return self.logits.layout
+
+    @property
+    def token_lengths(self) -> torch.Tensor:
+        """int32 [B*N]: each token's visible length, request-major (the logits' row order); a view."""
+        return self.context_lens.reshape(-1)
+
+    def q_in_layout(self, q_tokens: torch.Tensor) -> torch.Tensor:
+        """View per-token q [B*N, H, D] (request-major) as the decided layout's q."""
+        rows, tokens = rows_and_tokens(self.layout, self.batch_size, self.next_n)
+        expected = self.batch_size * self.next_n
+        if q_tokens.dim() != 3 or q_tokens.shape[0] != expected:
+            raise LayoutError(
+                f"q has shape {list(q_tokens.shape)}; the plan expects per-token q [B*N={expected}, H, D]"
+            )
+        return q_tokens.view(rows, tokens, *q_tokens.shape[1:])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key.as_dict(),
+            "batch_size": self.batch_size,
+            "next_n": self.next_n,
+            "max_context_len": self.max_context_len,
+            "num_kv_blocks": self.num_kv_blocks,
+            "context_lens_shape": list(self.context_lens.shape),
+            "block_table_shape": list(self.block_table.shape),
+            "decisions": {op.value: decision.as_dict() for op, decision in self.decisions.items()},
+        }
+
+
+def visible_lengths(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """Causal lengths [B, N]: token j of a request of total length L sees keys 0 .. L - N + j.
+
+    int64 lengths are clamped into int32 before they narrow, so a length past 2^31 stays past every
+    bound (the kernels flag it LENGTH_PAST_BOUND) instead of wrapping to a small one."""
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.clamp(-1, INT32_MAX)
+    return (seq_lens.to(torch.int32)[:, None] + _causal_offsets(next_n, seq_lens.device)).clamp_(min=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_offsets(next_n: int, device: torch.device) -> torch.Tensor:
+    # Built once per (next_n, device): the plan is on every batch's host path.
+    return torch.arange(1 - next_n, 1, device=device, dtype=torch.int32)
+
+
+def layout_tensors(layout: Layout, seq_lens: torch.Tensor, page_table: torch.Tensor, next_n: int):
+    """(context_lens, block_table) in `layout`, from per-request lengths and pages."""
+    lens = visible_lengths(seq_lens, next_n)
+    if layout is Layout.NATIVE:
+        return lens, page_table
+    if layout is Layout.FLATTEN:
+        return lens.reshape(-1, 1), page_table.repeat_interleave(next_n, dim=0)
+    raise LayoutError(f"layout `{layout.value}` is not a paged-logits layout")
+
+
+def build_plan(
+    dispatcher: "Dispatcher",
+    batch: PagedBatch,
+    *,
+    kv_fp8_dtype: Fp8Dtype | torch.dtype,
+    arch: Arch | str | None = None,
+    pinned: dict[Op, str] | None = None,
+    allow_disabled: bool = False,
+    prepare: bool = True,
+) -> PagedPlan:
+    """Decide every op of ops_for(batch.forward_mode) for this batch and build the decided layout's tensors. No host-device sync.
+
+    `kv_fp8_dtype` is the K cache's fp8 dtype (a key name or the cache's torch dtype): it becomes the
+    key's fp8_dtype, so Q is quantised into exactly the dtype the cache holds. `pinned` names a backend
+    per op to use instead of the rules' choice (still checked for support and availability;
+    `allow_disabled` lets a benchmark pin a backend the registry or a cluster disabled). `prepare=False`
+    describes the plan without running any backend's per-batch prepare (`states` stays empty):
+    explain does so, since a what-if for another machine must not need that machine's libraries.
+    """
+    if ForwardMode(batch.forward_mode) is ForwardMode.EXTEND:
+        raise LayoutError(
+            "an extend batch is planned from an ExtendBatch (dispatch.step.extend_batch) through IndexerStep.plan or "
+            "dispatch.step.extend_plan.build_extend_plan: its keys are gathered and scored ragged, not paged"
+        )
+    key = DispatchKey(
+        arch=arch or dispatcher.target_arch,
+        forward_mode=batch.forward_mode,
+        next_n=batch.next_n,
+        fp8_dtype=key_fp8_dtype(kv_fp8_dtype),
+    )
+    decide = decider(dispatcher, key, pinned, allow_disabled)
+    decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
+    logits = decisions[Op.PAGED_MQA_LOGITS]
+    batch_size = batch.seq_lens.shape[0]
+    context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
+    plan = PagedPlan(
+        key=key,
+        decisions=decisions,
+        batch_size=batch_size,
+        next_n=batch.next_n,
+        context_lens=context_lens,
+        block_table=block_table,
+        max_context_len=batch.max_seq_len,
+        num_kv_blocks=batch.num_kv_blocks,
+        page_rows=page_rows(logits.layout, batch_size, batch.next_n, batch.seq_lens.device),
+    )
+    if not prepare:
+        return plan
+    states = prepare_states(decisions, plan)
+    return dataclasses.replace(plan, states=states) if states else plan
+
+
+def key_fp8_dtype(kv_fp8_dtype: Fp8Dtype | str | torch.dtype) -> Fp8Dtype | str:
+    """The key's fp8 dtype from the K cache's (a key name, or the cache's torch dtype)."""
+    if isinstance(kv_fp8_dtype, (Fp8Dtype, str)):
+        return kv_fp8_dtype
+    return fp8_dtype_of(kv_fp8_dtype, "the K cache")
+
+
+@functools.lru_cache(maxsize=64)
+def page_rows(layout: Layout, batch_size: int, next_n: int, device: torch.device) -> torch.Tensor:
+    """int32 [B*N]: which row of the layout's block table holds token r's pages (native: r // N, one
+    row per request; flatten: r). Cached: it depends only on the shape, and graphs replay it as is."""
+    tokens = torch.arange(batch_size * next_n, device=device, dtype=torch.int32)
+    return tokens // next_n if layout is Layout.NATIVE else tokens

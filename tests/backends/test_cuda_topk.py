@@ -1,0 +1,244 @@
+"""`cuda.radix`, dispatch's own CUDA top-k: exact against torch.topk on a GPU (value multisets equal,
+tie-aware, NaN never selected, -inf selectable, nothing past a row read), and, on any machine, why it
+cannot run where it cannot (no CUDA device, nvcc not found, compile failed) and its registration.
+
+The GPU tests compile backends/cuda_topk/radix_select.cu on first use (cached per user); `stage`
+below forces the kernel to stage only part of each row in shared memory, so the re-read of a row's
+tail runs at small widths too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.adapted_topk import page_slots
+from backends.cuda_topk import build
+from backends.cuda_topk.plugin import cuda_topk_backends
+from dispatch.contract import Arch, LayoutError
+from tests.backends.test_triton_topk import check, random_logits, ragged_lengths
+
+NAN, INF = float("nan"), float("inf")
+gpu = pytest.mark.gpu
+
+
+def radix(*args, stage=None, filtered=True, **kwargs):
+    """The served call, or (stage given) the launch with that staging and path."""
+    from backends.cuda_topk.radix_topk import launch, radix_topk
+
+    if stage is None:
+        return radix_topk(*args, **kwargs)
+    options = {"starts": None, "page_table": None, "page_rows": None, "block_size": 64, "sorted": False, **kwargs}
+    return launch(*args, stage=stage, filtered=filtered, **options)
+
+
+# ---- on a GPU: exactness ----
+
+@gpu
+@pytest.mark.parametrize(("rows", "width", "k", "seed"), [
+    (12, 300, 16, 0), (37, 3000, 2048, 1), (64, 12215, 2048, 2), (9, 5000, 100, 3), (5, 70001, 2048, 4),
+    (3, 100000, 4096, 5), (130, 49081, 2048, 6), (2, 2500, 1, 7),
+])
+def test_random_ragged_rows_match_torch_topk(rows, width, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = random_logits(rows, width, gen)
+    lengths = ragged_lengths(rows, width, k, gen)
+    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k))
+
+
+# filtered=False: the full select (what a row the filtered pass cannot serve gets), its row staged in
+# part (stage keys) or not at all, the rest re-read.
+@gpu
+@pytest.mark.parametrize(("stage", "filtered"), [(0, True), (0, False), (4, False), (1000, False), (2048, False),
+                                                 (12000, False)])
+@pytest.mark.parametrize("row_stride", [None, 10003])  # a stride of 10003 floats: rows start off 16-byte boundaries
+@pytest.mark.parametrize("width", [5000, 10000])  # whole rows in the list; sampled cuts
+def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width):
+    gen = torch.Generator().manual_seed(stage + width)
+    logits = random_logits(11, width, gen, row_stride=row_stride)
+    lengths = ragged_lengths(11, width, 2048, gen)
+    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, stage=stage, filtered=filtered))
+
+
+@gpu
+@pytest.mark.parametrize(("stage", "filtered"), [(None, True), (1000, False), (0, False)])
+@pytest.mark.parametrize("width", [9000, 5000])
+def test_ties_inf_and_nan_rows(stage, filtered, width):
+    gen = torch.Generator().manual_seed(9)
+    k = 2048
+    logits = random_logits(10, width, gen).clone()
+    logits[0] = 2.0  # one value: every key ties with the threshold, the candidate list overflows
+    logits[1, ::2] = NAN  # half NaN: more than k selectable still
+    logits[2, 100:] = NAN  # fewer than k selectable: all of them, then -1
+    logits[3] = NAN  # a poisoned row: all -1
+    logits[4, :3000] = -INF  # -inf is an ordinary (lowest) key
+    logits[5] = -INF
+    logits[6, 17] = INF
+    logits[6, 4000:4100] = INF
+    logits[7] = torch.randint(0, 4, (width,), generator=gen).float()  # few distinct values, many ties
+    logits[8] = torch.randn(width, generator=gen) * 1e-30  # subnormal and tiny keys
+    logits[9, :] = -0.0
+    logits[9, ::3] = 0.0
+    lengths = torch.full((10,), width, dtype=torch.int32)
+    lengths[5] = 10
+    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered))
+
+
+@gpu
+def test_length_zero_k_past_the_length_and_lengths_past_the_width():
+    gen = torch.Generator().manual_seed(4)
+    logits = random_logits(4, 3000, gen)
+    lengths = torch.tensor([0, 5, 3000, 99999], dtype=torch.int32)  # the last is clamped to the width
+    out = radix(logits.cuda(), lengths.cuda(), 4096)
+    check(logits, lengths.clamp(max=3000), 4096, out)
+
+
+@gpu
+def test_rows_read_inside_their_window_only():
+    # Every key outside a row's window is +inf: any read of one would select it.
+    gen = torch.Generator().manual_seed(5)
+    width, k = 20000, 2048
+    logits = torch.full((6, width), INF)
+    starts = torch.tensor([0, 1, 3, 777, 15000, 19999], dtype=torch.int32)
+    lengths = torch.tensor([2047, 5000, 10003, 12000, 5000, 1], dtype=torch.int32)
+    for r in range(6):
+        s, n = int(starts[r]), int(lengths[r])
+        logits[r, s:s + n] = torch.randn(n, generator=gen)
+    for stage, filtered in ((None, True), (1000, False)):
+        out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage, filtered=filtered)
+        check(logits, lengths, k, out, starts=starts)
+
+
+@gpu
+def test_page_transform_gives_the_physical_slots_of_the_selection():
+    gen = torch.Generator().manual_seed(6)
+    rows, width, k, block = 8, 6000, 2048, 64
+    logits = random_logits(rows, width, gen).cuda()
+    lengths = ragged_lengths(rows, width, k, gen).cuda()
+    pages = -(-width // block)
+    table = torch.randperm(3 * pages, generator=gen)[: 3 * pages].reshape(3, pages).to(torch.int32).cuda()
+    table[2, 10] = -1  # an unmapped page: its positions become -1
+    page_rows = torch.tensor([0, 1, 2, 0, 1, 2, 5, -1], dtype=torch.int32).cuda()  # the last two: outside the table
+    paged = radix(logits, lengths, k, page_table=table, page_rows=page_rows)
+    plain = radix(logits, lengths, k)
+    want = page_slots(plain, table, page_rows.clamp(0, 2), block)
+    want = want.clamp(min=-1)  # the unmapped page's slots: page_slots leaves them negative, the contract -1
+    want[6:] = -1
+    assert torch.equal(paged.sort(dim=1).values, want.sort(dim=1).values)
+
+
+@gpu
+def test_sorted_orders_by_value_descending_minus_ones_last():
+    gen = torch.Generator().manual_seed(7)
+    logits = random_logits(5, 4000, gen)
+    lengths = torch.tensor([4000, 100, 0, 2048, 3999], dtype=torch.int32)
+    out = radix(logits.cuda(), lengths.cuda(), 2048, sorted=True).cpu()
+    check(logits, lengths, 2048, out)
+    for r in range(5):
+        picked = out[r][out[r] >= 0].long()
+        values = logits[r, picked]
+        assert torch.equal(values, values.sort(descending=True).values), f"row {r} is not in descending order"
+
+
+@gpu
+def test_cuda_graph_capture_and_replay_on_new_values():
+    gen = torch.Generator().manual_seed(8)
+    logits = random_logits(64, 12000, gen).cuda()
+    lengths = ragged_lengths(64, 12000, 2048, gen).cuda()
+    radix(logits, lengths, 2048)  # compiles and sets the kernel's shared-memory limit outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = radix(logits, lengths, 2048)
+    for seed in (1, 2):
+        fresh = torch.Generator().manual_seed(seed)
+        logits.copy_(random_logits(64, 12000, fresh))
+        lengths.copy_(ragged_lengths(64, 12000, 2048, fresh))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(logits.cpu(), lengths.cpu(), 2048, out)
+
+
+@gpu
+def test_the_probe_compiles_it_and_the_catalog_serves_it():
+    from dispatch.contract.key import Op
+    from dispatch.deciding.runtime import load_dispatcher
+
+    backend = {b.name: b for b in load_dispatcher().catalog.for_op(Op.TOPK)}["cuda.radix"]
+    assert backend.availability().ok, backend.availability().reason
+    logits = torch.randn(3, 5000, device="cuda")
+    lengths = torch.tensor([5000, 2000, 4000], dtype=torch.int32, device="cuda")
+    check(logits.cpu(), lengths.cpu(), 2048, backend.run(logits, lengths, 2048))
+
+
+# ---- on any machine: availability and registration ----
+
+def test_the_reasons_it_cannot_run():
+    facts = dict(rocm=False, gpu_visible=True, arch=Arch.SM90, nvcc="/usr/local/cuda/bin/nvcc", compile_error=None)
+    assert build.cuda_topk_availability(**facts).ok
+    cases = [
+        ({"rocm": True}, "torch is a ROCm build"),
+        ({"gpu_visible": False}, "no CUDA device visible to torch"),
+        ({"arch": Arch.GFX942}, "arch gfx942 is not among"),
+        ({"nvcc": None}, "nvcc not found"),
+        ({"compile_error": "radix_select.cu(1): error: x"}, "compile failed: radix_select.cu(1): error: x"),
+    ]
+    for change, reason in cases:
+        availability = build.cuda_topk_availability(**{**facts, **change})
+        assert not availability.ok and reason in availability.reason, (change, availability.reason)
+
+
+def test_the_probe_on_a_machine_without_a_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    availability = build.probe()
+    assert not availability.ok and availability.reason == "no CUDA device visible to torch"
+
+
+def test_the_probe_names_a_missing_nvcc_and_a_failed_compile(monkeypatch):
+    from dispatch.contract import detect
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(detect, "detect_arch", lambda: Arch.SM90)
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    assert build.probe().reason.startswith("nvcc not found")
+
+    def failing_build():
+        raise RuntimeError("Error building extension 'dispatch_cuda_topk'\n[1/2] nvcc ...\n"
+                           "radix_select.cu(42): error: identifier \"x\" is undefined\n")
+
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(build, "extension", failing_build)
+    assert build.probe().reason == 'compile failed: radix_select.cu(42): error: identifier "x" is undefined'
+
+
+def test_the_build_cache_is_per_user_and_keyed_by_what_changes_the_binary(monkeypatch, tmp_path):
+    key = build.build_key(b"source", "2.11.0", "13.0", (9, 0))
+    assert key == build.build_key(b"source", "2.11.0", "13.0", (9, 0))
+    assert len({key, build.build_key(b"source!", "2.11.0", "13.0", (9, 0)),
+                build.build_key(b"source", "2.12.0", "13.0", (9, 0)), build.build_key(b"source", "2.11.0", "12.8", (9, 0)),
+                build.build_key(b"source", "2.11.0", "13.0", (10, 0))}) == 5
+    monkeypatch.setenv("DISPATCH_CACHE_DIR", str(tmp_path / "mine"))
+    assert build.cache_root() == tmp_path / "mine"
+    monkeypatch.delenv("DISPATCH_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build.cache_root() == tmp_path / "xdg" / "dispatch"
+
+
+def test_it_is_registered_as_a_topk_backend_with_its_reason_here():
+    from dispatch.contract.key import Op
+    from dispatch.deciding.runtime import load_dispatcher
+
+    [backend] = cuda_topk_backends()
+    assert backend.op == Op.TOPK and backend.name == "cuda.radix"
+    registered = {b.name: b for b in load_dispatcher().catalog.for_op(Op.TOPK)}["cuda.radix"]
+    assert registered.plugin == "backends.cuda_topk.plugin"
+    if not torch.cuda.is_available():
+        assert registered.availability().reason == "no CUDA device visible to torch"
+
+
+def test_cpu_tensors_are_a_layout_error_naming_the_tensor():
+    from backends.cuda_topk.radix_topk import radix_topk
+
+    with pytest.raises(LayoutError, match="`logits` is on cpu"):
+        radix_topk(torch.randn(2, 10), torch.tensor([10, 5], dtype=torch.int32), 4)

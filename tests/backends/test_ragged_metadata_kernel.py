@@ -1,0 +1,189 @@
+"""The one-launch Triton kernel of an extend batch's ragged metadata (backends/triton/ragged_metadata.py)
+against build_ragged_metadata's torch device path (host_checked=False): every field equal. Both sides
+compute the same integers from the same lengths and table, so exact equality is the right comparison.
+Shapes: ragged batches with empty requests, non-contiguous inputs, block sizes, pools that cut the table,
+and the hostile inputs of tests/step/test_untrusted_extend.py (negative lengths, totals that disagree with
+them, entries far outside the pool or whose slots pass int32)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from backends.triton.ragged_metadata import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
+from dispatch.contract.bounds import BAD_LENGTH
+from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
+
+FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "length_flags", "ranges")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under the interpreter
+
+
+def _on_device(batch: ExtendBatch) -> ExtendBatch:
+    """The batch with its tensors on DEVICE (where a GPU is visible: the lengths are then never read)."""
+    if DEVICE == "cpu":
+        return batch
+    return dataclasses.replace(batch, prefix_lens=batch.prefix_lens.to(DEVICE),
+                               extend_lens=batch.extend_lens.to(DEVICE), page_table=batch.page_table.to(DEVICE))
+
+
+def _launch(batch: ExtendBatch):
+    return ragged_metadata_in_one_launch(_on_device(batch))
+
+
+def _unchecked(**fields) -> ExtendBatch:
+    """What a GPU batch hands over: lengths the host never read (the CPU check skipped)."""
+    batch = object.__new__(ExtendBatch)
+    defaults = dict(block_kv=64, host_prefix_lens=None, host_extend_lens=None, num_kv_blocks=None)
+    for name, value in {**defaults, **fields}.items():
+        object.__setattr__(batch, name, value)
+    return batch
+
+
+def _assert_same(batch: ExtendBatch) -> None:
+    expected = build_ragged_metadata(batch, host_checked=False)  # the torch ops, on the CPU
+    got = _launch(batch)
+    for name in FIELDS:
+        want, have = getattr(expected, name), getattr(got, name).cpu()
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        assert torch.equal(have, want), name
+    assert got.total_tokens == expected.total_tokens and got.total_keys == expected.total_keys
+    assert got.host_ranges == expected.host_ranges
+
+
+def _random_batch(requests: int, seed: int, *, block_kv: int = 64, pool: int | None = None,
+                  empty_every: int = 3) -> ExtendBatch:
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 5 * block_kv, (requests,), generator=gen)
+    extend = torch.randint(0, 3 * block_kv, (requests,), generator=gen)
+    extend[::empty_every] = 0  # requests with no new tokens share the next one's first row
+    prefix[1::empty_every] = 0
+    pages = int((prefix + extend).max()) // block_kv + 2
+    table = torch.randint(-5, 3 * requests * pages, (requests, pages), generator=gen, dtype=torch.int32)
+    return ExtendBatch.from_lengths(prefix.tolist(), extend.tolist(), table, block_kv=block_kv, num_kv_blocks=pool)
+
+
+# Several programs (more rows and keys than INDICES_PER_PROGRAM) and several steps over the requests
+# (more than REQUESTS_PER_STEP) at the larger sizes.
+@pytest.mark.parametrize("requests", [1, 2, 7, REQUESTS_PER_STEP + 1, 3 * REQUESTS_PER_STEP + 5])
+@pytest.mark.parametrize("pool", [None, 40])
+def test_ragged_batches_match_the_torch_path(requests, pool):
+    batch = _random_batch(requests, seed=requests, pool=pool)
+    if requests > REQUESTS_PER_STEP:
+        assert batch.total_keys > INDICES_PER_PROGRAM
+    _assert_same(batch)
+
+
+@pytest.mark.parametrize("block_kv", [1, 16, 128])
+def test_other_page_sizes_match(block_kv):
+    _assert_same(_random_batch(9, seed=block_kv, block_kv=block_kv, pool=50))
+
+
+def test_non_contiguous_lengths_and_table_match():
+    base = _random_batch(6, seed=11, pool=60)
+    lengths = torch.stack((base.prefix_lens, base.extend_lens), dim=1)  # [B, 2]: each column strided
+    wide = torch.full((6, 2 * base.page_table.shape[1]), -7, dtype=torch.int32)
+    wide[:, ::2] = base.page_table
+    batch = ExtendBatch(prefix_lens=lengths[:, 0], extend_lens=lengths[:, 1], page_table=wide[:, ::2],
+                        total_tokens=base.total_tokens, total_keys=base.total_keys, num_kv_blocks=60)
+    assert not batch.page_table.is_contiguous() and batch.prefix_lens.stride(0) == 2
+    _assert_same(batch)
+
+
+def test_a_batch_of_only_cached_keys_and_an_empty_batch_match():
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    _assert_same(ExtendBatch.from_lengths([100, 30], [0, 0], table))
+    _assert_same(ExtendBatch.from_lengths([], [], torch.zeros(0, 3, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("entry", [2**26 + 1, 2**25, -(2**26), 2**31 - 1, -(2**31)])
+def test_entries_far_outside_the_pool_are_slot_minus_one_as_on_the_torch_path(entry):
+    table = torch.tensor([[0, 1], [2, entry]], dtype=torch.int32)
+    batch = ExtendBatch.from_lengths([0, 64], [10, 10], table, num_kv_blocks=4)
+    _assert_same(batch)
+    assert (_launch(batch).gather_slots[74:] == -1).all()
+
+
+def test_an_entry_whose_slots_pass_int32_is_no_slot_even_inside_a_huge_pool():
+    table = torch.tensor([[2**25 + 3, 1]], dtype=torch.int32)
+    batch = ExtendBatch.from_lengths([64], [1], table, num_kv_blocks=2**30)
+    _assert_same(batch)
+    slots = _launch(batch).gather_slots.cpu()
+    assert (slots[:64] == -1).all() and slots[64].item() == 64
+
+
+@pytest.mark.parametrize(
+    ("prefix", "extend", "tokens", "keys"),
+    [([1, 2], [3, -2], 1, 4), ([1, 2], [3, 4], 6, 10), ([1, 2], [3, 4], 7, 12), ([-9, 2], [3, 4], 7, 10),
+     ([1, 2], [3, 4], 40, 50), ([2**31 - 1, 5], [2**31 - 1, 1], 3, 9), ([-(2**31), 0], [0, 3], 3, 3),
+     ([0, 1, 2], [-5, 4, 3], 7, 10), ([0, -70, 2], [5, 4, 3], 12, 12)],
+    ids=["negative-extend", "tokens-short", "keys-long", "negative-prefix", "both-long", "int32-max", "int32-min",
+         "negative-first-extend", "negative-middle-prefix"],
+)
+def test_device_lengths_that_cannot_occur_flag_and_poison_as_on_the_torch_path(prefix, extend, tokens, keys):
+    batch = _unchecked(prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+                       extend_lens=torch.tensor(extend, dtype=torch.int32),
+                       page_table=torch.zeros(len(prefix), 2, dtype=torch.int32), total_tokens=tokens, total_keys=keys)
+    _assert_same(batch)
+    got = _launch(batch)
+    assert got.length_flags.item() == BAD_LENGTH and (got.gather_slots == -1).all()
+
+
+def test_consistent_device_lengths_are_not_flagged():
+    got = _launch(_random_batch(5, seed=2))
+    assert got.length_flags.item() == 0 and (got.gather_slots >= 0).any()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_build_ragged_metadata_takes_the_one_launch_path_and_matches_the_torch_ops(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU visible to torch")
+    import backends.triton.ragged_metadata as module
+
+    calls = []
+    real = module.ragged_metadata_in_one_launch
+    monkeypatch.setattr(module, "ragged_metadata_in_one_launch", lambda batch: calls.append(batch) or real(batch))
+    host = _random_batch(3 * REQUESTS_PER_STEP + 5, seed=5, pool=200)
+    device = ExtendBatch.from_lengths(host.host_prefix_lens, host.host_extend_lens, host.page_table.cuda(),
+                                      num_kv_blocks=200)
+    expected = build_ragged_metadata(host, host_checked=False)  # the torch ops, on the CPU
+    got = build_ragged_metadata(device)
+    assert len(calls) == 1
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name).cpu(), getattr(expected, name)), name
+
+
+def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_torch_ops(monkeypatch):
+    """What a GPU's host pays per extend plan at M = 16K, S = 64K: the kernel (once) and the few torch ops
+    around it (37 on the torch path; tests/step/test_plan_host_cost.py). The interpreter's own tensor copies
+    inside the launch are no GPU host cost and are not counted."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import backends.triton.ragged_metadata as module
+    import dispatch.step.extend_plan
+    from dispatch import load_dispatcher
+    from tests.step.test_plan_host_cost import _extend_batch, _Launches
+
+    grids = []
+    real = module._ragged_metadata_kernel
+
+    class _Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+
+            def launch(*args, **kwargs):
+                with _disable_current_modes():
+                    return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_ragged_metadata_kernel", _Counted())
+    monkeypatch.setattr(dispatch.step.extend_plan, "build_ragged_metadata", ragged_metadata_in_one_launch)
+    dispatcher, batch = load_dispatcher(arch="cpu"), _on_device(_extend_batch(prefix=12288))
+    dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
+    grids.clear()
+    with _Launches() as counted:
+        plan = dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
+    assert len(grids) == 1 and counted.launches <= 4
+    expected = build_ragged_metadata(_extend_batch(prefix=12288), host_checked=False)
+    assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)

@@ -1,0 +1,116 @@
+"""`dispatch bench` end to end at tiny shapes on the CPU: every row is checked against the reference
+before it is timed, and the report carries the machine, versions and dispatch overhead."""
+
+import json
+
+import torch
+
+from dispatch.bench.compare import compare_logits
+from dispatch.cli.commands import main
+
+
+def test_quick_bench_checks_then_times(capsys):
+    code = main(["bench", "--quick", "--next-n", "1,3", "--backends", "torch.reference.flatten,triton", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {(r["op"], r["backend"], r["shape"]) for r in report["rows"]}
+    assert ("paged_mqa_logits", "torch.reference.flatten", "B=2 N=3 L~256 H=64 D=128") in rows
+    assert ("indexer_q_quant", "triton", "T=64 H=64 D=128 rot=64") in rows
+    assert all(r["check"] == "ok" and r["median_us"] > 0 for r in report["rows"])
+    assert report["torch"] == torch.__version__
+    assert report["dispatch_overhead"]["decide_cached_us"] > 0
+
+
+def test_compare_logits_catches_a_wrong_mask_and_nan():
+    reference = torch.tensor([[1.0, 2.0, float("-inf")]])
+    assert compare_logits(reference.clone(), reference, 1e-5) == (0.0, "ok")
+    leaked = torch.tensor([[1.0, 2.0, 5.0]])
+    assert compare_logits(leaked, reference, 1e-5)[1] == "-inf pattern differs from the reference"
+    assert compare_logits(torch.tensor([[float("nan"), 2.0, float("-inf")]]), reference, 1e-5)[1] == "NaN in output"
+    error, verdict = compare_logits(torch.tensor([[1.1, 2.0, float("-inf")]]), reference, 1e-5)
+    assert verdict.startswith("error") and abs(error - 0.1 / 5**0.5) < 1e-6
+
+
+def test_quick_bench_of_the_extend_path(capsys):
+    """bench --op ragged_mqa_logits: the op per eligible backend (checked against the reference), then
+    the whole prefill step through the decided backends, checked on sampled rows, with its chunks."""
+    code = main(["bench", "--quick", "--op", "ragged_mqa_logits", "--backends", "triton", "--k", "16",
+                 "--extend-shapes", "2x24+40,3x5+0", "--logits-budget", "4096", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {(r["op"], r["backend"], r["shape"]): r for r in report["rows"]}
+    assert set(rows) == {
+        ("ragged_mqa_logits", "triton", "M=48 S=128 R=2 H=64 D=128"),
+        ("ragged_mqa_logits", "triton", "M=15 S=15 R=3 H=64 D=128"),
+        ("extend_step", "torch.reference", "M=48 S=128 R=2 H=64 D=128 k=16"),
+        ("extend_step", "torch.reference", "M=15 S=15 R=3 H=64 D=128 k=16"),
+    }
+    assert all(r["check"] == "ok" and r["median_us"] > 0 for r in report["rows"])
+    step = rows[("extend_step", "torch.reference", "M=48 S=128 R=2 H=64 D=128 k=16")]
+    assert step["chunks"] > 1 and step["step"] == "q quant torch.reference, top-k torch.reference"
+    assert rows[("ragged_mqa_logits", "triton", "M=48 S=128 R=2 H=64 D=128")]["no_fill_us"] > 0
+
+
+def test_compare_ragged_topk_catches_wrong_rows():
+    from dispatch.bench.compare import compare_ragged_topk
+
+    logits = torch.tensor([[9.0, 1.0, 5.0, 7.0, 3.0], [0.0, 0.0, 2.0, 8.0, 4.0]])
+    ks, ke = torch.tensor([0, 2]), torch.tensor([4, 5])
+    good = torch.tensor([[0, 3, -1], [1, 2, 0]], dtype=torch.int32)  # row 1: positions relative to ks = 2
+    assert compare_ragged_topk(good, logits, ks, ke, 3, 1e-6)[1] != "ok"  # row 0 must select 3 of its 4 keys
+    good = torch.tensor([[0, 3, 2], [1, 2, 0]], dtype=torch.int32)
+    assert compare_ragged_topk(good, logits, ks, ke, 3, 1e-6) == (0.0, "ok")
+    assert "twice" in compare_ragged_topk(torch.tensor([[0, 0, 2], [1, 2, 0]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
+    assert "error" in compare_ragged_topk(torch.tensor([[0, 3, 1], [1, 2, 0]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
+    assert "positions in" in compare_ragged_topk(torch.tensor([[0, 3, 2], [1, 2, 3]], dtype=torch.int32), logits, ks, ke, 3, 1e-6)[1]
+
+
+def test_quick_bench_times_the_whole_step_per_backend_combination(capsys):
+    code = main(["bench", "--quick", "--op", "step", "--next-n", "2", "--k", "16",
+                 "--backends", "triton,torch.reference", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    combos = {r["backend"] for r in report["rows"]}
+    # Every eligible logits backend named, each with every eligible top-k backend.
+    assert {"triton + torch.reference", "torch.reference + torch.reference"} <= combos
+    for row in report["rows"]:
+        assert row["op"] == "indexer_step" and row["check"] == "ok"
+        assert row["quant_us"] > 0 and row["logits_us"] > 0 and row["topk_us"] > 0
+        assert abs(row["x_logits"] - row["median_us"] / row["logits_us"]) < 1e-6 * row["x_logits"]
+
+
+def test_compare_window_topk_checks_every_row_against_its_own_range():
+    from backends.reference.topk import topk_indices
+    from dispatch.bench.compare import compare_window_topk
+
+    generator = torch.Generator().manual_seed(5)
+    for rows, width, k, block in ((7, 40, 4, 3), (33, 90, 16, 1024), (5, 12, 20, 2)):  # k past a range, blocks
+        starts = torch.randint(0, width // 2, (rows,), generator=generator, dtype=torch.int32)
+        lengths = torch.randint(0, width // 2 + 1, (rows,), generator=generator, dtype=torch.int32)
+        logits = torch.randn(rows, width, generator=generator)
+        good = topk_indices(logits, lengths, k, starts=starts)
+        assert compare_window_topk(good, logits, starts, lengths, k, block=block) == (0.0, "ok")
+        absolute = torch.where(good >= 0, good + starts[:, None], -1)  # positions not relative to ks
+        wrong_rows = int(((absolute != good).any(dim=1)).sum())
+        assert compare_window_topk(absolute, logits, starts, lengths, k, block=block) == (
+            wrong_rows / rows, f"{wrong_rows} of {rows} rows differ from torch.topk over [ks, ke)")
+    assert compare_window_topk(good[:, :-1], logits, starts, lengths, k)[1].startswith("got torch.int32")
+
+
+def test_host_time_reports_each_plan_against_its_target(capsys):
+    """bench --host-time: build_plan at B=128 (pool deferred and given) and the extend plans at M=16K
+    (S=16K, 64K), each a median of many calls with its target, and the machine and UTC time they ran."""
+    code = main(["bench", "--host-time", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["date"].endswith("UTC") and report["machine"]
+    plans = {entry["plan"]: entry for entry in report["host_time"]}
+    assert set(plans) == {
+        "build_plan B=128 N=4 (pool deferred to the first layer)",
+        "build_plan B=128 N=4 (pool given)",
+        "extend plan M=16K S=16K R=4",
+        "extend plan M=16K S=64K R=4",
+    }
+    for name, entry in plans.items():
+        assert entry["median_us"] > 0 and entry["repeats"] >= 100
+        assert entry["target_us"] == (50.0 if name.startswith("build_plan") else 200.0)
+        assert entry["within"] == (entry["median_us"] <= entry["target_us"])

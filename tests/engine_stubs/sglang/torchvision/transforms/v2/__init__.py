@@ -1,5 +1,0 @@
-"""Stub of torchvision.transforms.v2 (see tests/engine_stubs/torchvision/__init__.py)."""
-
-from torchvision._unavailable import unavailable_module
-
-__getattr__ = unavailable_module("torchvision.transforms.v2")

@@ -1,0 +1,72 @@
+"""The host cost of a plan, counted: engines build one every batch on the host's critical path, and on a
+GPU each torch op that is not a view costs the host a launch (5-10 us on the H200's host), so the count
+of such ops is the CPU's proxy for the GPU host's time (`bench --host-time` measures it; issue 24)."""
+
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dispatch.step.extend_plan import build_extend_plan
+from dispatch.contract.key import ForwardMode
+from dispatch.step.paged_plan import PagedBatch, build_plan
+from dispatch.step.extend_batch import ExtendBatch
+from dispatch import load_dispatcher
+
+# Ops that only describe a tensor (no kernel, no allocation): counted apart.
+_VIEWS = {"select", "slice", "view", "unsqueeze", "unbind", "reshape", "alias", "expand", "as_strided",
+          "narrow", "squeeze", "t", "transpose", "detach"}
+
+
+class _Launches(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def launches(self) -> int:
+        return sum(n for name, n in self.ops.items() if name not in _VIEWS)
+
+
+def _launches(fn) -> int:
+    with _Launches() as counted:
+        fn()
+    return counted.launches
+
+
+def _extend_batch(prefix: int, extend: int = 4096, requests: int = 4) -> ExtendBatch:
+    pages = -(-(prefix + extend) // 64)
+    table = torch.arange(requests * pages, dtype=torch.int32).view(requests, pages)
+    return ExtendBatch.from_lengths([prefix] * requests, [extend] * requests, table, num_kv_blocks=requests * pages)
+
+
+def test_a_paged_plan_at_b128_launches_a_handful_of_ops():
+    dispatcher = load_dispatcher(arch="cpu")
+    batch = PagedBatch(seq_lens=torch.full((128,), 4096, dtype=torch.int32),
+                         page_table=torch.zeros(128, 64, dtype=torch.int32), max_seq_len=4096,
+                         forward_mode=ForwardMode.TARGET_VERIFY, next_n=4)
+    build_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")  # caches warm, as on every later batch
+    assert _launches(lambda: build_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")) <= 4
+
+
+def test_an_extend_plan_at_m16k_launches_few_ops_and_one_more_per_shifted_chunk():
+    dispatcher = load_dispatcher(arch="cpu")
+    batch = _extend_batch(prefix=12288)  # M = 16K rows, S = 64K keys
+    whole = build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
+    chunked = build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")
+    assert len(whole.chunks) == 1 and len(chunked.chunks) >= 4
+    one = _launches(lambda: build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40))
+    many = _launches(lambda: build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn"))
+    assert one <= 19  # 52 before issue 24 (item 5), 37 after its first round, 18 with dispatch/step/ragged_on_host.py
+    shifted = sum(1 for c in chunked.chunks if c.chunk.key_begin)
+    assert many - one <= shifted + 1  # one subtraction per chunk past key 0, one buffer for them
+    for c in chunked.chunks:  # and the views are the whole-batch values, shifted into each window
+        rows = c.chunk.rows
+        assert torch.equal(c.ks + c.chunk.key_begin, whole.metadata.ks[rows])
+        assert torch.equal(c.ke + c.chunk.key_begin, whole.metadata.ke[rows])
+        assert torch.equal(c.lengths, whole.metadata.ke[rows] - whole.metadata.ks[rows])
+        assert c.ks.is_contiguous() and c.ke.is_contiguous() and c.page_rows.is_contiguous()

@@ -1,0 +1,5 @@
+"""Stub of torchvision.transforms (see tests/support/engine_stubs/torchvision/__init__.py)."""
+
+from torchvision._unavailable import unavailable_module
+
+__getattr__ = unavailable_module("torchvision.transforms")
