@@ -338,8 +338,10 @@ def _check_batch(batch: ExtendBatch) -> None:
     if requests == 0 and batch.total_keys:
         raise LayoutError(f"a batch of no requests has no keys; got total_keys={batch.total_keys}")
     blocks = batch.num_kv_blocks
-    if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
-        raise LayoutError(f"num_kv_blocks must be a host int >= 0 (the pool's block count); got {blocks!r}")
+    # The same bound as PagedBatch's: page entries are int32, so a larger pool cannot be indexed.
+    if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks < 2**31):
+        raise LayoutError(f"num_kv_blocks must be a host int >= 0 and at most {2**31 - 1} (the pool's block "
+                          f"count; page entries are int32); got {blocks!r}")
     if host_prefix is not None and (sum(host_extend) != batch.total_tokens
                                     or sum(host_prefix) + sum(host_extend) != batch.total_keys):
         raise LayoutError(f"totals disagree with the lengths: total_tokens={batch.total_tokens} (lengths say "

@@ -78,6 +78,7 @@ def test_the_gathers_refuse_or_flag_such_a_key(fp8):
               extend_lens=torch.zeros(0, dtype=torch.int32), total_tokens=0), "no requests has no keys"),
         (dict(num_kv_blocks=-1), "num_kv_blocks must be a host int >= 0"),
         (dict(num_kv_blocks=2.5), "num_kv_blocks must be a host int >= 0"),
+        (dict(num_kv_blocks=10**12), "at most 2147483647"),  # the paged batch refuses it too
     ],
 )
 def test_host_lengths_that_cannot_occur_are_refused_where_the_batch_is_built(change, match):
