@@ -1,4 +1,5 @@
-"""The host side of `cuda.radix`: the contract's checks, the launch (one kernel, no host sync), and,
+"""The host side of `cuda.radix`: the CUDA-only checks (the op's call in dispatch.contract.ops.top_k
+has checked the rest against the contract once), the launch (one kernel, no host sync), and,
 for sorted=True, the contract's order applied by backends/adapted_topk.finish."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 
 from backends.adapted_topk import finish
 from backends.cuda_topk.build import extension
-from dispatch.contract import LayoutError, check_topk_inputs
+from dispatch.contract import LayoutError
 
 
 def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: torch.Tensor | None = None,
@@ -17,8 +18,6 @@ def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: t
                sorted: bool = False) -> torch.Tensor:
     """int32 [rows, k]: positions (relative to starts) of each row's k largest visible non-NaN logits, -1
     past the selectable count; physical KV slots with page_table (dispatch.contract.TopkRun)."""
-    check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                      block_size=block_size)
     _check_cuda(logits, lengths, starts, page_table, page_rows)
     return launch(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                   block_size=block_size, sorted=sorted, stage=0, filtered=True)
