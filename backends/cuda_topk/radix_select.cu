@@ -33,13 +33,11 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
-constexpr int kRelBits = 12;      // the list's rounds over key - min: 12-bit digits
-constexpr int kRelBins = 1 << kRelBits;
 constexpr int kCandCap = 8192;    // candidates kept as a list (the filtered pass's 2-7K; a threshold bin's 1-3K)
 constexpr int kUnroll = 4;        // 16-byte loads each thread has in flight in the load pass
 
 struct alignas(16) Shared {
-  int hist[kRelBins];
+  int hist[kBins];
   uint32_t cand_key[kCandCap];
   int cand_pos[kCandCap];
   int warp_sums[kWarps];
@@ -48,8 +46,6 @@ struct alignas(16) Shared {
   int eq_count;
   int bin;
   int above;
-  uint32_t key_min;  // the smallest and largest key the filtered pass appended
-  uint32_t key_max;
 };
 
 struct Params {
@@ -71,8 +67,6 @@ struct Params {
   int table_pages;
   int block_size;
   int filtered;  // 1: the sampled cut and the filtered pass first; 0: the full select only (tests)
-  int variant;   // bit 0: the list's digits over key - min (else the key's own 11/11/10 bits); bit 1: warp-aggregated
-                 // adds; bit 2 (host side): the instance of two CTAs an SM
 };
 
 __device__ __forceinline__ uint32_t ordered_key(float x) {
@@ -106,20 +100,14 @@ __device__ __forceinline__ int warp_slot(bool take, int* counter) {
   return base + __popc(mask & ((1u << lane) - 1u));
 }
 
-// The bin b (of `bins` <= kPer * kThreads, ascending key order) holding the need-th largest of the
-// histogram's entries (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above.
-template <int kPer>
+// The bin b (of `bins`, ascending key order) holding the need-th largest of the histogram's entries
+// (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above.
 __device__ void find_threshold(Shared& s, int need, int bins) {
   const int t = threadIdx.x;
-  const int b_hi = bins - 1 - kPer * t;  // thread t owns the descending positions kPer * t .. kPer * t + kPer - 1
-  int h[kPer];
-  int sum = 0;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    h[j] = b_hi - j >= 0 ? s.hist[b_hi - j] : 0;
-    sum += h[j];
-  }
-  const int mine = sum;
+  const int b_hi = bins - 1 - 2 * t;  // thread t owns the descending positions 2t and 2t + 1
+  const int h0 = b_hi >= 0 ? s.hist[b_hi] : 0;
+  const int h1 = b_hi >= 1 ? s.hist[b_hi - 1] : 0;
+  int sum = h0 + h1;
   const int lane = t & 31, warp = t >> 5;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
@@ -138,32 +126,15 @@ __device__ void find_threshold(Shared& s, int need, int bins) {
     s.warp_sums[lane] = w;  // inclusive over warps
   }
   __syncthreads();
-  int before = sum - mine + (warp > 0 ? s.warp_sums[warp - 1] : 0);
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    if (before < need && need <= before + h[j]) {
-      s.bin = b_hi - j;
-      s.above = before;
-    }
-    before += h[j];
+  const int before = sum - h0 - h1 + (warp > 0 ? s.warp_sums[warp - 1] : 0);
+  if (before < need && need <= before + h0) {
+    s.bin = b_hi;
+    s.above = before;
+  } else if (before + h0 < need && need <= before + h0 + h1) {
+    s.bin = b_hi - 1;
+    s.above = before + h0;
   }
   __syncthreads();
-}
-
-__device__ __forceinline__ void find_threshold(Shared& s, int need, int bins) { find_threshold<2>(s, need, bins); }
-
-// hist[bin] += 1 for every live lane; called warp-uniformly. aggregated: one shared atomic per distinct
-// bin of the warp (lanes of one bin found with __match_any_sync), for histograms whose keys crowd few bins.
-__device__ __forceinline__ void hist_add(int* hist, uint32_t bin, bool live, bool aggregated) {
-  if (!aggregated) {
-    if (live) atomicAdd(&hist[bin], 1);
-    return;
-  }
-  const unsigned active = __ballot_sync(0xFFFFFFFFu, live);
-  if (live) {
-    const unsigned peers = __match_any_sync(active, bin);
-    if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-  }
 }
 
 struct RowView {
@@ -247,11 +218,11 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const Share
 // the lower edge of the top-11-bit bin holding the sample's r-th largest, r a few standard deviations
 // past the k * kThreads / n the sample expects above the k-th largest key. 0: no cut (the sample holds
 // too few numbers), so the row takes the full select.
-__device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k, bool aggregated) {
+__device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
   if (v.n <= kCandCap) return 1u;
   const int t = threadIdx.x;
   const int step = v.n / kThreads;
-  hist_add(s.hist, ordered_key(v.src[static_cast<int64_t>(t) * step + step / 2]) >> 21, true, aggregated);
+  atomicAdd(&s.hist[ordered_key(v.src[static_cast<int64_t>(t) * step + step / 2]) >> 21], 1);
   __syncthreads();
   const int numbers = kThreads - s.hist[0];
   const float expect = static_cast<float>(k) * kThreads / v.n;
@@ -274,14 +245,9 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
   const int t = threadIdx.x;
   const int n = v.n;
   const int head = min(n, (4 - v.pad) & 3);
-  uint32_t lowest = 0xFFFFFFFFu, highest = 0u;  // of the keys this thread appends
   auto offer = [&](bool in, uint32_t key, int pos) {  // warp-uniform
     const bool take = in && key >= cut;
     const int c = warp_slot(take, &s.cand_count);
-    if (take) {
-      lowest = min(lowest, key);
-      highest = max(highest, key);
-    }
     if (take && c < kCandCap) {
       s.cand_key[c] = key;
       s.cand_pos[c] = pos;
@@ -326,8 +292,6 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
 #pragma unroll
     for (int e = 0; e < 4 * kUnroll; ++e) {
       if ((taken >> e) & 1u) {
-        lowest = min(lowest, keys[e]);
-        highest = max(highest, keys[e]);
         if (slot < kCandCap) {
           s.cand_key[slot] = keys[e];
           s.cand_pos[slot] = head + 4 * (base + (e / 4) * kThreads + t) + e % 4;
@@ -338,63 +302,6 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
   }
   const int tail = head + 4 * vectors + t;
   offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
-  lowest = __reduce_min_sync(0xFFFFFFFFu, lowest);
-  highest = __reduce_max_sync(0xFFFFFFFFu, highest);
-  if (lane == 0) {
-    atomicMin(&s.key_min, lowest);
-    atomicMax(&s.key_max, highest);
-  }
-}
-
-// The keys above `threshold` and the first `need` equal to it, of the list's count entries, into out_row.
-template <bool kHasPages>
-__device__ void write_selection(Shared& s, int count, int k, uint32_t threshold, int need, int* out_row,
-                                const PageRow& pr, int block_size) {
-  const int t = threadIdx.x;
-  for (int base = 0; base < count; base += kThreads) {
-    const int i = base + t;
-    const uint32_t key = i < count ? s.cand_key[i] : 0u;
-    const int pos = i < count ? s.cand_pos[i] : 0;
-    const bool above = i < count && key > threshold;
-    const int slot = warp_slot(above, &s.out_count);
-    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
-    const bool equal = i < count && key == threshold;
-    const int e = warp_slot(equal, &s.eq_count);
-    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, block_size);
-  }
-}
-
-// The k largest of the list's count (>= k) entries, by digits of r = key - key_min: the list's keys span
-// only [key_min, key_max], so 12-bit digits of r from its highest set bit down spread them over the
-// bins (the key's own top bits put a sampled list in a handful of bins, whose shared atomics then
-// serialise) and take one round per 12 bits of the span (two for the usual 13-24).
-template <bool kHasPages>
-__device__ void select_relative(Shared& s, int count, int k, int* out_row, const PageRow& pr, int block_size,
-                                bool aggregated) {
-  const int t = threadIdx.x;
-  const uint32_t lo = s.key_min;
-  int bits = 32 - __clz(s.key_max - lo);  // r < 2^bits; 0 when every key is equal
-  uint32_t prefix = 0;                    // the digits of r chosen so far (r's bits at and above `bits`)
-  int need = k;
-  while (bits > 0) {  // block-uniform
-    const int width = min(kRelBits, bits);
-    const int shift = bits - width;
-    const uint32_t mask = (1u << width) - 1u;
-    for (int base = 0; base < count; base += kThreads) {
-      const int i = base + t;
-      const uint32_t r = i < count ? s.cand_key[i] - lo : 0u;
-      const bool live = i < count && (static_cast<uint64_t>(r) >> bits) == prefix;
-      hist_add(s.hist, (r >> shift) & mask, live, aggregated);
-    }
-    __syncthreads();
-    find_threshold<kRelBins / kThreads>(s, need, 1 << width);
-    prefix = (prefix << width) | static_cast<uint32_t>(s.bin);
-    need -= s.above;
-    bits = shift;
-    for (int b = t; b < (1 << width); b += kThreads) s.hist[b] = 0;
-    __syncthreads();
-  }
-  write_selection<kHasPages>(s, count, k, lo + prefix, need, out_row, pr, block_size);
 }
 
 // The k largest of the list's count (> k) entries into out_row: three radix rounds over the list, then
@@ -427,7 +334,17 @@ __device__ void select_from_list(Shared& s, int count, int k, int* out_row, cons
   find_threshold(s, need, kLastBins);
   const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
   need -= s.above;
-  write_selection<kHasPages>(s, count, k, threshold, need, out_row, pr, block_size);
+  for (int base = 0; base < count; base += kThreads) {
+    const int i = base + t;
+    const uint32_t key = i < count ? s.cand_key[i] : 0u;
+    const int pos = i < count ? s.cand_pos[i] : 0;
+    const bool above = i < count && key > threshold;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
+    const bool equal = i < count && key == threshold;
+    const int e = warp_slot(equal, &s.eq_count);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, block_size);
+  }
 }
 
 // The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
@@ -510,21 +427,17 @@ __device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k,
 }
 
 __device__ void reset(Shared& s) {
-  for (int b = threadIdx.x; b < kRelBins; b += kThreads) s.hist[b] = 0;
+  for (int b = threadIdx.x; b < kBins; b += kThreads) s.hist[b] = 0;
   if (threadIdx.x == 0) {
     s.out_count = 0;
     s.cand_count = 0;
     s.eq_count = 0;
-    s.key_min = 0xFFFFFFFFu;
-    s.key_max = 0u;
   }
   __syncthreads();
 }
 
-// kMinBlocks 2: registers capped at 32 a thread so that two CTAs share an SM (one's loads overlap the
-// other's select); 1: up to 64 registers, one CTA an SM.
-template <bool kHasStarts, bool kHasPages, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) radix_topk_kernel(const Params p) {
+template <bool kHasStarts, bool kHasPages>
+__global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
   extern __shared__ uint4 smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
   uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
@@ -555,8 +468,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) radix_topk_kernel(const 
   }
 
   reset(s);
-  const bool relative = p.variant & 1, aggregated = p.variant & 2;
-  const uint32_t cut = p.filtered ? candidate_cut(v, s, k, aggregated) : 0u;
+  const uint32_t cut = p.filtered ? candidate_cut(v, s, k) : 0u;
   if (cut != 0u) {
     collect_candidates(v, s, cut);
     __syncthreads();
@@ -568,11 +480,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) radix_topk_kernel(const 
       return;
     }
     if (count <= kCandCap && count >= k) {
-      if (relative) {
-        select_relative<kHasPages>(s, count, k, out_row, pr, p.block_size, aggregated);
-      } else {
-        select_from_list<kHasPages>(s, count, k, out_row, pr, p.block_size);
-      }
+      select_from_list<kHasPages>(s, count, k, out_row, pr, p.block_size);
       return;
     }
     __syncthreads();
@@ -583,10 +491,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) radix_topk_kernel(const 
 
 using Kernel = void (*)(Params);
 
-template <bool kHasStarts, bool kHasPages, int kMinBlocks>
+template <bool kHasStarts, bool kHasPages>
 Kernel kernel_with_smem(int bytes) {
   static int raised[64] = {};  // per device: the dynamic shared memory limit this instance was given
-  Kernel kernel = radix_topk_kernel<kHasStarts, kHasPages, kMinBlocks>;
+  Kernel kernel = radix_topk_kernel<kHasStarts, kHasPages>;
   int& limit = raised[c10::cuda::current_device() & 63];
   if (bytes > limit) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -608,7 +516,7 @@ int64_t max_stage(int64_t device) {
 // out int32 [rows, k] (contiguous); the host wrapper (radix_topk.py) has checked every tensor.
 void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
                 const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
-                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t variant, torch::Tensor& out) {
+                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, torch::Tensor& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   if (rows == 0) return;
@@ -631,17 +539,10 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
   p.table_pages = page_table ? static_cast<int>(page_table->size(1)) : 0;
   p.block_size = static_cast<int>(block_size);
   p.filtered = filtered ? 1 : 0;
-  p.variant = static_cast<int>(variant);
   const int bytes = static_cast<int>(sizeof(Shared) + 4 * (stage_cap + 4));
   const bool has_starts = starts.has_value(), has_pages = page_table.has_value();
-  Kernel kernel;
-  if (variant & 4) {
-    kernel = has_starts ? (has_pages ? kernel_with_smem<true, true, 2>(bytes) : kernel_with_smem<true, false, 2>(bytes))
-                        : (has_pages ? kernel_with_smem<false, true, 2>(bytes) : kernel_with_smem<false, false, 2>(bytes));
-  } else {
-    kernel = has_starts ? (has_pages ? kernel_with_smem<true, true, 1>(bytes) : kernel_with_smem<true, false, 1>(bytes))
-                        : (has_pages ? kernel_with_smem<false, true, 1>(bytes) : kernel_with_smem<false, false, 1>(bytes));
-  }
+  Kernel kernel = has_starts ? (has_pages ? kernel_with_smem<true, true>(bytes) : kernel_with_smem<true, false>(bytes))
+                             : (has_pages ? kernel_with_smem<false, true>(bytes) : kernel_with_smem<false, false>(bytes));
   kernel<<<static_cast<unsigned>(rows), kThreads, bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -23,15 +23,9 @@ def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: t
                   block_size=block_size, sorted=sorted, stage=0, filtered=True)
 
 
-# The list's select (radix_select.cu's Params.variant): bit 0 digits over key - min, bit 1 warp-aggregated adds,
-# bit 2 the kernel instance of 32 registers a thread, two CTAs an SM.
-VARIANT = 1
-
-
-def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True,
-           variant=None):
+def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True):
     """The launch of checked inputs. filtered: the sampled cut and one filtered pass first (the served
-    path); False: the full select only. variant: how the list is selected (default VARIANT). stage: keys of a row the full select stages in shared memory
+    path); False: the full select only. stage: keys of a row the full select stages in shared memory
     (a multiple of 4, at most max_stage). Served with 0: the full select runs only where the filtered
     pass cannot serve a row, and a kernel that reserves no staging fits two CTAs an SM, whose loads
     overlap."""
@@ -43,9 +37,8 @@ def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sor
     if rows == 0:
         return out
     fuse_pages = page_table is not None and not sorted
-    variant = VARIANT if variant is None else variant
     extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
-                           page_rows if fuse_pages else None, k, block_size, stage, filtered, variant, out)
+                           page_rows if fuse_pages else None, k, block_size, stage, filtered, out)
     if sorted:
         return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                       sorted=True, starts=starts)

@@ -46,22 +46,6 @@ def test_random_ragged_rows_match_torch_topk(rows, width, k, seed):
     check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k))
 
 
-# Every way of selecting the list (radix_topk.VARIANT's bits: digits over key - min, warp-aggregated adds,
-# the two-CTAs-an-SM instance), on random rows and on rows of ties, NaN and -inf.
-@gpu
-@pytest.mark.parametrize("variant", range(8))
-@pytest.mark.parametrize(("rows", "width", "k"), [(37, 3000, 2048), (130, 49081, 2048), (5, 70001, 2048), (9, 5000, 100)])
-def test_every_list_select_variant_matches_torch_topk(variant, rows, width, k):
-    gen = torch.Generator().manual_seed(variant * 100 + rows)
-    logits = random_logits(rows, width, gen).clone()
-    lengths = ragged_lengths(rows, width, k, gen)
-    logits[0, : width // 2] = 2.0  # half the row one value: the threshold's ties
-    logits[1, ::3] = NAN
-    logits[2] = torch.randint(0, 4, (width,), generator=gen).float()
-    logits[3, :100] = -INF
-    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=0, variant=variant))
-
-
 # filtered=False: the full select (what a row the filtered pass cannot serve gets), its row staged in
 # part (stage keys) or not at all, the rest re-read.
 @gpu
