@@ -1,13 +1,14 @@
 """Registers `cuda.radix`, dispatch's own CUDA top-k (radix_select.cu): one CTA a row, the row staged
 once in shared memory, an exact 11/11/10-bit radix select, the page transform fused, one launch a call.
-Registering imports neither torch nor the extension; the probe compiles it the first time on a machine
-(backends/cuda_topk/build.py) or says why it cannot."""
+Registering imports neither torch nor the extension; the probe only reads the machine's facts, and the
+build (backends/cuda_topk/build.py) runs at the warm-up (`python -m dispatch backends --warm`,
+IndexerStep.warm()) or else at the first call."""
 
 from __future__ import annotations
 
 import importlib.metadata
 
-from backends.cuda_topk.build import CUDA_ARCHS, probe
+from backends.cuda_topk.build import CUDA_ARCHS, probe, warm
 from dispatch.contract import ALL_MODES, Arch, Backend, Layout, Op, Support, Verified, hookimpl
 
 # Built and checked exact against torch.topk on the H200 (tests/backends/test_cuda_topk.py, tools/probe_topk.py);
@@ -37,6 +38,7 @@ def cuda_topk_backends() -> list[Backend]:
             supports=Support(archs=CUDA_ARCHS, forward_modes=ALL_MODES),
             run=run_radix_topk,
             probe=probe,
+            warm=warm,
             verified=VERIFIED,
             version=torch_version(),
             description="dispatch's CUDA radix select: a CTA a row, the row staged once in shared memory, one launch",

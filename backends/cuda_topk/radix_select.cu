@@ -240,7 +240,7 @@ __device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
 
 // The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut`
 // appended to the candidate list (slots past kCandCap counted, not written). Nothing else is kept, so
-// a CTA needs only the list's shared memory and several CTAs an SM overlap their loads.
+// a CTA needs only the list's shared memory (its 63 registers a thread, not shared memory, hold an SM to one CTA).
 __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
   const int t = threadIdx.x;
   const int n = v.n;

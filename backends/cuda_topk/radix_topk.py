@@ -27,8 +27,8 @@ def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sor
     """The launch of checked inputs. filtered: the sampled cut and one filtered pass first (the served
     path); False: the full select only. stage: keys of a row the full select stages in shared memory
     (a multiple of 4, at most max_stage). Served with 0: the full select runs only where the filtered
-    pass cannot serve a row, and a kernel that reserves no staging fits two CTAs an SM, whose loads
-    overlap."""
+    pass cannot serve a row. (At 63 registers a thread, ptxas's count on sm_90a, one 1024-thread CTA
+    fits an SM whatever the staging; a 32-register build fitting two spilled and was slower.)"""
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     if stage % 4 or not 0 <= stage <= max_stage(device):
         raise ValueError(f"stage {stage} must be a multiple of 4 in [0, {max_stage(device)}]")

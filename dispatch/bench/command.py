@@ -106,6 +106,9 @@ def run_bench(args: argparse.Namespace) -> int:
     wanted = set(args.backends.split(",")) if args.backends else None
     if args.host_time:
         return _host_time(dispatcher, device, fp8, json_out=args.json)
+    from dispatch.deciding.warming import warm_for
+
+    warm_for(dispatcher)  # builds (cuda.radix's nvcc) now, never inside a timed call or a capture
     if device == "cpu":
         _cpu_note()
     ceilings = measure_ceilings(device) if device == "cuda" else None

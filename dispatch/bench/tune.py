@@ -67,6 +67,9 @@ def run_tune(args: argparse.Namespace) -> int:
     output = args.output or _declared_overlay(dispatcher.document, cluster)
     if output:
         check_writable(output)  # before minutes of measuring, not after
+    from dispatch.deciding.warming import warm_for
+
+    warm_for(dispatcher)  # builds (cuda.radix's nvcc) before any timing
     text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
     if output:
         write_atomically(output, text)

@@ -159,6 +159,10 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
 
     backends = command("backends", "every registered backend, its support and availability here", _backends)
     backends.add_argument("--json", action="store_true", help="print a JSON list of backends instead of text")
+    backends.add_argument("--warm", action="store_true",
+                          help="first do each backend's slow first-use work on this machine (cuda.radix's nvcc build, "
+                               "cached per user; a cached failed build is tried again), reporting each on stderr; "
+                               "exit 3 if one that should run here fails")
 
     command("schema", "the JSON Schema of registry.yaml, for editors", _schema)
 
@@ -426,9 +430,33 @@ def _backends(args: argparse.Namespace) -> int:
     from dispatch.contract.host import collect_backends
     from dispatch.deciding.runtime import load_plugins
 
-    rows = [backend_row(b) for b in collect_backends(load_plugins()).backends]
+    catalog = collect_backends(load_plugins())
+    failures = _warm_backends(catalog) if args.warm else []
+    rows = [backend_row(b) for b in catalog.backends]  # probed after the warm-up: they see its builds
     print(json.dumps(rows, indent=2) if args.json else backends_text(rows))
+    if failures:
+        raise BackendError("\n".join(failures))
     return EXIT_OK
+
+
+def _warm_backends(catalog) -> list[str]:
+    """Warm every backend with a warm-up that could serve this machine's arch; the failures' messages."""
+    from dispatch.contract import detect_arch
+    from dispatch.deciding.warming import warm_backend, warmable
+
+    failures = []
+    for backend in warmable(catalog, detect_arch(), available_only=False):
+        print(f"warm: {backend.name}: ...", file=sys.stderr, flush=True)
+        try:
+            warmed = warm_backend(backend)
+        except BackendError as error:
+            print(f"warm: {backend.name}: FAILED", file=sys.stderr)
+            failures.append(str(error))
+            continue
+        state = f"ready ({warmed.seconds:.1f} s)" if warmed.availability.ok else \
+            f"nothing to build here: {warmed.availability.reason}"
+        print(f"warm: {backend.name}: {state}", file=sys.stderr)
+    return failures
 
 
 def _gpus(args: argparse.Namespace) -> int:

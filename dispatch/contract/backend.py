@@ -85,7 +85,11 @@ class Backend:
 
     `run` is the kernel entry point; its arguments are the op's call convention, a Protocol in
     dispatch.contract (OP_CONTRACTS names it per op).
-    `probe` answers availability on this machine; it is called at most once per process.
+    `probe` answers availability on this machine; it is called at most once per process and must be
+    cheap (machine facts, never a build): every rank of a machine calls it and must get the same answer.
+    `warm()`, when given, does the slow first-use work (a JIT compile) now, outside any CUDA-graph
+    capture, and returns the availability after it (Availability.no where the machine rules the backend
+    out); it raises where the backend should run here and cannot. dispatch.deciding.warming calls it.
     `prepare(plan)`, when given, builds per-batch state (a schedule) once per plan, never per layer;
     the plan keeps it per op (plan.state_of(op)).
     `refresh_state(captured, fresh)`, required with `prepare` for CUDA graphs, writes a fresh batch's
@@ -98,6 +102,7 @@ class Backend:
     supports: Support
     run: Callable[..., Any]
     probe: Callable[[], Availability] = Availability.yes
+    warm: Callable[[], Availability] | None = None
     prepare: Callable[..., Any] | None = None
     refresh_state: Callable[[Any, Any], None] | None = None
     version: str = ""

@@ -226,8 +226,9 @@ def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
     for field_name in ("run", "probe"):
         if not callable(getattr(backend, field_name)):
             raise PluginError(f"{what} whose `{field_name}` is not callable")
-    if backend.prepare is not None and not callable(backend.prepare):
-        raise PluginError(f"{what} whose `prepare` is neither None nor callable")
+    for field_name in ("prepare", "warm"):
+        if getattr(backend, field_name) is not None and not callable(getattr(backend, field_name)):
+            raise PluginError(f"{what} whose `{field_name}` is neither None nor callable")
     for field_name in ("version", "description"):
         if not isinstance(getattr(backend, field_name), str):
             raise PluginError(f"{what} whose `{field_name}` is {quoted(getattr(backend, field_name))}; expected a str")

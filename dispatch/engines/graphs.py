@@ -36,6 +36,7 @@ class CapturedIndexerStep:
         self.step = step
         self.plan: PagedPlan = step.plan(batch)
         self.inputs = inputs
+        step.warm()  # builds that must not run inside the capture (or the first eager call)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -50,6 +50,14 @@ class IndexerStep:
     # Extend batches: each chunk's fp32 logits [rows, keys] stay under this many bytes (vLLM's default).
     logits_byte_budget: int = DEFAULT_LOGITS_BYTES
 
+    def warm(self) -> list:
+        """The slow first-use work of the backends this machine's decisions may pick (cuda.radix's nvcc
+        build), now: call it once before capturing CUDA graphs (CapturedIndexerStep does). A backend that
+        fails to warm up raises BackendError naming it (dispatch.deciding.warming)."""
+        from dispatch.deciding.warming import warm_for
+
+        return warm_for(self.dispatcher)
+
     def plan(self, batch: PagedBatch | ExtendBatch) -> PagedPlan | ExtendPlan:
         """Once per batch: decide, and build the decided layout's tensors (no host-device sync). An
         ExtendBatch gets an ExtendPlan: the ragged step's decisions, metadata and chunks."""

@@ -59,6 +59,7 @@ def backend(**changes) -> Backend:
         (backend(probe=None), "whose `probe` is not callable"),
         (backend(probe=True), "whose `probe` is not callable"),
         (backend(prepare="schedule"), "whose `prepare` is neither None nor callable"),
+        (backend(warm="build"), "whose `warm` is neither None nor callable"),
         (backend(version=2.1), "whose `version` is 2.1; expected a str"),
     ],
     ids=lambda value: None if isinstance(value, Backend) else value[:30],

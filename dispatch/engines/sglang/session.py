@@ -28,7 +28,8 @@ class Session:
             self.dispatcher, kv_fp8_dtype=sglang_fp8_dtype(), rope=RopeSpec.neox_head(),
             softmax_scale=1.0, head_scale=1.0,
         )
-
+        # Built here, when the plugin is registered, before SGLang captures its CUDA graphs.
+        self._step.warm()
         self._steps: dict[tuple[int, bool], IndexerStep] = {}
 
     def step(self, topk: int, *, to_slots: bool) -> IndexerStep:

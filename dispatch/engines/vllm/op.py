@@ -36,7 +36,11 @@ class DispatchIndexer:
     @property
     def dispatcher(self):
         if self._dispatcher is None:
-            self._dispatcher = self._load()
+            dispatcher = self._load()
+            from dispatch.deciding.warming import warm_for
+
+            warm_for(dispatcher)  # its first forward (vLLM's profile run) comes before any graph capture
+            self._dispatcher = dispatcher
             logger.info(
                 "dispatch serves vLLM's sparse attention indexer: arch %s, cluster %s, registry fingerprint %s",
                 self._dispatcher.target_arch.value, self._dispatcher.cluster, self._dispatcher.fingerprint[:12],
