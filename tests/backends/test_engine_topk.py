@@ -389,6 +389,24 @@ def test_engine_stacks_name_what_each_engine_runs_for_the_step():
     assert engine_stacks(DispatchKey(Arch.SM89, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)) == {}
 
 
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100])
+@pytest.mark.parametrize("next_n", range(1, 9))
+def test_each_engine_stack_names_backends_that_serve_its_key(arch, next_n):
+    # A stack row is only formed from eligible backends: a name that cannot serve the key would never be marked.
+    from backends.deepgemm.plugin import deepgemm_backends
+    from dispatch.bench.engine_stacks import engine_stacks
+
+    backends = {(b.op, b.name): b for b in deepgemm_backends() + sglang_topk_backends() + vllm_topk_backends()}
+    key = DispatchKey(arch, ForwardMode.TARGET_VERIFY, next_n, Fp8Dtype.E4M3FN)
+    stacks = engine_stacks(key)
+    assert set(stacks) == {"SGLang", "vLLM"}
+    for logits_name, topk_name in stacks.values():
+        assert backends[(Op.PAGED_MQA_LOGITS, logits_name)].supports.why_not(key) is None, (logits_name, key)
+        assert backends[(Op.TOPK, topk_name)].supports.why_not(key) is None, (topk_name, key)
+    native = stacks["vLLM"][0] != "deepgemm.sm90.flatten"
+    assert native == (arch is Arch.SM100 or next_n in (1, 2, 4))  # vLLM 0.33's native_next_n_supported
+
+
 def test_lengths_are_clamped_to_each_rows_window_without_a_host_tensor():
     from backends.adapted_topk import clamped_lengths
 
