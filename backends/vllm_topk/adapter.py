@@ -81,7 +81,7 @@ def run_per_row(ops, logits, lengths, k, *, starts=None, page_table=None, page_r
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
     if rows == 0 or width == 0:
         return out
-    first = None if starts is None else starts.to(torch.int32)
+    first = None if starts is None else starts.to(torch.int32).contiguous()  # the kernel reads rowStarts[row]
     lens = clamped_lengths(logits, lengths, first)
     if first is None:
         ops.top_k_per_row_decode(logits, 1, lens, out, rows, logits.stride(0), logits.stride(1), k)

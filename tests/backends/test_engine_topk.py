@@ -286,6 +286,20 @@ def test_per_row_extend_gets_row_starts_and_ends():
     assert call.args[1].tolist() == [3, 100] and call.args[2].tolist() == [403, 150]
 
 
+def test_per_row_extend_hands_the_kernel_contiguous_row_starts():
+    # A strided int32 view is a valid `starts` for the contract; vLLM's kernel indexes a raw pointer.
+    backends, calls = engine_backends()
+    logits = torch.randn(4, 600)
+    pairs = torch.tensor([[3, 0], [100, 0], [0, 0], [250, 0]], dtype=torch.int32)
+    starts, lengths = pairs[:, 0], torch.tensor([400, 50, 600, 300], dtype=torch.int32)
+    out = backends["vllm.top_k_per_row"].run(logits, lengths, 64, starts=starts)
+    (call,) = calls["vllm"].calls
+    assert call.args[1].is_contiguous() and call.args[1].tolist() == [3, 100, 0, 250]
+    for r in range(4):
+        window = logits[r, starts[r]:starts[r] + lengths[r]]
+        assert sorted(window[out[r][out[r] >= 0].long()].tolist()) == sorted(window.topk(64).values.tolist())
+
+
 def test_probes_say_why_they_cannot_run():
     def missing():
         raise ImportError("No module named 'sglang'")
