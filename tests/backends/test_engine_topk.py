@@ -297,7 +297,7 @@ def test_per_row_extend_hands_the_kernel_contiguous_row_starts():
     assert call.args[1].is_contiguous() and call.args[1].tolist() == [3, 100, 0, 250]
     for r in range(4):
         window = logits[r, starts[r]:starts[r] + lengths[r]]
-        assert sorted(window[out[r][out[r] >= 0].long()].tolist()) == sorted(window.topk(64).values.tolist())
+        assert sorted(window[out[r][out[r] >= 0].long()].tolist()) == sorted(window.topk(min(64, len(window))).values.tolist())
 
 
 def test_probes_say_why_they_cannot_run():
