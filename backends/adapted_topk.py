@@ -72,16 +72,29 @@ def clamped_lengths(logits: torch.Tensor, lengths: torch.Tensor, starts: torch.T
 
 
 def aligned_rows(logits: torch.Tensor, multiple: int) -> torch.Tensor:
-    """`logits` itself when its row stride is a multiple of `multiple` floats (and its base 16-byte
-    aligned), else a copy with the width padded up to one (one extra read and write of the logits)."""
+    """`logits` itself when its row stride is a multiple of `multiple` floats, its base 16-byte aligned
+    and its storage holds the last row rounded up to `multiple` floats, else a copy with the width padded
+    up to one (one extra read and write of the logits). A kernel that demands the stride loads whole
+    units of `multiple` floats: it reads each row up to its length rounded up (vLLM's cooperative_topk
+    TMA-loads round_up(length, 4) floats), which stays inside the row's stride, but past the tensor's
+    end on a last row whose storage stops at the width."""
     import torch
 
-    if multiple == 1 or (logits.stride(0) % multiple == 0 and logits.data_ptr() % 16 == 0):
+    if multiple == 1 or (logits.stride(0) % multiple == 0 and logits.data_ptr() % 16 == 0
+                         and _holds_rounded_last_row(logits, multiple)):
         return logits
     rows, width = logits.shape
     padded = torch.empty(rows, -(-width // multiple) * multiple, dtype=logits.dtype, device=logits.device)
     padded[:, :width].copy_(logits)
     return padded[:, :width]
+
+
+def _holds_rounded_last_row(logits: torch.Tensor, multiple: int) -> bool:
+    rows, width = logits.shape
+    if rows == 0:
+        return True
+    last_end = logits.storage_offset() + (rows - 1) * logits.stride(0) + -(-width // multiple) * multiple
+    return last_end * logits.element_size() <= logits.untyped_storage().nbytes()
 
 
 def finish(logits, lengths, positions, *, page_table, page_rows, block_size, sorted, starts=None):

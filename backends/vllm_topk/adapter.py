@@ -7,17 +7,22 @@
   2048}; lengths int32, one per row (a [rows] tensor is read as per-row lengths); max_seq_len is the
   host bound of every length (gates the long-row kernels and clamps each length): the logits' width.
 - `cooperative_topk(...)`, the same arguments: one thread-block cluster per row with TMA loads, for at
-  most 64 rows (vLLM's AUTO_COOPERATIVE_MAX_ROWS), a row stride of a multiple of 4 floats, SM90 and
-  SM100 (not the SM12x family). k in {512, 1024, 2048}.
+  most 64 rows (vLLM's AUTO_COOPERATIVE_MAX_ROWS), a row stride of a multiple of 4 floats and 16-byte
+  aligned rows, SM90 and SM100 (not the SM12x family). k in {512, 1024, 2048}. It loads each row in
+  float4 units, up to its length rounded up to 4 (aligned_rows keeps that inside the tensor).
 - `top_k_per_row_decode(logits, next_n, seq_lens, out, rows, stride0, stride1, k)`: called with next_n 1
   and per-row lengths, so row r sees columns 0 .. lengths[r] - 1;
   `top_k_per_row_prefill(logits, row_starts, row_ends, out, rows, stride0, stride1, k)`: row r sees
   [row_starts[r], row_ends[r]) and gets positions relative to row_starts[r] (request-relative, as
   vLLM's sparse attention reads them).
-- `vllm.auto`: vLLM's own "auto" resolution, per call: cooperative for <= 64 rows, else persistent,
-  else (k not one they are built for) per-row.
+- `vllm.auto`: vLLM's own "auto" resolution (`SparseIndexerTopk._resolve_auto`), per call: cooperative
+  for <= 64 rows whose stride is a multiple of 4 floats, else persistent, else (k not one they are built
+  for) per-row. vLLM never copies logits to align them, so neither does its auto here.
 
-vLLM fills its top-k buffer with -1 before these run, so the adapter hands them a -1-filled output.
+vLLM fills its top-k buffer with -1 before these run, so the adapter hands them a -1-filled output. The
+radix kernels' workspace is scratch, as vLLM's workspace manager hands it (uninitialised, shared):
+persistent_topk zeroes its radix row states itself (a stream-ordered memset, every call) and
+cooperative_topk writes its tie buffer before reading it, so it is allocated, not filled.
 Lengths are clamped to each row's window first (the kernels trust them). NaN ranks above +inf in
 their radix keys; the common finish (backends/adapted_topk.py) turns a selected NaN into -1, and
 applies sorted=True and the page transform as torch ops.
@@ -53,14 +58,20 @@ def run_cooperative(ops, logits, lengths, k, **options):
 
 def run_auto(ops, logits, lengths, k, **options):
     """vLLM's "auto" chain (SparseIndexerTopk._resolve_auto): the first of cooperative, persistent,
-    per-row whose limits the call meets."""
+    per-row whose limits the call meets; cooperative only on rows it loads as they are."""
     starts = options.get("starts") is not None
     AUTO.check(logits.shape[0], k, starts=starts)
-    if COOPERATIVE.why_not(logits.shape[0], k, starts=starts) is None:
+    if COOPERATIVE.why_not(logits.shape[0], k, starts=starts) is None and _cooperative_loads(logits):
         return run_cooperative(ops, logits, lengths, k, **options)
     if PERSISTENT.why_not(logits.shape[0], k, starts=starts) is None:
         return run_persistent(ops, logits, lengths, k, **options)
     return run_per_row(ops, logits, lengths, k, **options)
+
+
+def _cooperative_loads(logits) -> bool:
+    """vLLM's `_cooperative_constraints` on the logits (a row stride of a multiple of 4 floats), with the
+    16-byte aligned base its TMA loads assume (vLLM's own buffer always has one)."""
+    return logits.stride(0) % COOPERATIVE_ROW_MULTIPLE == 0 and logits.data_ptr() % 16 == 0
 
 
 def run_per_row(ops, logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64,
@@ -70,7 +81,7 @@ def run_per_row(ops, logits, lengths, k, *, starts=None, page_table=None, page_r
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
     if rows == 0 or width == 0:
         return out
-    first = None if starts is None else starts.to(torch.int32)
+    first = None if starts is None else starts.to(torch.int32).contiguous()  # the kernel reads rowStarts[row]
     lens = clamped_lengths(logits, lengths, first)
     if first is None:
         ops.top_k_per_row_decode(logits, 1, lens, out, rows, logits.stride(0), logits.stride(1), k)
@@ -89,7 +100,7 @@ def _radix(kernel, limits: CallLimits, logits, lengths, k, *, starts=None, page_
         return out
     scores = aligned_rows(logits, row_multiple)
     lens = clamped_lengths(scores, lengths, None)
-    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=logits.device)  # per-row radix states
-    kernel(scores, lens, out, workspace, k, width)
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=logits.device)  # the kernels' scratch
+    kernel(scores, lens, out, workspace, k, width)  # width: the host bound of every (clamped) length
     return finish(scores, lens, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                   sorted=sorted)

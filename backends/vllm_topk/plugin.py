@@ -71,7 +71,8 @@ def vllm_topk_backends(load: Callable[[], object] = import_vllm_ops) -> list[Bac
             run=_Adapter(run_name, load).run,
             probe=probe_for(load, MODULE, symbols, archs),
             version=distribution_version("vllm"),
-            # vLLM's kernel sources are not in its wheel, so none was built here: a recording stand-in only.
+            # vLLM's kernel sources are not in its wheel; built from its sdist outside the repo they have not run
+            # on a GPU through these adapters yet, so the record is the recording stand-in's.
             verified={arch: Verified.CONTRACT for arch in VLLM_ARCHS},
             description=description,
         )

@@ -238,7 +238,42 @@ def test_vllm_kernels_get_per_row_lengths_the_width_as_bound_and_a_workspace():
     (call,) = calls["vllm"].calls
     handed_logits, handed_lengths, _, workspace, k, bound = call.args
     assert handed_logits is logits and torch.equal(handed_lengths, lengths) and handed_lengths.dim() == 1
-    assert (k, bound) == (2048, 2500) and workspace.numel() == 1024 * 1024 and not workspace.any()
+    # The workspace is the kernels' scratch, allocated and not filled: one launch fewer, as vLLM hands it.
+    assert (k, bound) == (2048, 2500) and workspace.numel() == 1024 * 1024 and workspace.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("view,expected", [
+    (lambda wide: wide[:, :2100], "cooperative_topk"),  # stride 2104: a multiple of 4
+    (lambda wide: wide[:, 1:2101], "persistent_topk"),  # the same stride, a base 4 bytes past 16-byte alignment
+    (lambda wide: torch.randn(8, 2101)[:, :2100], "persistent_topk"),  # stride 2101
+])
+def test_vllm_auto_takes_cooperative_only_on_rows_it_loads_as_they_are(view, expected):
+    # vLLM's _cooperative_constraints: logits.stride(0) % 4 == 0, else persistent_topk; it never copies to align.
+    backends, calls = engine_backends()
+    logits = view(torch.randn(8, 2104))
+    lengths = torch.full((8,), 2100, dtype=torch.int32)
+    out = backends["vllm.auto"].run(logits, lengths, 2048)
+    (call,) = calls["vllm"].calls
+    assert call.name == expected and call.args[0].data_ptr() == logits.data_ptr()
+    assert values_of(logits, out, None) == values_of(logits, reference_topk(logits, lengths, 2048), None)
+
+
+def test_a_last_row_whose_storage_ends_at_its_width_reaches_cooperative_copied():
+    # cooperative_topk loads round_up(length, 4) floats of a row: stride 2104 keeps that inside every row but
+    # the last, whose storage here stops 3 floats short of it, so the kernel gets a padded copy.
+    backends, calls = engine_backends()
+    storage = torch.randn(2 * 2104 + 2101)
+    logits = storage.as_strided((3, 2101), (2104, 1))
+    lengths = torch.full((3,), 2101, dtype=torch.int32)
+    out = backends["vllm.cooperative_topk"].run(logits, lengths, 2048)
+    handed = calls["vllm"].calls[0].args[0]
+    assert handed.data_ptr() != logits.data_ptr() and torch.equal(handed, logits)
+    rows, width = handed.shape
+    assert handed.storage_offset() + (rows - 1) * handed.stride(0) + 2104 <= handed.untyped_storage().nbytes() // 4
+    assert values_of(logits, out, None) == values_of(logits, reference_topk(logits, lengths, 2048), None)
+    whole = torch.randn(3, 2104)
+    backends["vllm.cooperative_topk"].run(whole[:, :2101], lengths, 2048)
+    assert calls["vllm"].calls[1].args[0].data_ptr() == whole.data_ptr()  # the whole stride is there: no copy
 
 
 def test_per_row_extend_gets_row_starts_and_ends():
@@ -249,6 +284,20 @@ def test_per_row_extend_gets_row_starts_and_ends():
     (call,) = calls["vllm"].calls
     assert call.name == "top_k_per_row_prefill"
     assert call.args[1].tolist() == [3, 100] and call.args[2].tolist() == [403, 150]
+
+
+def test_per_row_extend_hands_the_kernel_contiguous_row_starts():
+    # A strided int32 view is a valid `starts` for the contract; vLLM's kernel indexes a raw pointer.
+    backends, calls = engine_backends()
+    logits = torch.randn(4, 600)
+    pairs = torch.tensor([[3, 0], [100, 0], [0, 0], [250, 0]], dtype=torch.int32)
+    starts, lengths = pairs[:, 0], torch.tensor([400, 50, 600, 300], dtype=torch.int32)
+    out = backends["vllm.top_k_per_row"].run(logits, lengths, 64, starts=starts)
+    (call,) = calls["vllm"].calls
+    assert call.args[1].is_contiguous() and call.args[1].tolist() == [3, 100, 0, 250]
+    for r in range(4):
+        window = logits[r, starts[r]:starts[r] + lengths[r]]
+        assert sorted(window[out[r][out[r] >= 0].long()].tolist()) == sorted(window.topk(min(64, len(window))).values.tolist())
 
 
 def test_probes_say_why_they_cannot_run():
@@ -343,10 +392,33 @@ def test_engine_stacks_name_what_each_engine_runs_for_the_step():
                                      "vLLM": ("deepgemm.sm90", "vllm.auto")}
     assert engine_stacks(verify2)["SGLang"][0] == "deepgemm.sm90.flatten"  # SGLang: native only on SM100
     assert engine_stacks(verify2)["vLLM"][0] == "deepgemm.sm90"
-    assert engine_stacks(verify4)["vLLM"][0] == "deepgemm.sm90.flatten"
+    # vLLM 0.33's native_next_n_supported on SM90 is {1, 2, 4}: next_n 4 is the build's 2-CTA kernel, 3 flattens.
+    assert engine_stacks(verify4)["vLLM"] == ("deepgemm.sm90.n4", "vllm.auto")
+    verify3 = dataclasses.replace(verify4, next_n=3)
+    assert engine_stacks(verify3)["vLLM"] == ("deepgemm.sm90.flatten", "vllm.auto")
+    assert stack_of(verify4, "deepgemm.sm90.n4", "vllm.auto") == "vLLM's stack"
+    assert stack_of(verify4, "deepgemm.sm90.flatten", "vllm.auto") is None
     assert stack_of(verify4, "deepgemm.sm90.flatten", "sglang.topk_v2") == "SGLang's stack"
     assert stack_of(verify4, "triton", "triton") is None
     assert engine_stacks(DispatchKey(Arch.SM89, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)) == {}
+
+
+@pytest.mark.parametrize("arch", [Arch.SM90, Arch.SM100])
+@pytest.mark.parametrize("next_n", range(1, 9))
+def test_each_engine_stack_names_backends_that_serve_its_key(arch, next_n):
+    # A stack row is only formed from eligible backends: a name that cannot serve the key would never be marked.
+    from backends.deepgemm.plugin import deepgemm_backends
+    from dispatch.bench.engine_stacks import engine_stacks
+
+    backends = {(b.op, b.name): b for b in deepgemm_backends() + sglang_topk_backends() + vllm_topk_backends()}
+    key = DispatchKey(arch, ForwardMode.TARGET_VERIFY, next_n, Fp8Dtype.E4M3FN)
+    stacks = engine_stacks(key)
+    assert set(stacks) == {"SGLang", "vLLM"}
+    for logits_name, topk_name in stacks.values():
+        assert backends[(Op.PAGED_MQA_LOGITS, logits_name)].supports.why_not(key) is None, (logits_name, key)
+        assert backends[(Op.TOPK, topk_name)].supports.why_not(key) is None, (topk_name, key)
+    native = stacks["vLLM"][0] != "deepgemm.sm90.flatten"
+    assert native == (arch is Arch.SM100 or next_n in (1, 2, 4))  # vLLM 0.33's native_next_n_supported
 
 
 def test_lengths_are_clamped_to_each_rows_window_without_a_host_tensor():

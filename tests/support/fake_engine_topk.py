@@ -159,6 +159,7 @@ class FakeVllmOps:
         self.calls.append(Call("top_k_per_row_decode", (logits, next_n, seq_lens, indices, num_rows, stride0,
                                                         stride1, k)))
         assert (stride0, stride1) == logits.stride() and num_rows == logits.shape[0]
+        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()  # read as seqLens[row] from the raw pointer
         rows = logits.shape[0]
         per_row = seq_lens.reshape(-1)
         if per_row.numel() != rows:  # one length per request: token j of next_n sees len - next_n + j + 1
@@ -171,5 +172,7 @@ class FakeVllmOps:
         self.calls.append(Call("top_k_per_row_prefill", (logits, row_starts, row_ends, indices, num_rows, stride0,
                                                          stride1, k)))
         assert (stride0, stride1) == logits.stride() and num_rows == logits.shape[0]
+        # sampler.cu reads rowStarts[row] and rowEnds[row] from the raw int32 pointers.
+        assert row_starts.dtype == row_ends.dtype == torch.int32 and row_starts.is_contiguous() and row_ends.is_contiguous()
         selected = _select_rows(logits, row_ends - row_starts, k, row_starts, who="top_k_per_row_prefill")
         indices.copy_(torch.where(selected >= 0, selected, indices))
