@@ -13,8 +13,8 @@ and let the lengths be validated; without them chunks span the whole key buffer.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -182,7 +182,7 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
     on_host = device.type == "cpu" if host_checked is None else host_checked
     if on_host and device.type == "cpu":  # checked lengths on this host: fewer, cheaper ops (issue 24)
-        return RaggedMetadata(**ragged_fields_on_host(batch, _slot_bases(batch, None)))
+        return RaggedMetadata(**ragged_fields_on_host(batch, _page_limit(batch)))
     if not on_host and device.type == "cuda":  # the same values in one launch, not ~35 (issue 24)
         try:
             from backends.triton.ragged_metadata import ragged_metadata_in_one_launch
@@ -263,38 +263,73 @@ def _slot_bases(batch: ExtendBatch, fault: torch.Tensor | None) -> torch.Tensor:
     """int32 [B, P + 1]: each page entry's first cache slot, or _NO_SLOT where the entry is outside the
     pool, its slots would pass int32, or (`fault`, on the device) the batch's lengths cannot be trusted;
     column P, for keys past the table's width, is _NO_SLOT."""
-    block_kv = batch.block_kv
-    limit = (2**31 - 1) // block_kv
-    if batch.num_kv_blocks is not None:
-        limit = min(limit, batch.num_kv_blocks)
+    limit = _page_limit(batch)
     if fault is not None:
         limit = torch.where(fault, 0, limit)
     table = batch.page_table
     inside = (table >= 0) & (table < limit)
-    bases = torch.where(inside, table * block_kv, _NO_SLOT)
+    bases = torch.where(inside, table * batch.block_kv, _NO_SLOT)
     return torch.nn.functional.pad(bases, (0, 1), value=_NO_SLOT)
 
 
+def _page_limit(batch: ExtendBatch) -> int:
+    """A page entry must lie in [0, limit): a block of the pool (where its size is known) whose slots
+    stay within int32."""
+    limit = (2**31 - 1) // batch.block_kv
+    return limit if batch.num_kv_blocks is None else min(limit, batch.num_kv_blocks)
+
+
 def _tight_chunks(ranges: HostRanges, rows: int, budget: int) -> list[Chunk]:
-    """Greedy: each chunk takes as many rows as fit. ks and ke never decrease along the rows, so a
-    chunk's cost (rows x (ke[last] - ks[first])) only grows with its last row and bisect finds it."""
-    chunks, begin = [], 0
+    """Greedy: each chunk takes as many rows as fit, a chunk's cost being rows x (ke[last] - ks[first]).
+    Along one request's rows ke grows by one a row, so the rows a chunk can take while its last row is in
+    request q solve n * (n + c) <= budget / 4 (an isqrt); it goes on into the next request only when it
+    takes all of q's rows. Host arithmetic over requests and chunks, no search over rows: the plan is
+    built every batch on the engine's critical path."""
+    cells = budget // _FP32  # n * width * 4 <= budget, in whole fp32 cells
+    row_offsets, key_offsets, prefix = ranges.row_offsets, ranges.key_offsets, ranges.prefix
+    chunks, begin, request = [], 0, 0
     while begin < rows:
-        first, own_end = ranges.at(begin)
-        if (own_end - first) * _FP32 > budget:
+        while row_offsets[request + 1] <= begin:
+            request += 1
+        first = key_offsets[request]
+        own = _ke_base(ranges, request) + begin - first  # the keys row `begin` alone sees
+        if own > cells:
             raise LayoutError(
-                f"query row {begin} sees {own_end - first} keys: its logits alone take "
-                f"{(own_end - first) * _FP32} bytes, more than the budget of {budget}"
+                f"query row {begin} sees {own} keys: its logits alone take {own * _FP32} bytes, more than the "
+                f"budget of {budget}"
             )
-
-        def fits(end: int) -> bool:
-            return (end - begin) * (ranges.at(end - 1)[1] - first) * _FP32 <= budget
-
-        # The largest end in (begin, rows] that fits: bisect over a monotone predicate.
-        end = begin + bisect.bisect_left(range(begin + 1, rows + 1), True, key=lambda e: not fits(e))
-        chunks.append(Chunk(begin, end, first, ranges.at(end - 1)[1]))
+        end, last_ke, q = begin, 0, request
+        while end < rows:
+            if row_offsets[q + 1] == row_offsets[q]:  # no rows: the chunk passes over it
+                q += 1
+                continue
+            base = _ke_base(ranges, q)  # ke of row i of request q is base + i
+            most = _most_rows(base + begin - 1 - first, cells)  # width of n rows ending in q: n + that
+            if most <= max(begin, row_offsets[q]) - begin:  # not even q's first row
+                break
+            end = min(begin + most, row_offsets[q + 1])
+            last_ke = base + end - 1
+            if end < row_offsets[q + 1]:
+                break
+            q += 1
+        chunks.append(Chunk(begin, end, first, last_ke))
         begin = end
     return chunks
+
+
+def _ke_base(ranges: HostRanges, request: int) -> int:
+    """ke of row i of `request` is this plus i: its request's keys up to its own position, plus one."""
+    return ranges.key_offsets[request] + ranges.prefix[request] - ranges.row_offsets[request] + 1
+
+
+def _most_rows(c: int, cells: int) -> int:
+    """The largest n >= 0 with n * (n + c) <= cells (c >= 0)."""
+    n = (math.isqrt(c * c + 4 * cells) - c) // 2
+    while (n + 1) * (n + 1 + c) <= cells:
+        n += 1
+    while n and n * (n + c) > cells:
+        n -= 1
+    return n
 
 
 def _check_batch(batch: ExtendBatch) -> None:

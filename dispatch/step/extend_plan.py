@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from dispatch.contract.bounds import new_error_flags
@@ -22,6 +23,7 @@ from dispatch.contract.decision import Decision
 from dispatch.contract.errors import LayoutError
 from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.step.paged_plan import EXTEND_STEP_OPS, DecidedPlan, decider, key_fp8_dtype, prepare_states
+from dispatch.step.ragged_on_host import arange_on_host
 from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, Chunk, ExtendBatch, RaggedMetadata, build_ragged_metadata
 
 if TYPE_CHECKING:
@@ -144,10 +146,16 @@ def build_extend_plan(
 
 
 def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
-    """Every chunk's per-row tensors, as views of three per-batch tensors (device ops, no sync): the
-    top-k lengths ke - ks once for all rows (a shift does not change them), and the ranges relative to
-    each chunk's window in one subtraction per chunk that starts past key 0 (a chunk at key 0 views the
-    metadata's own). The plan is built every batch on the host's critical path: few ops, few launches."""
+    """Every chunk's per-row tensors, as views of per-batch ones. The plan is built every batch on the
+    host's critical path: the work must not grow with the chunk count (tests/step/test_plan_host_cost.py).
+    With the metadata on the CPU, the chunks' ranges, lengths and page rows are one [4, M] int32 array in
+    a few numpy calls; on a device, the top-k lengths ke - ks once for all rows (a shift does not change
+    them) and the ranges relative to each chunk's window in one subtraction per chunk that starts past
+    key 0 (a chunk at key 0 views the metadata's own): device ops, no sync."""
+    if not chunks:
+        return ()
+    if metadata.ks.device.type == "cpu":
+        return _chunk_tensors_on_host(metadata, chunks)
     ks, ke = metadata.ks, metadata.ke
     ranges = metadata.ranges if metadata.ranges is not None else torch.stack((ks, ke))
     lengths = ke - ks
@@ -163,4 +171,40 @@ def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkT
         chunk_ks, chunk_ke = pair.unbind()
         out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths.narrow(0, begin, count),
                                 page_rows=metadata.row_request.narrow(0, begin, count)))
+    return tuple(out)
+
+
+def _chunk_tensors_on_host(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
+    """The CPU form, from the host lengths: a row of request r in a chunk whose window starts at key b has
+    ks = key_offsets[r] - b, ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (i its
+    row index), so every chunk's rows are one repeat of per-(request, chunk) values [3, pieces] by the
+    pieces' row counts, plus one add of the row index: numpy calls whose count grows with neither the
+    rows nor the chunks. Each chunk's tensors are views of one split of that array and of the page rows."""
+    ranges = metadata.host_ranges
+    if ranges is None:  # no host lengths: every chunk spans all keys, from key 0, so the metadata's own rows
+        lengths = metadata.ke - metadata.ks
+        return tuple(ChunkTensors(chunk=c, ks=metadata.ks[c.rows], ke=metadata.ke[c.rows], lengths=lengths[c.rows],
+                                  page_rows=metadata.row_request[c.rows]) for c in chunks)
+    row_offsets, key_offsets = ranges.row_offsets, ranges.key_offsets
+    values, counts, request = ([], [], []), [], 0
+    for chunk in chunks:  # pieces: a chunk's rows cut at request boundaries (at most B + chunks of them)
+        row = chunk.row_begin
+        while row < chunk.row_end:
+            while row_offsets[request + 1] <= row:
+                request += 1
+            end = min(chunk.row_end, row_offsets[request + 1])
+            first, ke_base = key_offsets[request], key_offsets[request + 1] - row_offsets[request + 1] + 1
+            values[0].append(first - chunk.key_begin)
+            values[1].append(ke_base - chunk.key_begin)
+            values[2].append(ke_base - first)
+            counts.append(end - row)
+            row = end
+    rows = np.repeat(np.array(values, dtype=np.int32), counts, axis=1)  # [3, M]: ks, ke, lengths less i
+    rows[1:] += arange_on_host(metadata.total_tokens)
+    sizes = [c.row_end - c.row_begin for c in chunks]
+    out = []
+    for chunk, part, page_rows in zip(chunks, torch.from_numpy(rows).split(sizes, dim=1),
+                                      metadata.row_request.split(sizes)):
+        chunk_ks, chunk_ke, lengths = part.unbind()
+        out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths, page_rows=page_rows))
     return tuple(out)
