@@ -18,13 +18,12 @@ The arrays become tensors without a copy (torch.from_numpy).
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import itertools
-from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from dispatch.contract.extend_plan import HostRanges
 
 _ARANGE: list[np.ndarray] = [np.arange(1024, dtype=np.int32)]
 
@@ -109,27 +108,3 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
     if not inside.all():  # hostile or stale entries only: their keys are no slot
         slots[np.repeat(~inside, page_keys)] = -1
     return slots
-
-
-@dataclasses.dataclass(frozen=True)
-class HostRanges:
-    """A batch's host lengths as offsets: row r's ks / ke in O(log B), with no per-row list."""
-
-    row_offsets: tuple[int, ...]  # B + 1: request q owns rows [row_offsets[q], row_offsets[q + 1])
-    key_offsets: tuple[int, ...]  # B + 1: and gathered keys [key_offsets[q], key_offsets[q + 1])
-    prefix: tuple[int, ...]
-
-    @classmethod
-    def of(cls, prefix: Sequence[int], extend: Sequence[int]) -> HostRanges:
-        rows, keys = [0], [0]
-        for cached, new in zip(prefix, extend):
-            rows.append(rows[-1] + new)
-            keys.append(keys[-1] + cached + new)
-        return cls(tuple(rows), tuple(keys), tuple(prefix))
-
-    def at(self, row: int) -> tuple[int, int]:
-        """(ks, ke) of query row `row`: its request's first key, and one past its own position."""
-        # The last request starting at or before `row`: requests with no new tokens share the next one's start.
-        request = bisect.bisect_right(self.row_offsets, row) - 1
-        first = self.key_offsets[request]
-        return first, first + self.prefix[request] + row - self.row_offsets[request] + 1
