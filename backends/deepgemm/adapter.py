@@ -18,6 +18,9 @@ The paged logits API, tolerant of the generations in the field:
   [B*N, 1]), which every generation that has a 2-D path reads the same way.
 - `get_num_sms()` is what the kernel launches with, so the schedule must use it; builds without it fall
   back to the device's SM count.
+- The schedule: on SM90, for the builds whose shipped scheduler source is a rule we compute
+  (backends/deepgemm/guard_and_schedule.py), our kernel computes it in the page guard's launch; else
+  `get_paged_mqa_logits_metadata`, a second launch.
 
 Every function takes the module as its first argument, so tests can hand in a recording stand-in.
 
