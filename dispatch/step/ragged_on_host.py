@@ -9,7 +9,9 @@ come from the host lengths in plain ints and every per-row and per-key array is 
   ks and ke are one repeat of a [3, B] array by the requests' new tokens, plus one add of the row index;
 - a key's slot is its page's first slot plus its offset in the page, and the batch's keys are its
   requests' pages in order, so every slot is one repeat of a per-page value (page base less the page's
-  first gathered key) by the page's key count, plus the key's index. A page entry outside the pool, or
+  first gathered key) by the page's key count, plus the key's index; where every request but the last
+  fills its pages, one broadcast add of the pages' first slots and the offsets in a page, which writes
+  the slots once instead of twice (at M = 16K the plan is bound by the bytes it writes, not its calls). A page entry outside the pool, or
   whose slots would pass int32, or past the table's width, gets a value that makes each of its keys
   negative, clamped to -1. Entries are compared against the pool as they are read (int32 against a
   Python int: exact); the slots are formed in int64 and narrowed once bounded.
@@ -95,6 +97,14 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
     page_index = arange_on_host(pages)
     entry = table.reshape(-1).take(per_page[0] + page_index)
     inside = entry.view(np.uint32) < limit  # a negative entry reads as 2^31 or more, past every limit
+    if all(n % block_kv == 0 for n in counts[:-1]):
+        # Every request but the last fills its pages: the slots are every page's slots in order, one
+        # broadcast add that writes them once (an entry outside may wrap here: its keys become -1 below).
+        every = (entry * block_kv)[:, None] + arange_on_host(block_kv)
+        slots = every.reshape(-1)[:keys]
+        if not inside.all():
+            slots[np.repeat(~inside, block_kv)[:keys]] = -1
+        return slots
     # The page's first slot less its first key's index (int64: an entry outside may overflow int32; one
     # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot.
     value = entry - page_index

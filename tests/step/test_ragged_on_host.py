@@ -96,3 +96,18 @@ def test_the_cached_arange_is_never_handed_out_or_written():
     assert (on_host.arange_on_host(4096) == before).all()
     with pytest.raises(ValueError, match="read-only"):
         on_host.arange_on_host(8)[0] = 1
+
+
+@pytest.mark.parametrize("block_kv", [1, 16, 64])
+def test_batches_whose_requests_fill_their_pages_match(block_kv):
+    # Every request but the last a whole number of pages: the slots are written by one broadcast add.
+    _assert_same(_batch([3 * block_kv - 1, block_kv - 1, 0, 5], [1, 1, 0, 7], block_kv=block_kv, pool=9, seed=block_kv))
+    table = torch.tensor([[0, 2**26 + 1, -1], [2**31 - 1, 3, 1]], dtype=torch.int32)
+    for pool in (4, None):
+        batch = ExtendBatch.from_lengths([2 * block_kv, block_kv], [block_kv, block_kv + 1], table,
+                                         block_kv=block_kv, num_kv_blocks=pool)
+        _assert_same(batch)
+        slots = build_ragged_metadata(batch).gather_slots.tolist()
+        assert slots[:block_kv] == list(range(block_kv))
+        if pool == 4:  # 2^26 + 1 and -1 are no block of it (without a pool 2^26 + 1 is, below 2^31 / block_kv)
+            assert slots[block_kv:3 * block_kv] == [-1] * (2 * block_kv)
