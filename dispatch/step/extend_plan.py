@@ -102,16 +102,17 @@ def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkT
 def _chunk_tensors_on_host(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
     """The CPU form, from the host lengths: a row of request r in a chunk whose window starts at key b has
     ks = key_offsets[r] - b, ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (i its
-    row index), so every chunk's rows are one repeat of per-(request, chunk) values [3, pieces] by the
-    pieces' row counts, plus one add of the row index: numpy calls whose count grows with neither the
-    rows nor the chunks. Each chunk's tensors are views of one split of that array and of the page rows."""
+    row index), so every chunk's rows (and their requests, the page rows) are one repeat of
+    per-(request, chunk) values [4, pieces] by the pieces' row counts, plus one add of the row index:
+    numpy calls whose count grows with neither the rows nor the chunks. Each chunk's tensors are views
+    of one split of that array."""
     ranges = metadata.host_ranges
     if ranges is None:  # no host lengths: every chunk spans all keys, from key 0, so the metadata's own rows
         lengths = metadata.ke - metadata.ks
         return tuple(ChunkTensors(chunk=c, ks=metadata.ks[c.rows], ke=metadata.ke[c.rows], lengths=lengths[c.rows],
                                   page_rows=metadata.row_request[c.rows]) for c in chunks)
     row_offsets, key_offsets = ranges.row_offsets, ranges.key_offsets
-    values, counts, request = ([], [], []), [], 0
+    values, counts, request = ([], [], [], []), [], 0
     for chunk in chunks:  # pieces: a chunk's rows cut at request boundaries (at most B + chunks of them)
         row = chunk.row_begin
         while row < chunk.row_end:
@@ -122,14 +123,14 @@ def _chunk_tensors_on_host(metadata: RaggedMetadata, chunks: list[Chunk]) -> tup
             values[0].append(first - chunk.key_begin)
             values[1].append(ke_base - chunk.key_begin)
             values[2].append(ke_base - first)
+            values[3].append(request)
             counts.append(end - row)
             row = end
-    rows = np.repeat(np.array(values, dtype=np.int32), counts, axis=1)  # [3, M]: ks, ke, lengths less i
-    rows[1:] += arange_on_host(metadata.total_tokens)
+    rows = np.repeat(np.array(values, dtype=np.int32), counts, axis=1)  # [4, M]: ks, ke, lengths less i, request
+    rows[1:3] += arange_on_host(metadata.total_tokens)
     sizes = [c.row_end - c.row_begin for c in chunks]
     out = []
-    for chunk, part, page_rows in zip(chunks, torch.from_numpy(rows).split(sizes, dim=1),
-                                      metadata.row_request.split(sizes)):
-        chunk_ks, chunk_ke, lengths = part.unbind()
+    for chunk, part in zip(chunks, torch.from_numpy(rows).split(sizes, dim=1)):
+        chunk_ks, chunk_ke, lengths, page_rows = part.unbind()
         out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths, page_rows=page_rows))
     return tuple(out)
