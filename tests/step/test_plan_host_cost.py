@@ -89,7 +89,7 @@ def test_an_extend_plan_at_m16k_makes_a_few_calls_whatever_its_chunks(prefix):
     calls_one = _calls_into_c(lambda: build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn",
                                                         logits_byte_budget=1 << 40))
     calls_many = _calls_into_c(lambda: build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn"))
-    # 109 and 142 (4 chunks) on Python 3.11: a handful of appends and an isqrt per chunk, one unbind.
+    # 105 and 141 (4 chunks) on Python 3.11: a handful of appends and an isqrt per chunk, one unbind.
     assert calls_one <= 130 and calls_many - calls_one <= 12 * (len(chunked.chunks) - 1)
     for c in chunked.chunks:  # and the views are the whole-batch values, shifted into each window
         rows = c.chunk.rows
