@@ -18,6 +18,9 @@ The paged logits API, tolerant of the generations in the field:
   [B*N, 1]), which every generation that has a 2-D path reads the same way.
 - `get_num_sms()` is what the kernel launches with, so the schedule must use it; builds without it fall
   back to the device's SM count.
+- The schedule: on SM90, for the builds whose shipped scheduler source is a rule we compute
+  (backends/deepgemm/guard_and_schedule.py), our kernel computes it in the page guard's launch; else
+  `get_paged_mqa_logits_metadata`, a second launch.
 
 Every function takes the module as its first argument, so tests can hand in a recording stand-in.
 
@@ -229,15 +232,25 @@ class DeepGemmPagedLogits:
     # CTAs sharing each KV page: the kernel runs one scheduler task per cluster of this many CTAs, so the
     # schedule has num_sms / kv_multicast + 1 rows (2 for SM90 next_n 4; 1 everywhere else).
     kv_multicast: int = 1
+    # The SM90 kernels' schedule, which backends/deepgemm/guard_and_schedule.py computes in the page guard's
+    # launch where the build ships a rule it knows (SM100's counts next_n atoms differently: deep_gemm's own).
+    sm90_schedule: bool = False
 
     def prepare(self, plan: PagedPlan) -> DeepGemmState:
-        """The batch's schedule, built from plan.context_lens itself, and its page guard."""
+        """The batch's schedule, built from plan.context_lens itself, and its page guard: one launch
+        (backends/deepgemm/guard_and_schedule.py) where the build's shipped scheduler is a rule we
+        compute, else our guard and deep_gemm's own metadata kernel."""
+        from backends.deepgemm.guard_and_schedule import prepare_guard_and_schedule, schedule_rule_of
         from backends.shared.page_guard import prepare_page_guard  # triton ships with torch on CUDA
 
         module = self.load()
         lens = plan.context_lens
-        return DeepGemmState(build_schedule(module, lens, self.schedule_slots(module, lens.device)),
-                             prepare_page_guard(plan))
+        slots = self.schedule_slots(module, lens.device)
+        rule = schedule_rule_of(module) if self.sm90_schedule else None
+        if rule is not None and rule.serves(lens.shape[1]):
+            guard, schedule = prepare_guard_and_schedule(plan, slots, rule)
+            return DeepGemmState(schedule.schedule, guard)
+        return DeepGemmState(build_schedule(module, lens, slots), prepare_page_guard(plan))
 
     def schedule_slots(self, module: ModuleType, device: torch.device) -> int:
         """The scheduler tasks the kernel launches: one per SM, or per cluster of kv_multicast SMs."""

@@ -74,8 +74,9 @@ def import_deep_gemm() -> ModuleType:
 class _OnFirstUse:
     """The adapter's DeepGemmPagedLogits for one layout, built on first use."""
 
-    def __init__(self, layout: Layout, load: Callable[[], ModuleType], kv_multicast: int = 1) -> None:
-        self._args = (layout, load, kv_multicast)
+    def __init__(self, layout: Layout, load: Callable[[], ModuleType], kv_multicast: int = 1,
+                 sm90_schedule: bool = False) -> None:
+        self._args = (layout, load, kv_multicast, sm90_schedule)
         self._impl = None
 
     def _built(self):
@@ -228,7 +229,7 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
     """The four paged backends, resolving deep_gemm through `load` (tests pass a stand-in)."""
     backends = []
     for row in _TABLE:
-        impl = _OnFirstUse(row.layout, load, row.kv_multicast)
+        impl = _OnFirstUse(row.layout, load, row.kv_multicast, row.arch is Arch.SM90)
         next_n_min, next_n_max = row.next_n
         support = Support(
             archs=frozenset({row.arch}), forward_modes=PAGED_MODES, fp8_dtypes=_E4M3FN,

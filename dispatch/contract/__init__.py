@@ -91,13 +91,14 @@ _LAZY = {
     "build_paged_kv_cache": "dispatch.contract.paged_cache",
     "page_table_for": "dispatch.contract.paged_cache",
     "pages_of": "dispatch.contract.paged_cache",
-    # The plan types a backend reads, defined where the step builds them (the one upward reference of
-    # the contract, by name only: tests/contract/test_layering.py lists it).
-    "PagedPlan": "dispatch.step.paged_plan",
-    "ExtendPlan": "dispatch.step.extend_plan",
-    "ExtendBatch": "dispatch.step.extend_batch",
-    "RaggedMetadata": "dispatch.step.extend_batch",
-    "HostRanges": "dispatch.step.extend_batch",
+    # The plan types a backend reads, defined here; dispatch/step/ builds them.
+    "PagedPlan": "dispatch.contract.plan",
+    "ExtendPlan": "dispatch.contract.extend_plan",
+    "ChunkTensors": "dispatch.contract.extend_plan",
+    "Chunk": "dispatch.contract.extend_plan",
+    "ExtendBatch": "dispatch.contract.extend_batch",
+    "RaggedMetadata": "dispatch.contract.extend_plan",
+    "HostRanges": "dispatch.contract.extend_plan",
 }
 
 

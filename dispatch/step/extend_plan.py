@@ -1,105 +1,32 @@
-"""The per-batch plan of an extend batch: one decision per op of the ragged step and the
-ragged metadata, built once per batch from an ExtendBatch and carried into every layer's call.
+"""The per-batch plan of an extend batch (dispatch.contract.ExtendPlan): one decision per op of the
+ragged step and the ragged metadata, built once per batch from an ExtendBatch and carried into every
+layer's call.
 
 The step per layer (IndexerStep.select): gather this layer's K through the plan's slots, then per
 query-row chunk: Q quant -> ragged logits over the chunk's key window -> top-k over each row's
 [ks, ke). The chunks keep each chunk's fp32 logits under `logits_byte_budget` bytes; their per-row
 tensors (ranges relative to the chunk's window, top-k starts and lengths, page rows) are built here,
-once per batch, with device ops only: nothing waits on the device.
+once per batch, without waiting on the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from dispatch.contract.bounds import new_error_flags
-from dispatch.contract.decision import Decision
-from dispatch.contract.errors import LayoutError
+from dispatch.contract.extend_batch import ExtendBatch
+# The plan types live in the contract (a backend reads them); named here too, where the step builds them.
+from dispatch.contract.extend_plan import DEFAULT_LOGITS_BYTES, Chunk, ChunkTensors, ExtendPlan, RaggedMetadata
 from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
-from dispatch.step.paged_plan import EXTEND_STEP_OPS, DecidedPlan, decider, key_fp8_dtype, prepare_states
-from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, Chunk, ExtendBatch, RaggedMetadata, build_ragged_metadata
+from dispatch.step.extend_batch import build_ragged_metadata
+from dispatch.step.paged_plan import EXTEND_STEP_OPS, decider, key_fp8_dtype, prepare_states
+from dispatch.step.ragged_on_host import arange_on_host
 
 if TYPE_CHECKING:
     from dispatch.deciding.dispatcher import Dispatcher
-
-
-@dataclass(frozen=True)
-class ChunkTensors:
-    """One chunk of query rows and what its logits and top-k calls take, built once per batch."""
-
-    chunk: Chunk
-    ks: torch.Tensor  # int32 [rows]: each row's first visible key, relative to the chunk's window
-    ke: torch.Tensor  # int32 [rows]: one past its last
-    lengths: torch.Tensor  # int32 [rows]: ke - ks, the top-k's visible lengths (its starts are ks)
-    page_rows: torch.Tensor  # int32 [rows]: the request of each row, i.e. its row of the page table
-
-    @property
-    def rows(self) -> slice:
-        return self.chunk.rows
-
-    @property
-    def keys(self) -> slice:
-        return self.chunk.keys
-
-
-@dataclass(frozen=True, eq=False)
-class ExtendPlan(DecidedPlan):
-    """Decisions plus the ragged metadata. Backends read only this; nothing re-derives the path."""
-
-    key: DispatchKey
-    decisions: Mapping[Op, Decision]  # one per op of EXTEND_STEP_OPS
-    metadata: RaggedMetadata
-    chunks: tuple[ChunkTensors, ...]
-    page_table: torch.Tensor  # int32 [B, P]: each request's pages, for the slot transform
-    block_kv: int
-    logits_byte_budget: int
-    states: Mapping[Op, Any] = field(default_factory=dict)  # per op, its backend's prepare(plan), if any
-    # int32 [1] on the batch's device (dispatch/contract/bounds.py bits): the GPU gather ORs BAD_PAGE for a slot
-    # outside the cache, Q quant BAD_POSITION for a position outside the cos/sin cache.
-    error_flags: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.error_flags is None:
-            flags = self.metadata.length_flags
-            flags = new_error_flags(self.page_table.device) if flags is None else flags.clone()
-            object.__setattr__(self, "error_flags", flags)
-
-    kind = "extend plan"
-
-    @property
-    def ragged_logits(self) -> Decision:
-        return self.decision(Op.RAGGED_MQA_LOGITS)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.metadata.total_tokens
-
-    @property
-    def total_keys(self) -> int:
-        return self.metadata.total_keys
-
-    @property
-    def peak_logits_bytes(self) -> int:
-        """The largest chunk's fp32 logits: what the budget bounds."""
-        return max((c.chunk.logits_bytes for c in self.chunks), default=0)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key.as_dict(),
-            "requests": self.page_table.shape[0],
-            "total_tokens": self.total_tokens,
-            "total_keys": self.total_keys,
-            "block_kv": self.block_kv,
-            "logits_byte_budget": self.logits_byte_budget,
-            "peak_logits_bytes": self.peak_logits_bytes,
-            "chunks": [dataclasses.asdict(c.chunk) for c in self.chunks],
-            "decisions": {op.value: decision.as_dict() for op, decision in self.decisions.items()},
-        }
 
 
 def build_extend_plan(
@@ -144,10 +71,16 @@ def build_extend_plan(
 
 
 def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
-    """Every chunk's per-row tensors, as views of three per-batch tensors (device ops, no sync): the
-    top-k lengths ke - ks once for all rows (a shift does not change them), and the ranges relative to
-    each chunk's window in one subtraction per chunk that starts past key 0 (a chunk at key 0 views the
-    metadata's own). The plan is built every batch on the host's critical path: few ops, few launches."""
+    """Every chunk's per-row tensors, as views of per-batch ones. The plan is built every batch on the
+    host's critical path: the work must not grow with the chunk count (tests/step/test_plan_host_cost.py).
+    With the metadata on the CPU, the chunks' ranges, lengths and page rows are one [4, M] int32 array in
+    a few numpy calls; on a device, the top-k lengths ke - ks once for all rows (a shift does not change
+    them) and the ranges relative to each chunk's window in one subtraction per chunk that starts past
+    key 0 (a chunk at key 0 views the metadata's own): device ops, no sync."""
+    if not chunks:
+        return ()
+    if metadata.ks.device.type == "cpu":
+        return _chunk_tensors_on_host(metadata, chunks)
     ks, ke = metadata.ks, metadata.ke
     ranges = metadata.ranges if metadata.ranges is not None else torch.stack((ks, ke))
     lengths = ke - ks
@@ -163,4 +96,41 @@ def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkT
         chunk_ks, chunk_ke = pair.unbind()
         out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths.narrow(0, begin, count),
                                 page_rows=metadata.row_request.narrow(0, begin, count)))
+    return tuple(out)
+
+
+def _chunk_tensors_on_host(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
+    """The CPU form, from the host lengths: a row of request r in a chunk whose window starts at key b has
+    ks = key_offsets[r] - b, ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (i its
+    row index), so every chunk's rows (and their requests, the page rows) are one repeat of
+    per-(request, chunk) values [4, pieces] by the pieces' row counts, plus one add of the row index:
+    numpy calls whose count grows with neither the rows nor the chunks. Each chunk's tensors are views
+    of one split of that array."""
+    ranges = metadata.host_ranges
+    if ranges is None:  # no host lengths: every chunk spans all keys, from key 0, so the metadata's own rows
+        lengths = metadata.ke - metadata.ks
+        return tuple(ChunkTensors(chunk=c, ks=metadata.ks[c.rows], ke=metadata.ke[c.rows], lengths=lengths[c.rows],
+                                  page_rows=metadata.row_request[c.rows]) for c in chunks)
+    row_offsets, key_offsets = ranges.row_offsets, ranges.key_offsets
+    values, counts, request = ([], [], [], []), [], 0
+    for chunk in chunks:  # pieces: a chunk's rows cut at request boundaries (at most B + chunks of them)
+        row = chunk.row_begin
+        while row < chunk.row_end:
+            while row_offsets[request + 1] <= row:
+                request += 1
+            end = min(chunk.row_end, row_offsets[request + 1])
+            first, ke_base = key_offsets[request], key_offsets[request + 1] - row_offsets[request + 1] + 1
+            values[0].append(first - chunk.key_begin)
+            values[1].append(ke_base - chunk.key_begin)
+            values[2].append(ke_base - first)
+            values[3].append(request)
+            counts.append(end - row)
+            row = end
+    rows = np.repeat(np.array(values, dtype=np.int32), counts, axis=1)  # [4, M]: ks, ke, lengths less i, request
+    rows[1:3] += arange_on_host(metadata.total_tokens)
+    sizes = [c.row_end - c.row_begin for c in chunks]
+    out = []
+    for chunk, part in zip(chunks, torch.from_numpy(rows).split(sizes, dim=1)):
+        chunk_ks, chunk_ke, lengths, page_rows = part.unbind()
+        out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths, page_rows=page_rows))
     return tuple(out)

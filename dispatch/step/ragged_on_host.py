@@ -1,124 +1,128 @@
 """build_ragged_metadata's path for a batch whose lengths are on the CPU and were checked where the batch
-was built (ExtendBatch._check_batch): the same values as the general path, in fewer and cheaper torch ops.
+was built (ExtendBatch._check_batch): the same values as the general path, computed in numpy on the
+host, a handful of calls whatever the batch's shape.
 
-Measured on a loaded 2-core x86 CPU (issue 24, item 5; docs/benchmarks.md): at M = 16K, S = 64K the
-general path's time went to per-key gathers (index_select, ~80-100 us per 64K), an add of int32 and
-int64 (~150 us: the type promotion copies), a [2, B] gather along its inner dimension (~170 us) and
-arange (~45 us). Here, with the lengths known valid:
-- every tensor is int32 (the totals are at most 2^30), so no op promotes;
-- the rows' ks / ke are two 1-D gathers written straight into the [2, M] result;
-- a key's slot is its page's base plus its offset in the page, and a request's keys are its pages in
-  order, so every request's slots are one broadcast add of [B, pages, 1] + [block_kv] and the batch's
-  are those rows cut to each request's length and concatenated (when the padding to the longest
-  request stays small; else the per-key gathers, without the promotions);
-- the per-request offsets come from the host lengths, into one tensor (B values, where torch ops on
-  [B] tensors cost more in calls than in arithmetic);
-- the index ranges are views of a cached arange.
+The plan is built every batch on the engine's critical path, and a torch call on a CPU costs 5-15 us of
+dispatch (issue 24, item 5; docs/benchmarks.md) where numpy's costs about 1 us, so the per-request values
+come from the host lengths in plain ints and every per-row and per-key array is one `repeat` of them:
+- a row of request r has ks = key_offsets[r] and ke = ke_base[r] + its row index, so the rows' request,
+  ks and ke are one repeat of a [3, B] array by the requests' new tokens, plus one add of the row index;
+- a key's slot is its page's first slot plus its offset in the page, and the batch's keys are its
+  requests' pages in order, so every slot is one repeat of a per-page value (page base less the page's
+  first gathered key) by the page's key count, plus the key's index; where every request but the last
+  fills its pages, one broadcast add of the pages' first slots and the offsets in a page, which writes
+  the slots once instead of twice (at M = 16K the plan is bound by the bytes it writes, not its calls). A page entry outside the pool, or
+  whose slots would pass int32, or past the table's width, gets a value that makes each of its keys
+  negative, clamped to -1. Entries are compared against the pool as they are read (int32 against a
+  Python int: exact); the slots are formed in int64 and narrowed once bounded.
+The arrays become tensors without a copy (torch.from_numpy).
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
-from collections.abc import Sequence
+import functools
+import itertools
 
+import numpy as np
 import torch
 
-# The broadcast form computes B x (longest request's pages) x block_kv slots and keeps S of them: used
-# while that is at most this many times S, and B views to concatenate stay few.
-DENSE_WASTE = 2
-DENSE_REQUESTS = 64
-_ARANGE: dict[torch.dtype, torch.Tensor] = {}
+from dispatch.contract.extend_plan import HostRanges
+
+_ARANGE: list[np.ndarray] = [np.arange(1024, dtype=np.int32)]
 
 
-def _arange(count: int, dtype: torch.dtype) -> torch.Tensor:
-    """0..count-1 on the CPU, a view of a cached tensor (read only: never written through)."""
-    cached = _ARANGE.get(dtype)
-    if cached is None or cached.shape[0] < count:
-        cached = torch.arange(max(count, 2 * (0 if cached is None else cached.shape[0]), 1024), dtype=dtype)
-        _ARANGE[dtype] = cached
+def arange_on_host(count: int) -> np.ndarray:
+    """0..count-1 int32, a view of a cached array (read only: never written through, never handed out)."""
+    cached = _ARANGE[0]
+    if cached.shape[0] < count:
+        cached = np.arange(max(count, 2 * cached.shape[0]), dtype=np.int32)
+        cached.flags.writeable = False
+        _ARANGE[0] = cached
     return cached[:count]
 
 
-def ragged_fields_on_host(batch, slot_bases: torch.Tensor) -> dict:
-    """The RaggedMetadata fields of an ExtendBatch (dispatch/step/extend_batch.py, which builds the metadata
-    from them; this module imports nothing of it) whose lengths were checked on this host.
-    `slot_bases`: dispatch.step.extend_batch._slot_bases(batch, None), int32 [B, P + 1]."""
-    requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
+_ARANGE[0].flags.writeable = False
+
+
+def ragged_fields_on_host(batch, limit: int) -> dict:
+    """The RaggedMetadata fields of an ExtendBatch whose lengths were checked on this host (the caller,
+    dispatch/step/extend_batch.py, builds the metadata from them). `limit`: a page entry must lie in
+    [0, limit), the pool and the int32 room of its slots."""
+    rows, keys = batch.total_tokens, batch.total_keys
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
     else:  # the tensors' lengths, read where the batch was built: reading them again costs no sync
         host_ranges = None
     offsets = host_ranges or HostRanges.of(batch.prefix_lens.tolist(), batch.extend_lens.tolist())
-    # The per-request values on the host (B entries, one tensor), not in torch ops over [B] tensors, each
-    # of which costs more than the arithmetic: key offsets [B + 1], and the ke base of each request.
+    key_offsets, row_offsets = offsets.key_offsets, offsets.row_offsets
+    requests = len(key_offsets) - 1
+    new_tokens = [b - a for a, b in zip(row_offsets, row_offsets[1:])]
     # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
-    key_offsets_list, row_offsets_list = offsets.key_offsets, offsets.row_offsets
-    ke_base = [k - r + 1 for k, r in zip(key_offsets_list[1:], row_offsets_list[1:])]
-    per_request = torch.tensor([key_offsets_list, [*ke_base, 0]], dtype=torch.int32)  # [2, B + 1]
-    key_offsets = per_request[0]
-    row_request = torch.repeat_interleave(batch.extend_lens, output_size=rows)  # int32 (its counts' dtype)
-
-    ranges = torch.empty((2, rows), dtype=torch.int32)
-    torch.index_select(key_offsets[:-1], 0, row_request, out=ranges[0])
-    torch.index_select(per_request[1, :-1], 0, row_request, out=ranges[1])
-    ranges[1].add_(_arange(rows, torch.int32))
-
-    counts = [k - j for j, k in zip(key_offsets_list, key_offsets_list[1:])]
-    slots = _slots(batch, slot_bases, counts, key_offsets, requests, keys)
+    ke_base = [k - r + 1 for k, r in zip(key_offsets[1:], row_offsets[1:])]
+    per_request = np.array([range(requests), key_offsets[:-1], ke_base], dtype=np.int32).reshape(3, requests)
+    per_row = np.repeat(per_request, new_tokens, axis=1)  # [3, M]: request, ks, ke less the row index
+    per_row[2] += arange_on_host(rows)
+    as_tensor = torch.from_numpy(per_row)
     return dict(
-        ks=ranges[0],
-        ke=ranges[1],
-        gather_slots=slots,
-        row_request=row_request,
-        key_offsets=key_offsets,
+        ks=as_tensor[1],
+        ke=as_tensor[2],
+        gather_slots=_slots(batch.page_table.numpy(), batch.block_kv, limit, key_offsets, keys),
+        row_request=as_tensor[0],
+        key_offsets=torch.from_numpy(np.array(key_offsets, dtype=np.int32)),
         total_tokens=rows,
         total_keys=keys,
         host_ranges=host_ranges,
         length_flags=None,
-        ranges=ranges,
+        ranges=as_tensor[1:],
     )
 
 
-def _slots(batch, slot_bases: torch.Tensor, counts: list[int], key_offsets: torch.Tensor,
-           requests: int, keys: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _offsets_in_page(block_kv: int) -> torch.Tensor:
+    """int32 [block_kv]: 0..block_kv-1 (read only: only ever an operand)."""
+    return torch.arange(block_kv, dtype=torch.int32)
+
+
+def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int, ...], keys: int) -> torch.Tensor:
     """int32 [S]: each gathered key's cache slot, -1 where its page entry is no block of the pool.
-    `counts`: each request's keys, on the host."""
-    block_kv = batch.block_kv
+    `key_offsets`: the requests' offsets [B + 1] on the host; `table`: int32 [B, P]."""
     if keys == 0:
         return torch.empty(0, dtype=torch.int32)
-    pages = -(-max(counts) // block_kv)  # past the table's P only where no host lengths were checked
-    width = slot_bases.shape[1]  # P + 1: column P is the no-page sentinel
-    if pages < width and requests <= DENSE_REQUESTS and requests * pages * block_kv <= DENSE_WASTE * keys:
-        every = slot_bases[:, :pages, None] + _arange(block_kv, torch.int32)  # [B, pages, block_kv]
-        every = every.view(requests, pages * block_kv).clamp_(min=-1)
-        return torch.cat([every[r, :n] for r, n in enumerate(counts)])
-    key_request = torch.repeat_interleave(batch.prefix_lens + batch.extend_lens, output_size=keys)  # int32
-    position = _arange(keys, torch.int32) - key_offsets.index_select(0, key_request)
-    page = (position >> (block_kv.bit_length() - 1)).clamp_(max=width - 1)  # past the table: the sentinel
-    entry = torch.add(page, key_request, alpha=width)
-    return slot_bases.view(-1).index_select(0, entry).add_(position & (block_kv - 1)).clamp_(min=-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostRanges:
-    """A batch's host lengths as offsets: row r's ks / ke in O(log B), with no per-row list."""
-
-    row_offsets: tuple[int, ...]  # B + 1: request q owns rows [row_offsets[q], row_offsets[q + 1])
-    key_offsets: tuple[int, ...]  # B + 1: and gathered keys [key_offsets[q], key_offsets[q + 1])
-    prefix: tuple[int, ...]
-
-    @classmethod
-    def of(cls, prefix: Sequence[int], extend: Sequence[int]) -> HostRanges:
-        rows, keys = [0], [0]
-        for cached, new in zip(prefix, extend):
-            rows.append(rows[-1] + new)
-            keys.append(keys[-1] + cached + new)
-        return cls(tuple(rows), tuple(keys), tuple(prefix))
-
-    def at(self, row: int) -> tuple[int, int]:
-        """(ks, ke) of query row `row`: its request's first key, and one past its own position."""
-        # The last request starting at or before `row`: requests with no new tokens share the next one's start.
-        request = bisect.bisect_right(self.row_offsets, row) - 1
-        first = self.key_offsets[request]
-        return first, first + self.prefix[request] + row - self.row_offsets[request] + 1
+    counts = [b - a for a, b in zip(key_offsets, key_offsets[1:])]
+    pages_of = [-(-n // block_kv) for n in counts]
+    requests, width = table.shape
+    if max(pages_of) > width:  # only lengths never checked against the table: the missing pages are no block
+        table = np.pad(table, ((0, 0), (0, max(pages_of) - width)), constant_values=-1)
+        width = table.shape[1]
+    first_page = list(itertools.accumulate(pages_of, initial=0))
+    pages = first_page[-1]
+    # Per page t of request r (pages request after request): its entry's flat index in the table,
+    # r * P + t - first_page[r], and its first gathered key, t * block_kv + key_offsets[r] - block_kv * first_page[r].
+    per_request = np.array([[r * width - first_page[r] for r in range(requests)],
+                            [k - block_kv * f for k, f in zip(key_offsets[:-1], first_page)]], dtype=np.int64).reshape(2, requests)
+    per_page = np.repeat(per_request, pages_of, axis=1)  # [2, T]
+    page_index = arange_on_host(pages)
+    entry = table.reshape(-1).take(per_page[0] + page_index)
+    inside = entry.view(np.uint32) < limit  # a negative entry reads as 2^31 or more, past every limit
+    if all(n % block_kv == 0 for n in counts[:-1]):
+        # Every request but the last fills its pages: the slots are every page's slots in order, one
+        # broadcast add that writes them once (an entry outside may wrap here: its keys become -1 below).
+        # torch's: numpy's broadcast over a 64-wide inner dimension takes 3x as long on this path.
+        every = torch.from_numpy(entry * block_kv)[:, None] + _offsets_in_page(block_kv)
+        slots = every.view(-1)[:keys]
+        if not inside.all():
+            slots.numpy()[np.repeat(~inside, block_kv)[:keys]] = -1
+        return slots
+    # The page's first slot less its first key's index (int64: an entry outside may overflow int32; one
+    # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot.
+    value = entry - page_index
+    value *= block_kv
+    value -= per_page[1]
+    page_keys = np.full(pages, block_kv)
+    page_keys[[f - 1 for f, n in zip(first_page[1:], pages_of) if n]] = [n - block_kv * (p - 1) for n, p in
+                                                                         zip(counts, pages_of) if p]
+    slots = np.repeat(value.astype(np.int32), page_keys)
+    slots += arange_on_host(keys)
+    if not inside.all():  # hostile or stale entries only: their keys are no slot
+        slots[np.repeat(~inside, page_keys)] = -1
+    return torch.from_numpy(slots)

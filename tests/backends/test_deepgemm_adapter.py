@@ -490,3 +490,39 @@ def test_with_one_build_or_none_the_version_is_its_metadata(tmp_path, monkeypatc
 
     monkeypatch.setattr(availability.importlib.metadata, "distribution", none)
     assert availability.library_version() == ""
+
+
+# --- the schedule computed in the page guard's launch (backends/deepgemm/guard_and_schedule.py) ------------
+
+
+@pytest.mark.parametrize("name,next_n,scheduler", [("deepgemm.sm90", 1, "sgl"), ("deepgemm.sm90", 2, "sgl"),
+                                                   ("deepgemm.sm90.flatten", 3, "sgl"),
+                                                   ("deepgemm.sm90.n4", 4, "tokenspeed"),
+                                                   ("deepgemm.sm90", 2, "tokenspeed")])
+def test_a_build_whose_scheduler_is_known_gets_its_schedule_from_the_guards_launch(tmp_path, name, next_n, scheduler):
+    from tests.support.deepgemm_schedule import spelled_out
+
+    fake = FakeDeepGemm(num_sms=NUM_SMS, sm90_next_n4=name == "deepgemm.sm90.n4", package_dir=tmp_path,
+                        scheduler=scheduler)
+    backend = backend_named(name, fake)
+    batch = paged_batch(SEQ_LENS, next_n)
+    plan = plan_for(backend, batch.seq_lens, batch.page_table, next_n, arch=Arch.SM90)
+    out = backend.run(plan, plan.q_in_layout(batch.q_tokens), batch.kv_cache, batch.weights)
+    assert fake.calls_to("get_paged_mqa_logits_metadata") == []  # no second launch
+    slots = NUM_SMS // (2 if name == "deepgemm.sm90.n4" else 1)
+    assert plan.state.schedule.tolist() == spelled_out(plan.context_lens.tolist(), slots, scheduler == "tokenspeed")
+    expected = expected_logits(batch)
+    assert torch.equal(out == float("-inf"), expected == float("-inf"))
+    assert_logits_match(out, expected, tolerance=CPU_LOGITS_TOLERANCE)
+
+
+def test_sgl_builds_past_next_n_2_and_sm100_keep_deep_gemms_own_schedule(tmp_path):
+    sm100 = FakeDeepGemm(num_sms=NUM_SMS, package_dir=tmp_path / "a", scheduler="tokenspeed")
+    backend = backend_named("deepgemm.sm100", sm100)
+    batch = paged_batch(SEQ_LENS, 4)
+    plan_for(backend, batch.seq_lens, batch.page_table, 4, arch=Arch.SM100)
+    assert len(sm100.calls_to("get_paged_mqa_logits_metadata")) == 1  # SM100 counts next_n atoms its own way
+    sgl = FakeDeepGemm(num_sms=NUM_SMS, package_dir=tmp_path / "b", scheduler="sgl")
+    flatten = backend_named("deepgemm.sm90.flatten", sgl)
+    plan_for(flatten, batch.seq_lens, batch.page_table, 4, arch=Arch.SM90)
+    assert sgl.calls_to("get_paged_mqa_logits_metadata") == []  # flatten lens are [B*N, 1]: next_n 1

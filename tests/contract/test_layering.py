@@ -23,11 +23,9 @@ WINGS = (
     "dispatch.__main__",
 )
 MODULES = modules_under("dispatch")
-# The one known upward reference: the contract re-exports the plan types a backend reads, by name and
-# on first use, from the step that defines them (dispatch/contract/__init__.py's _LAZY). Moving the plan
-# types' definitions into the contract removes it; nothing else may be added here.
-KNOWN_UPWARD = {("dispatch.contract", target) for target in
-                ("dispatch.step.paged_plan", "dispatch.step.extend_plan", "dispatch.step.extend_batch")}
+# The contract defines everything a backend reads, the plan types included (dispatch/contract/plan.py,
+# extend_batch.py, extend_plan.py): nothing reaches up, and nothing may be added here.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def wing_of(module: str) -> int:
@@ -61,6 +59,23 @@ def test_no_wing_imports_a_wing_above_it():
         if wing_of(target) > wing_of(module) and (module, target) not in KNOWN_UPWARD
     ]
     assert upward == []
+
+
+def test_the_contract_names_no_module_above_it():
+    # Its lazy names (dispatch/contract/__init__.py's _LAZY) are strings, not imports: read them too.
+    import dispatch.contract as contract
+
+    above = {name: module for name, module in contract._LAZY.items() if not module.startswith("dispatch.contract")}
+    assert above == {}
+
+
+def test_the_library_imports_no_plugin():
+    # The plugin host (dispatch/contract/host.py) loads the built-in plugins by name, allowlisted, as it
+    # loads any other; nothing else of dispatch/ imports a module of backends/: a plugin may be absent,
+    # disabled or shadowed, and the library must not depend on one.
+    into_plugins = [f"{i.where()}: {i.module}" for module, path in MODULES.items() if module != "dispatch.contract.host"
+                    for i in imports_of(path) if i.module.split(".")[0] == "backends"]
+    assert into_plugins == []
 
 
 def test_no_import_cycle():

@@ -76,6 +76,34 @@ def test_chunks_cover_every_row_once_within_budget(lengths, budget_rows, host):
             assert (chunk.key_begin, chunk.key_end) == (0, m.total_keys)
 
 
+def greedy_chunks(ks, ke, budget):
+    """The chunking rule one row at a time: each chunk takes rows while rows x (ke[last] - ks[first]) fp32
+    logits fit the budget."""
+    chunks, begin = [], 0
+    while begin < len(ks):
+        end = begin + 1
+        while end < len(ks) and (end + 1 - begin) * (ke[end] - ks[begin]) * 4 <= budget:
+            end += 1
+        chunks.append((begin, end, ks[begin], ke[end - 1]))
+        begin = end
+    return chunks
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 90)), min_size=1, max_size=8),
+       budget_cells=st.integers(1, 40000))
+def test_tight_chunks_are_the_greedy_rule(lengths, budget_cells):
+    prefix, extend = [p for p, _ in lengths], [e for _, e in lengths]
+    m = build_ragged_metadata(ExtendBatch.from_lengths(prefix, extend, random_table([p + e for p, e in lengths])))
+    ks, ke = m.ks.tolist(), m.ke.tolist()
+    budget = budget_cells * 4 + budget_cells % 4  # budgets that are not a multiple of 4 bytes too
+    if any((e - s) * 4 > budget for s, e in zip(ks, ke)):
+        with pytest.raises(LayoutError, match="its logits alone take"):
+            m.chunks(budget)
+        return
+    assert [(c.row_begin, c.row_end, c.key_begin, c.key_end) for c in m.chunks(budget)] == greedy_chunks(ks, ke, budget)
+
+
 def test_tight_chunks_follow_requests():
     """Two requests of 1000 keys, budget 400 rows x 1000 keys: request 0's 400 rows fill one chunk
     exactly; request 1's rows see 501.. 1000 keys, so 430 x 930 fit and the last 70 x 1000."""

@@ -1,7 +1,7 @@
 """build_ragged_metadata's path for checked CPU lengths (dispatch/step/ragged_on_host.py) against its general
 torch path (host_checked=False, the ops the GPU fallback runs): every field equal, exactly (both sides
-compute the same integers), on ragged batches, both of its slot forms (the broadcast one and the per-key
-gathers), wide tables, page sizes, pools that cut entries, and batches without host lengths."""
+compute the same integers), on ragged batches, skewed and many-request ones, wide tables, page sizes,
+pools that cut entries, tables narrower than unchecked lengths, and batches without host lengths."""
 
 from __future__ import annotations
 
@@ -14,14 +14,8 @@ from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "ranges")
 
 
-def _assert_same(batch: ExtendBatch, *, dense: bool | None = None, monkeypatch=None) -> None:
-    calls = []
-    if monkeypatch is not None:
-        real = torch.cat
-        monkeypatch.setattr(on_host.torch, "cat", lambda *a, **k: calls.append(1) or real(*a, **k))
+def _assert_same(batch: ExtendBatch) -> None:
     got = build_ragged_metadata(batch)
-    if monkeypatch is not None:
-        monkeypatch.undo()
     expected = build_ragged_metadata(batch, host_checked=False)
     for name in FIELDS:
         want, have = getattr(expected, name), getattr(got, name)
@@ -30,8 +24,6 @@ def _assert_same(batch: ExtendBatch, *, dense: bool | None = None, monkeypatch=N
     assert got.length_flags is None and expected.length_flags.item() == 0
     assert got.host_ranges == expected.host_ranges
     assert got.ks.is_contiguous() and got.ke.is_contiguous()
-    if dense is not None:
-        assert bool(calls) == dense
 
 
 def _batch(prefix, extend, *, block_kv=64, extra_pages=1, pool=None, seed=0, host_lengths=True):
@@ -48,23 +40,31 @@ def _batch(prefix, extend, *, block_kv=64, extra_pages=1, pool=None, seed=0, hos
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("host_lengths", [True, False])
-def test_ragged_batches_in_the_broadcast_form_match(seed, host_lengths, monkeypatch):
+def test_ragged_batches_match(seed, host_lengths):
     gen = torch.Generator().manual_seed(seed)
     requests = int(torch.randint(1, 9, (1,), generator=gen))
     prefix = (torch.randint(150, 400, (requests,), generator=gen)).tolist()
     extend = (torch.randint(0, 200, (requests,), generator=gen)).tolist()
-    _assert_same(_batch(prefix, extend, pool=60, seed=seed, host_lengths=host_lengths), dense=True,
-                 monkeypatch=monkeypatch)
+    _assert_same(_batch(prefix, extend, pool=60, seed=seed, host_lengths=host_lengths))
 
 
 @pytest.mark.parametrize("host_lengths", [True, False])
-def test_skewed_and_many_request_batches_take_the_per_key_form_and_match(host_lengths, monkeypatch):
-    # One long request among short ones: the broadcast form would compute 8x the keys it keeps.
-    _assert_same(_batch([2000] + [3] * 7, [5] * 8, pool=90, host_lengths=host_lengths), dense=False,
-                 monkeypatch=monkeypatch)
-    many = on_host.DENSE_REQUESTS + 3
-    _assert_same(_batch([10] * many, [2] * many, pool=200, seed=1, host_lengths=host_lengths), dense=False,
-                 monkeypatch=monkeypatch)
+def test_skewed_and_many_request_batches_match(host_lengths):
+    _assert_same(_batch([2000] + [3] * 7, [5] * 8, pool=90, host_lengths=host_lengths))
+    _assert_same(_batch([10] * 67, [2] * 67, pool=200, seed=1, host_lengths=host_lengths))
+    _assert_same(_batch([0, 64, 0, 1, 127], [0, 0, 3, 63, 1], pool=12, seed=2, host_lengths=host_lengths))
+
+
+def test_lengths_past_an_unchecked_table_are_slot_minus_one():
+    # Tensor-only lengths are checked for sign and totals, not against the table's width: keys past it
+    # have no page (slot -1), as on the general path.
+    table = torch.tensor([[3], [1]], dtype=torch.int32)
+    batch = ExtendBatch(prefix_lens=torch.tensor([100, 0], dtype=torch.int32),
+                        extend_lens=torch.tensor([2, 5], dtype=torch.int32), page_table=table,
+                        total_tokens=7, total_keys=107)
+    _assert_same(batch)
+    slots = build_ragged_metadata(batch).gather_slots.tolist()
+    assert slots[:64] == list(range(192, 256)) and slots[64:102] == [-1] * 38 and slots[102:] == list(range(64, 69))
 
 
 @pytest.mark.parametrize("block_kv", [1, 16, 128])
@@ -89,8 +89,25 @@ def test_batches_without_keys_or_new_tokens_match():
 
 def test_the_cached_arange_is_never_handed_out_or_written():
     batch = _batch([100, 30], [7, 9], pool=40)
-    before = on_host._arange(4096, torch.int32).clone()
+    before = on_host.arange_on_host(4096).copy()
     metadata = build_ragged_metadata(batch)
     metadata.ke.add_(1)  # a caller writing its own result leaves the cache alone
     metadata.gather_slots.add_(1)
-    assert torch.equal(on_host._arange(4096, torch.int32), before)
+    assert (on_host.arange_on_host(4096) == before).all()
+    with pytest.raises(ValueError, match="read-only"):
+        on_host.arange_on_host(8)[0] = 1
+
+
+@pytest.mark.parametrize("block_kv", [1, 16, 64])
+def test_batches_whose_requests_fill_their_pages_match(block_kv):
+    # Every request but the last a whole number of pages: the slots are written by one broadcast add.
+    _assert_same(_batch([3 * block_kv - 1, block_kv - 1, 0, 5], [1, 1, 0, 7], block_kv=block_kv, pool=9, seed=block_kv))
+    table = torch.tensor([[0, 2**26 + 1, -1], [2**31 - 1, 3, 1]], dtype=torch.int32)
+    for pool in (4, None):
+        batch = ExtendBatch.from_lengths([2 * block_kv, block_kv], [block_kv, block_kv + 1], table,
+                                         block_kv=block_kv, num_kv_blocks=pool)
+        _assert_same(batch)
+        slots = build_ragged_metadata(batch).gather_slots.tolist()
+        assert slots[:block_kv] == list(range(block_kv))
+        if pool == 4:  # 2^26 + 1 and -1 are no block of it (without a pool 2^26 + 1 is, below 2^31 / block_kv)
+            assert slots[block_kv:3 * block_kv] == [-1] * (2 * block_kv)

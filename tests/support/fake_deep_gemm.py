@@ -5,6 +5,10 @@ real host code asserts on, and computes the logits with the torch reference, the
 random values) past each token's length and hands back a slice of a wider 256-aligned buffer, as the
 real kernel does. A backend that passes tests against it must mask on its own.
 
+`scheduler="sgl"` / `"tokenspeed"` ships that build's scheduler source, so the adapter computes the SM90
+schedule in its page guard's launch; the stand-in then checks a schedule it did not build against the
+rule (tests/support/deepgemm_schedule.py).
+
 `sm90_next_n4=True` stands for a build with SM90's 2-CTA KV-multicast next_n 4 kernel (tokenspeed-deepgemm
 2.5.0.post20260629): it ships that kernel's source beside its `__file__` (the adapter's probe reads it)
 and, at next_n 4, asserts a schedule of num_sms / 2 + 1 rows, one task per cluster, as the real host
@@ -46,11 +50,16 @@ class FakeDeepGemm(types.ModuleType):
 
     def __init__(self, generation: str = "fp8_fp4", *, num_sms: int = 8, has_get_num_sms: bool = True,
                  garbage: str = "nan", has_schedule: bool = True, sm90_next_n4: bool = False,
-                 package_dir: Path | None = None):
+                 package_dir: Path | None = None, scheduler: str | None = None):
         super().__init__("deep_gemm")
         self._sm90_next_n4 = sm90_next_n4
+        self._scheduler = scheduler  # "sgl" / "tokenspeed": ships that scheduler source (package_dir needed)
         if package_dir is not None:
             ship_sm90_source(package_dir, multicast=sm90_next_n4)
+            if scheduler is not None:
+                from tests.support.deepgemm_schedule import ship_scheduler_source
+
+                ship_scheduler_source(package_dir, scheduler)
             self.__file__ = str(package_dir / "__init__.py")
         self.__version__ = f"fake-{generation}"
         self.calls: list[Call] = []
@@ -113,7 +122,14 @@ class FakeDeepGemm(types.ModuleType):
             _require(tuple(schedule.shape) == (self._num_sms // 2 + 1, 2), "schedule [num_sms / 2 + 1, 2]")
         else:
             _require(tuple(schedule.shape) == (self._num_sms + 1, 2), "schedule [num_sms + 1, 2]")
-        _require(self._schedules.get(id(schedule)) is context_lens, "schedule built from these very lens")
+        if self._scheduler is not None and id(schedule) not in self._schedules:  # computed by the adapter itself
+            from tests.support.deepgemm_schedule import spelled_out
+
+            slots = schedule.shape[0] - 1
+            expected = spelled_out(context_lens.tolist(), slots, self._scheduler == "tokenspeed")
+            _require(schedule.tolist() == expected, "the schedule of these very lens")
+        else:
+            _require(self._schedules.get(id(schedule)) is context_lens, "schedule built from these very lens")
         _require(not clean_logits, "clean_logits only with 1-D lens")
         exact = reference_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
         stride = math.ceil(max_context_len / SPLIT_KV) * SPLIT_KV

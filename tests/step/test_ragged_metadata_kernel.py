@@ -1,4 +1,4 @@
-"""The one-launch Triton kernel of an extend batch's ragged metadata (backends/triton/ragged_metadata.py)
+"""The one-launch Triton kernel of an extend batch's ragged metadata (dispatch/step/ragged_metadata_kernel.py)
 against build_ragged_metadata's torch device path (host_checked=False): every field equal. Both sides
 compute the same integers from the same lengths and table, so exact equality is the right comparison.
 Shapes: ragged batches with empty requests, non-contiguous inputs, block sizes, pools that cut the table,
@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from backends.triton.ragged_metadata import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
+from dispatch.step.ragged_metadata_kernel import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
 from dispatch.contract.bounds import BAD_LENGTH
 from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 
@@ -139,7 +139,7 @@ def test_consistent_device_lengths_are_not_flagged():
 def test_on_a_gpu_build_ragged_metadata_takes_the_one_launch_path_and_matches_the_torch_ops(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no GPU visible to torch")
-    import backends.triton.ragged_metadata as module
+    import dispatch.step.ragged_metadata_kernel as module
 
     calls = []
     real = module.ragged_metadata_in_one_launch
@@ -160,7 +160,7 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
     inside the launch are no GPU host cost and are not counted."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    import backends.triton.ragged_metadata as module
+    import dispatch.step.ragged_metadata_kernel as module
     import dispatch.step.extend_plan
     from dispatch import load_dispatcher
     from tests.step.test_plan_host_cost import _extend_batch, _Launches

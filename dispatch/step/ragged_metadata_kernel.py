@@ -2,6 +2,10 @@
 device path computes with ~50 torch ops (each a launch, 5-10 us of the H200 host's time), computed by one
 Triton kernel, value for value.
 
+A kernel of the library, not of a plugin: every extend plan on a GPU needs it, whichever backends are
+decided, so it lives with the step that builds the plan (triton is optional: without it the step's torch
+ops compute the same). It imports the contract only, as a backend would.
+
 Every program needs the batch's request offsets (prefix sums over the B requests) to find the request of
 its rows and keys; programs cannot wait on one another, so each recomputes them, B at a time in steps
 of REQUESTS_PER_STEP (B is small next to M and S). The request of index i is then the count of requests
@@ -180,7 +184,7 @@ def ragged_metadata_on_device(
 
 def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
     """build_ragged_metadata's device path (lengths the host never read) as one kernel launch: the same
-    RaggedMetadata, field for field (tests/backends/test_ragged_metadata_kernel.py)."""
+    RaggedMetadata, field for field (tests/step/test_ragged_metadata_kernel.py)."""
     from dispatch.contract import HostRanges, RaggedMetadata
 
     out = ragged_metadata_on_device(batch.prefix_lens, batch.extend_lens, batch.page_table, batch.total_tokens,
