@@ -1,5 +1,6 @@
-"""Registers `cuda.radix`, dispatch's own CUDA top-k (radix_select.cu): one CTA a row, the row staged
-once in shared memory, an exact 11/11/10-bit radix select, the page transform fused, one launch a call.
+"""Registers `cuda.radix`, dispatch's own CUDA top-k (radix_select.cu): one CTA a row (512 or 1024
+threads), short rows read once into registers, longer ones by a sampled cut and one filtered read, an
+exact 11/11/10-bit radix select, the page transform fused, one launch a call.
 Registering imports neither torch nor the extension; the probe only reads the machine's facts, and the
 build (backends/cuda_topk/build.py) runs at the warm-up (`python -m dispatch backends --warm`,
 IndexerStep.warm()) or else at the first call."""
@@ -41,7 +42,7 @@ def cuda_topk_backends() -> list[Backend]:
             warm=warm,
             verified=VERIFIED,
             version=torch_version(),
-            description="dispatch's CUDA radix select: a CTA a row, the row staged once in shared memory, one launch",
+            description="dispatch's CUDA radix select: a CTA a row, short rows in registers, one filtered read, one launch",
         )
     ]
 

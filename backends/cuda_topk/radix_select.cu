@@ -1,17 +1,21 @@
 // dispatch's own CUDA top-k: one CTA a row, one launch a call, exact whatever the data.
 //
-// Per row (a CTA of kThreads threads), the served path:
-// 1. cut: rows that fit the candidate list take every non-NaN key; longer rows sample kThreads keys
-//    spread over the row and cut at the lower edge of the top-11-bit bin holding the sample's r-th
-//    largest (r a few standard deviations past what the sample expects above the k-th largest key).
-// 2. the filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above the
-//    cut appended to a shared-memory list (a thread's 16 keys take their slots with one warp scan and
-//    one shared atomic per warp). Keys are the order-preserving uint32 form of the fp32 bits, NaN -> 0
-//    (below -inf's key, so never selected).
-// 3. if the list holds at least k keys (or every non-NaN key of the row), an exact radix select over
-//    the list (11 + 11 + 10-bit digits, shared-memory histograms, block scans) gives the k-th largest
-//    key T and how many keys equal to T are needed; a last pass over the list writes the keys above T
-//    and the first of those equal to T (ties: any of them will do).
+// A CTA has T threads (512 or 1024, chosen per call on the host: at <= 64 registers a thread two
+// 512-thread CTAs share an SM, so one row's select overlaps another row's read). Per row:
+// - short rows (n <= kCandCap): the row read once into registers (kCandCap / T keys a thread, scalar
+//   coalesced loads, so any start or stride), then the exact radix select over those registers.
+// - longer rows, the filtered pass: a sample of kSample keys spread over the row gives a cut at the
+//   lower edge of the top-11-bit bin holding the sample's r-th largest (r a few standard deviations
+//   past what the sample expects above the k-th largest key); the row streamed once from HBM with
+//   16-byte loads, every key at or above the cut appended to a shared-memory list (a thread's 16 keys
+//   take their slots with one warp scan and one shared atomic per warp); a list of at least k keys is
+//   read into registers and takes the same radix select.
+// The radix select: 11 + 11 + 10-bit digits; each round one histogram (shared atomics; the next
+// round's histogram cleared meanwhile, two buffers) and one threshold search (a warp scan, then every
+// warp sums the warps before it itself: two block-wide syncs), so three syncs a digit; then the keys
+// above the k-th largest key T and the first of those equal to T still needed (ties: any will do).
+// Keys are the order-preserving uint32 form of the fp32 bits, NaN -> 0 (below -inf's key, so never
+// selected).
 // Otherwise (the sample misjudged the row, the list overflowed, too few numbers) the full select: a
 // histogram of the whole row (its first stage_cap keys staged in shared memory, the rest re-read), the
 // threshold bin's keys as the list, or the row itself when they overflow it.
@@ -29,21 +33,22 @@
 
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
+constexpr int kMaxWarps = 32;   // a CTA of 1024 threads
+constexpr int kSample = 1024;   // keys the cut samples from a long row
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
 constexpr int kCandCap = 8192;    // candidates kept as a list (the filtered pass's 2-7K; a threshold bin's 1-3K)
 constexpr int kUnroll = 4;        // 16-byte loads each thread has in flight in the load pass
 
 struct alignas(16) Shared {
-  int hist[kBins];
+  int hist[2][kBins];  // a round's histogram and the next round's, cleared while the first fills
   uint32_t cand_key[kCandCap];
   int cand_pos[kCandCap];
-  int warp_sums[kWarps];
+  int warp_sums[kMaxWarps];
   int out_count;
   int cand_count;
   int eq_count;
+  int selectable;
   int bin;
   int above;
 };
@@ -100,39 +105,47 @@ __device__ __forceinline__ int warp_slot(bool take, int* counter) {
   return base + __popc(mask & ((1u << lane) - 1u));
 }
 
-// The bin b (of `bins`, ascending key order) holding the need-th largest of the histogram's entries
-// (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above.
-__device__ void find_threshold(Shared& s, int need, int bins) {
+template <int T>
+__device__ __forceinline__ void clear_bins(int* hist, int bins) {
+  for (int b = threadIdx.x; b < bins; b += T) hist[b] = 0;
+}
+
+// The bin b (of `bins`, ascending key order) of `hist` holding the need-th largest of its entries
+// (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above. Two block-wide
+// syncs: each thread scans its kOwn bins, a warp scan, the warps' totals published once; every warp
+// then sums the warps before it itself (no second scan by warp 0 and no sync for it).
+template <int T>
+__device__ void find_threshold(Shared& s, const int* hist, int need, int bins) {
+  constexpr int kOwn = kBins / T;  // bins a thread owns: descending positions kOwn*t .. kOwn*t + kOwn - 1
   const int t = threadIdx.x;
-  const int b_hi = bins - 1 - 2 * t;  // thread t owns the descending positions 2t and 2t + 1
-  const int h0 = b_hi >= 0 ? s.hist[b_hi] : 0;
-  const int h1 = b_hi >= 1 ? s.hist[b_hi - 1] : 0;
-  int sum = h0 + h1;
   const int lane = t & 31, warp = t >> 5;
+  const int b_hi = bins - 1 - kOwn * t;
+  int h[kOwn];
+  int sum = 0;
+#pragma unroll
+  for (int e = 0; e < kOwn; ++e) {
+    h[e] = b_hi - e >= 0 ? hist[b_hi - e] : 0;
+    sum += h[e];
+  }
+  int inclusive = sum;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, sum, d);
-    if (lane >= d) sum += v;
+    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+    if (lane >= d) inclusive += v;
   }
-  if (lane == 31) s.warp_sums[warp] = sum;
+  if (lane == 31) s.warp_sums[warp] = inclusive;
   __syncthreads();
-  if (warp == 0) {
-    int w = s.warp_sums[lane];
+  int earlier = lane < warp ? s.warp_sums[lane] : 0;
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xFFFFFFFFu, w, d);
-      if (lane >= d) w += v;
+  for (int d = 16; d >= 1; d >>= 1) earlier += __shfl_xor_sync(0xFFFFFFFFu, earlier, d);
+  int before = earlier + inclusive - sum;
+#pragma unroll
+  for (int e = 0; e < kOwn; ++e) {
+    if (before < need && need <= before + h[e]) {
+      s.bin = b_hi - e;
+      s.above = before;
     }
-    s.warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  const int before = sum - h0 - h1 + (warp > 0 ? s.warp_sums[warp - 1] : 0);
-  if (before < need && need <= before + h0) {
-    s.bin = b_hi;
-    s.above = before;
-  } else if (before + h0 < need && need <= before + h0 + h1) {
-    s.bin = b_hi - 1;
-    s.above = before + h0;
+    before += h[e];
   }
   __syncthreads();
 }
@@ -151,28 +164,29 @@ struct RowView {
 
 // The full select's first pass: stage and count. The body is 16-byte loads from the first 16-byte-aligned key on; the keys
 // before it (at most 3) and after the last full vector are read one at a time.
-__device__ void load_row(const RowView& v, uint32_t* stage, Shared& s) {
+template <int T>
+__device__ void load_row(const RowView& v, uint32_t* stage, int* hist) {
   const int t = threadIdx.x;
   const int n = v.n;
   const int head = min(n, (4 - v.pad) & 3);
   auto one = [&](int i) {
     const uint32_t key = ordered_key(v.src[i]);
     if (i < v.stage_cap) stage[i + v.pad] = key;
-    atomicAdd(&s.hist[key >> 21], 1);
+    atomicAdd(&hist[key >> 21], 1);
   };
   if (t < head) one(t);
   const int vectors = (n - head) / 4;
   const float4* body = reinterpret_cast<const float4*>(v.src + head);
-  for (int base = 0; base < vectors; base += kThreads * kUnroll) {
+  for (int base = 0; base < vectors; base += T * kUnroll) {
     float4 x[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int j = base + u * kThreads + t;
+      const int j = base + u * T + t;
       if (j < vectors) x[u] = __ldg(body + j);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int j = base + u * kThreads + t;
+      const int j = base + u * T + t;
       if (j >= vectors) continue;
       const int i = head + 4 * j;
       const uint4 keys = make_uint4(ordered_key(x[u].x), ordered_key(x[u].y), ordered_key(x[u].z),
@@ -184,10 +198,10 @@ __device__ void load_row(const RowView& v, uint32_t* stage, Shared& s) {
         if (i + 1 < v.stage_cap) stage[i + 1 + v.pad] = keys.y;
         if (i + 2 < v.stage_cap) stage[i + 2 + v.pad] = keys.z;
       }
-      atomicAdd(&s.hist[keys.x >> 21], 1);
-      atomicAdd(&s.hist[keys.y >> 21], 1);
-      atomicAdd(&s.hist[keys.z >> 21], 1);
-      atomicAdd(&s.hist[keys.w >> 21], 1);
+      atomicAdd(&hist[keys.x >> 21], 1);
+      atomicAdd(&hist[keys.y >> 21], 1);
+      atomicAdd(&hist[keys.z >> 21], 1);
+      atomicAdd(&hist[keys.w >> 21], 1);
     }
   }
   const int tail = head + 4 * vectors + t;
@@ -196,11 +210,11 @@ __device__ void load_row(const RowView& v, uint32_t* stage, Shared& s) {
 
 // The candidates of the later rounds: the list, or (when it overflowed) the row filtered to bin b1.
 // f(key, pos, live) is called warp-uniformly (every lane of a warp calls it the same number of times).
-template <typename F>
+template <int T, typename F>
 __device__ __forceinline__ void for_each_candidate(const RowView& v, const Shared& s, bool from_list, int count,
                                                    uint32_t b1, F f) {
   const int total = from_list ? count : v.n;
-  for (int base = 0; base < total; base += kThreads) {
+  for (int base = 0; base < total; base += T) {
     const int i = base + threadIdx.x;
     const bool in = i < total;
     uint32_t key = 0;
@@ -213,34 +227,35 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const Share
   }
 }
 
-// The cut for the filtered pass: a key at or above it is a candidate. Rows that fit the list take every
-// non-NaN key (cut 1: NaN's key is 0). Longer rows sample kThreads keys spread over the row and cut at
-// the lower edge of the top-11-bit bin holding the sample's r-th largest, r a few standard deviations
-// past the k * kThreads / n the sample expects above the k-th largest key. 0: no cut (the sample holds
-// too few numbers), so the row takes the full select.
+// The cut for the filtered pass over a long row (n > kCandCap): a key at or above it is a candidate.
+// kSample keys spread over the row; the cut is the lower edge of the top-11-bit bin holding the
+// sample's r-th largest, r a few standard deviations past the k * kSample / n the sample expects above
+// the k-th largest key. 0: no cut (the sample holds too few numbers), so the row takes the full select.
+// Leaves s.hist[0] cleared.
+template <int T>
 __device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
-  if (v.n <= kCandCap) return 1u;
   const int t = threadIdx.x;
-  const int step = v.n / kThreads;
-  atomicAdd(&s.hist[ordered_key(v.src[static_cast<int64_t>(t) * step + step / 2]) >> 21], 1);
+  const int step = v.n / kSample;
+#pragma unroll
+  for (int j = t; j < kSample; j += T)
+    atomicAdd(&s.hist[0][ordered_key(v.src[static_cast<int64_t>(j) * step + step / 2]) >> 21], 1);
   __syncthreads();
-  const int numbers = kThreads - s.hist[0];
-  const float expect = static_cast<float>(k) * kThreads / v.n;
-  const int rank = min(static_cast<int>(ceilf(expect + 3.0f * sqrtf(expect))) + 4, kThreads);
+  const int numbers = kSample - s.hist[0][0];
+  const float expect = static_cast<float>(k) * kSample / v.n;
+  const int rank = min(static_cast<int>(ceilf(expect + 3.0f * sqrtf(expect))) + 4, kSample);
   uint32_t cut = 0u;
   if (numbers >= rank) {  // block-uniform: every thread read the same counts
-    find_threshold(s, rank, kBins);
+    find_threshold<T>(s, s.hist[0], rank, kBins);
     cut = static_cast<uint32_t>(s.bin) << 21;
   }
   __syncthreads();
-  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
-  __syncthreads();
-  return cut;
+  clear_bins<T>(s.hist[0], kBins);
+  return cut;  // the sync after collect_candidates orders the clearing before the next histogram
 }
 
 // The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut`
-// appended to the candidate list (slots past kCandCap counted, not written). Nothing else is kept, so
-// a CTA needs only the list's shared memory (its 63 registers a thread, not shared memory, hold an SM to one CTA).
+// appended to the candidate list (slots past kCandCap counted, not written).
+template <int T>
 __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
   const int t = threadIdx.x;
   const int n = v.n;
@@ -257,11 +272,11 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
   const int vectors = (n - head) / 4;
   const float4* body = reinterpret_cast<const float4*>(v.src + head);
   const int lane = t & 31;
-  for (int base = 0; base < vectors; base += kThreads * kUnroll) {
+  for (int base = 0; base < vectors; base += T * kUnroll) {
     float4 x[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int j = base + u * kThreads + t;
+      const int j = base + u * T + t;
       x[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // A thread's 4 * kUnroll keys take their slots together: one warp scan and one shared atomic per
@@ -270,7 +285,7 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
     unsigned taken = 0;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const bool in = base + u * kThreads + t < vectors;
+      const bool in = base + u * T + t < vectors;
       keys[4 * u] = ordered_key(x[u].x);
       keys[4 * u + 1] = ordered_key(x[u].y);
       keys[4 * u + 2] = ordered_key(x[u].z);
@@ -294,7 +309,7 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
       if ((taken >> e) & 1u) {
         if (slot < kCandCap) {
           s.cand_key[slot] = keys[e];
-          s.cand_pos[slot] = head + 4 * (base + (e / 4) * kThreads + t) + e % 4;
+          s.cand_pos[slot] = head + 4 * (base + (e / 4) * T + t) + e % 4;
         }
         ++slot;
       }
@@ -304,78 +319,113 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
   offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
 }
 
-// The k largest of the list's count (> k) entries into out_row: three radix rounds over the list, then
-// the keys above the threshold and the first `need` equal to it.
-template <bool kHasPages>
-__device__ void select_from_list(Shared& s, int count, int k, int* out_row, const PageRow& pr, int block_size) {
+// The k largest of the keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key 0 for
+// NaN and for entries past the end) into out_row: three radix rounds over the registers, then the keys
+// above the threshold and the first `need` equal to it; where no more than k are selectable (non-NaN),
+// all of them, then -1. pos(i) is entry i's position in the row. s.hist[0] is clear on entry.
+template <int T, bool kHasPages, int kPer, typename Pos>
+__device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int k, int* out_row, const PageRow& pr,
+                                    int block_size, Pos pos) {
   const int t = threadIdx.x;
-  for (int i = t; i < count; i += kThreads) atomicAdd(&s.hist[s.cand_key[i] >> 21], 1);
+  int mine = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (key[j] != 0u) atomicAdd(&s.hist[0][key[j] >> 21], 1);
+    mine += key[j] != 0u;
+  }
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) mine += __shfl_xor_sync(0xFFFFFFFFu, mine, d);
+  if ((t & 31) == 0 && mine) atomicAdd(&s.selectable, mine);
+  clear_bins<T>(s.hist[1], kBins);
   __syncthreads();
-  find_threshold(s, k, kBins);
+  const int selectable = s.selectable;
+  if (selectable <= k) {  // block-uniform
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const bool take = key[j] != 0u;
+      const int slot = warp_slot(take, &s.out_count);
+      if (take) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
+    }
+    for (int i = selectable + t; i < k; i += T) out_row[i] = -1;
+    return;
+  }
+  find_threshold<T>(s, s.hist[0], k, kBins);
   const uint32_t b1 = s.bin;
   int need = k - s.above;
-  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if (key[j] != 0u && (key[j] >> 21) == b1) atomicAdd(&s.hist[1][(key[j] >> 10) & 0x7FF], 1);
+  clear_bins<T>(s.hist[0], kLastBins);  // round 1's readers are past find_threshold's last sync
   __syncthreads();
-  for (int i = t; i < count; i += kThreads) {
-    const uint32_t key = s.cand_key[i];
-    if ((key >> 21) == b1) atomicAdd(&s.hist[(key >> 10) & 0x7FF], 1);
-  }
-  __syncthreads();
-  find_threshold(s, need, kBins);
+  find_threshold<T>(s, s.hist[1], need, kBins);
   const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
   need -= s.above;
-  for (int b = t; b < kLastBins; b += kThreads) s.hist[b] = 0;
+
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if ((key[j] >> 10) == (prefix >> 10)) atomicAdd(&s.hist[0][key[j] & 0x3FF], 1);
   __syncthreads();
-  for (int i = t; i < count; i += kThreads) {
-    const uint32_t key = s.cand_key[i];
-    if ((key >> 10) == (prefix >> 10)) atomicAdd(&s.hist[key & 0x3FF], 1);
-  }
-  __syncthreads();
-  find_threshold(s, need, kLastBins);
+  find_threshold<T>(s, s.hist[0], need, kLastBins);
   const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
-  need -= s.above;
-  for (int base = 0; base < count; base += kThreads) {
-    const int i = base + t;
-    const uint32_t key = i < count ? s.cand_key[i] : 0u;
-    const int pos = i < count ? s.cand_pos[i] : 0;
-    const bool above = i < count && key > threshold;
+  need -= s.above;  // keys equal to the threshold still needed, >= 1
+
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const bool above = key[j] > threshold;
     const int slot = warp_slot(above, &s.out_count);
-    if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
-    const bool equal = i < count && key == threshold;
+    if (above) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
+    const bool equal = key[j] == threshold;
     const int e = warp_slot(equal, &s.eq_count);
-    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos, pr, block_size);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
   }
+}
+
+// A short row (n <= kCandCap) read once into registers with coalesced scalar loads (any start, any
+// stride), then selected there.
+template <int T, bool kHasPages>
+__device__ void short_row(const RowView& v, Shared& s, int k, int* out_row, const PageRow& pr, int block_size) {
+  constexpr int kPer = kCandCap / T;
+  const int t = threadIdx.x;
+  uint32_t key[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = t + j * T;
+    key[j] = i < v.n ? ordered_key(__ldg(v.src + i)) : 0u;
+  }
+  select_in_registers<T, kHasPages>(s, key, k, out_row, pr, block_size, [](int i) { return i; });
 }
 
 // The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
 // overflowed, too few numbers): a histogram of the whole row, its threshold bin's keys as the list, or
-// the row itself when they overflow it; exact whatever the data.
-template <bool kHasPages>
+// the row itself when they overflow it; exact whatever the data. s.hist[0] is clear on entry.
+template <int T, bool kHasPages>
 __device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k, int* out_row, const PageRow& pr,
                             int block_size) {
   const int t = threadIdx.x;
   const int n = v.n;
-  load_row(v, stage, s);
+  int* hist = s.hist[0];
+  load_row<T>(v, stage, hist);
   __syncthreads();
 
-  const int selectable = n - s.hist[0];
+  const int selectable = n - hist[0];
   if (selectable <= k) {
     // Every non-NaN key is selected: its positions, then -1 up to k.
-    for (int base = 0; base < n; base += kThreads) {
+    for (int base = 0; base < n; base += T) {
       const int i = base + t;
       const bool take = i < n && v.key(i) != 0u;
       const int slot = warp_slot(take, &s.out_count);
       if (take) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
     }
-    for (int i = selectable + t; i < k; i += kThreads) out_row[i] = -1;
+    for (int i = selectable + t; i < k; i += T) out_row[i] = -1;
     return;
   }
 
-  find_threshold(s, k, kBins);
+  find_threshold<T>(s, hist, k, kBins);
   const uint32_t b1 = s.bin;
   int need = k - s.above;
   // Keys of bins above b1 are selected; b1's are the candidates.
-  for (int base = 0; base < n; base += kThreads) {
+  for (int base = 0; base < n; base += T) {
     const int i = base + t;
     const uint32_t key = i < n ? v.key(i) : 0u;
     const uint32_t digit = key >> 21;
@@ -389,34 +439,34 @@ __device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k,
       s.cand_pos[c] = i;
     }
   }
-  for (int b = t; b < kBins; b += kThreads) s.hist[b] = 0;
+  clear_bins<T>(hist, kBins);
   __syncthreads();
   const int count = s.cand_count;
   const bool from_list = count <= kCandCap;
 
   // Round 2: bits 20..10 of b1's keys.
-  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
-    if (live) atomicAdd(&s.hist[(key >> 10) & 0x7FF], 1);
+  for_each_candidate<T>(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
+    if (live) atomicAdd(&hist[(key >> 10) & 0x7FF], 1);
   });
   __syncthreads();
-  find_threshold(s, need, kBins);
+  find_threshold<T>(s, hist, need, kBins);
   const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
   need -= s.above;
-  for (int b = t; b < kLastBins; b += kThreads) s.hist[b] = 0;
+  clear_bins<T>(hist, kLastBins);
   __syncthreads();
 
   // Round 3: bits 9..0 of the keys sharing the prefix.
-  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
-    if (live && (key >> 10) == (prefix >> 10)) atomicAdd(&s.hist[key & 0x3FF], 1);
+  for_each_candidate<T>(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
+    if (live && (key >> 10) == (prefix >> 10)) atomicAdd(&hist[key & 0x3FF], 1);
   });
   __syncthreads();
-  find_threshold(s, need, kLastBins);
+  find_threshold<T>(s, hist, need, kLastBins);
   const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
   need -= s.above;  // keys equal to the threshold still needed, >= 1
 
   // The keys of b1 above the threshold fill the slots after the higher bins'; the first `need` equal
   // to it fill the last `need` slots.
-  for_each_candidate(v, s, from_list, count, b1, [&](uint32_t key, int pos, bool live) {
+  for_each_candidate<T>(v, s, from_list, count, b1, [&](uint32_t key, int pos, bool live) {
     const bool above = live && key > threshold;
     const int slot = warp_slot(above, &s.out_count);
     if (above) out_row[slot] = slot_value<kHasPages>(pos, pr, block_size);
@@ -426,18 +476,21 @@ __device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k,
   });
 }
 
+template <int T>
 __device__ void reset(Shared& s) {
-  for (int b = threadIdx.x; b < kBins; b += kThreads) s.hist[b] = 0;
+  clear_bins<T>(s.hist[0], kBins);
   if (threadIdx.x == 0) {
     s.out_count = 0;
     s.cand_count = 0;
     s.eq_count = 0;
+    s.selectable = 0;
   }
   __syncthreads();
 }
 
-template <bool kHasStarts, bool kHasPages>
-__global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
+// Two CTAs an SM at 512 threads (<= 64 registers a thread), one at 1024.
+template <int T, bool kHasPages>
+__global__ void __launch_bounds__(T, 1024 / T) radix_topk_kernel(const Params p) {
   extern __shared__ uint4 smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
   uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
@@ -446,7 +499,7 @@ __global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
 
   // The visible window [start, start + n), clamped to the tensor.
   int start = 0;
-  if (kHasStarts) start = min(max(p.starts[row * p.stride_start], 0), p.width);
+  if (p.starts != nullptr) start = min(max(p.starts[row * p.stride_start], 0), p.width);
   const int n = min(max(p.lengths[row * p.stride_len], 0), p.width - start);
   RowView v;
   v.src = p.logits + row * p.stride_row + start;
@@ -467,40 +520,52 @@ __global__ void __launch_bounds__(kThreads) radix_topk_kernel(const Params p) {
     pr.pages = ok ? p.table_pages : 0;
   }
 
-  reset(s);
-  const uint32_t cut = p.filtered ? candidate_cut(v, s, k) : 0u;
+  reset<T>(s);
+  constexpr int kPer = kCandCap / T;
+  if (p.filtered && n <= kCandCap) {
+    short_row<T, kHasPages>(v, s, k, out_row, pr, p.block_size);
+    return;
+  }
+  const uint32_t cut = p.filtered ? candidate_cut<T>(v, s, k) : 0u;
   if (cut != 0u) {
-    collect_candidates(v, s, cut);
+    collect_candidates<T>(v, s, cut);
     __syncthreads();
     const int count = s.cand_count;
-    if (count <= kCandCap && cut == 1u && count <= k) {
-      // The list holds every non-NaN key of the row, no more than k: all of them, then -1.
-      for (int i = t; i < count; i += kThreads) out_row[i] = slot_value<kHasPages>(s.cand_pos[i], pr, p.block_size);
-      for (int i = count + t; i < k; i += kThreads) out_row[i] = -1;
-      return;
-    }
     if (count <= kCandCap && count >= k) {
-      select_from_list<kHasPages>(s, count, k, out_row, pr, p.block_size);
+      uint32_t key[kPer];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int i = t + j * T;
+        key[j] = i < count ? s.cand_key[i] : 0u;
+      }
+      select_in_registers<T, kHasPages>(s, key, k, out_row, pr, p.block_size, [&](int i) { return s.cand_pos[i]; });
       return;
     }
     __syncthreads();
-    reset(s);  // the sample misjudged the row (too few candidates, or more than the list holds)
+    reset<T>(s);  // the sample misjudged the row (too few candidates, or more than the list holds)
+  } else {
+    __syncthreads();  // candidate_cut's clearing of s.hist[0] before the full select's histogram
   }
-  full_select<kHasPages>(v, stage, s, k, out_row, pr, p.block_size);
+  full_select<T, kHasPages>(v, stage, s, k, out_row, pr, p.block_size);
 }
 
 using Kernel = void (*)(Params);
 
-template <bool kHasStarts, bool kHasPages>
+template <int T, bool kHasPages>
 Kernel kernel_with_smem(int bytes) {
   static int raised[64] = {};  // per device: the dynamic shared memory limit this instance was given
-  Kernel kernel = radix_topk_kernel<kHasStarts, kHasPages>;
+  Kernel kernel = radix_topk_kernel<T, kHasPages>;
   int& limit = raised[c10::cuda::current_device() & 63];
   if (bytes > limit) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     limit = bytes;
   }
   return kernel;
+}
+
+template <int T>
+Kernel pick_kernel(bool has_pages, int bytes) {
+  return has_pages ? kernel_with_smem<T, true>(bytes) : kernel_with_smem<T, false>(bytes);
 }
 
 }  // namespace
@@ -516,7 +581,7 @@ int64_t max_stage(int64_t device) {
 // out int32 [rows, k] (contiguous); the host wrapper (radix_topk.py) has checked every tensor.
 void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
                 const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
-                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, torch::Tensor& out) {
+                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t threads, torch::Tensor& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   if (rows == 0) return;
@@ -540,10 +605,11 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
   p.block_size = static_cast<int>(block_size);
   p.filtered = filtered ? 1 : 0;
   const int bytes = static_cast<int>(sizeof(Shared) + 4 * (stage_cap + 4));
-  const bool has_starts = starts.has_value(), has_pages = page_table.has_value();
-  Kernel kernel = has_starts ? (has_pages ? kernel_with_smem<true, true>(bytes) : kernel_with_smem<true, false>(bytes))
-                             : (has_pages ? kernel_with_smem<false, true>(bytes) : kernel_with_smem<false, false>(bytes));
-  kernel<<<static_cast<unsigned>(rows), kThreads, bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
+  const bool has_pages = page_table.has_value();
+  TORCH_CHECK(threads == 512 || threads == 1024, "radix_topk: threads must be 512 or 1024, got ", threads);
+  const Kernel kernel = threads == 512 ? pick_kernel<512>(has_pages, bytes)
+                                       : pick_kernel<1024>(has_pages, bytes);
+  kernel<<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -23,26 +23,48 @@ def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: t
                   block_size=block_size, sorted=sorted, stage=0, filtered=True)
 
 
-def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True):
-    """The launch of checked inputs. filtered: the sampled cut and one filtered pass first (the served
-    path); False: the full select only. stage: keys of a row the full select stages in shared memory
-    (a multiple of 4, at most max_stage). Served with 0: the full select runs only where the filtered
-    pass cannot serve a row. (At 63 registers a thread, ptxas's count on sm_90a, one 1024-thread CTA
-    fits an SM whatever the staging; a 32-register build fitting two spilled and was slower.)"""
+def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True,
+           threads=None):
+    """The launch of checked inputs. filtered: short rows selected in registers, longer ones by the
+    sampled cut and one filtered pass first (the served path); False: the full select only. stage: keys
+    of a row the full select stages in shared memory (a multiple of 4, at most max_stage). Served with
+    0: the full select runs only where the filtered pass cannot serve a row. threads: a CTA's threads,
+    512 or 1024; None: block_threads's choice for these rows."""
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     if stage % 4 or not 0 <= stage <= max_stage(device):
         raise ValueError(f"stage {stage} must be a multiple of 4 in [0, {max_stage(device)}]")
     rows = logits.shape[0]
+    if threads is None:
+        threads = block_threads(rows, multiprocessors(device))
+    if threads not in THREADS:
+        raise ValueError(f"threads {threads} must be one of {THREADS}")
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
     fuse_pages = page_table is not None and not sorted
     extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
-                           page_rows if fuse_pages else None, k, block_size, stage, filtered, out)
+                           page_rows if fuse_pages else None, k, block_size, stage, filtered, threads, out)
     if sorted:
         return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                       sorted=True, starts=starts)
     return out
+
+
+THREADS = (512, 1024)
+
+
+def block_threads(rows: int, sms: int) -> int:
+    """A CTA's threads for `rows` rows on a GPU of `sms` multiprocessors: 512 (at <= 64 registers a
+    thread, ptxas's count on sm_90a, two such CTAs share an SM, so one row's select overlaps another's
+    read) once the rows fill every SM, else 1024 (a lone row gets the whole SM). The faster of the two
+    at every shape of the H200 probe (2026-12-01 17:10 UTC, 132 SMs): 512 at 256-4096 rows (5-27%),
+    1024 at 1-128 rows (up to 20%); between 133 and 255 rows not measured."""
+    return 512 if rows > sms else 1024
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ cannot run where it cannot and its registration (the probe, the build and its ca
 
 The GPU tests compile backends/cuda_topk/radix_select.cu on first use (cached per user); `stage`
 below forces the kernel to stage only part of each row in shared memory, so the re-read of a row's
-tail runs at small widths too.
+tail runs at small widths too; `threads` runs both CTA sizes (512 and 1024) whatever the host would pick.
 """
 
 from __future__ import annotations
@@ -22,14 +22,17 @@ NAN, INF = float("nan"), float("inf")
 gpu = pytest.mark.gpu
 
 
-def radix(*args, stage=None, filtered=True, **kwargs):
-    """The served call, or (stage given) the launch with that staging and path."""
+def radix(*args, stage=None, filtered=True, threads=None, **kwargs):
+    """The served call, or (stage or threads given) the launch with that staging, path and CTA size."""
     from backends.cuda_topk.radix_topk import launch, radix_topk
 
-    if stage is None:
+    if stage is None and threads is None:
         return radix_topk(*args, **kwargs)
     options = {"starts": None, "page_table": None, "page_rows": None, "block_size": 64, "sorted": False, **kwargs}
-    return launch(*args, stage=stage, filtered=filtered, **options)
+    return launch(*args, stage=stage or 0, filtered=filtered, threads=threads, **options)
+
+
+THREADS = pytest.mark.parametrize("threads", [512, 1024])
 
 
 # ---- on a GPU: exactness ----
@@ -37,13 +40,14 @@ def radix(*args, stage=None, filtered=True, **kwargs):
 @gpu
 @pytest.mark.parametrize(("rows", "width", "k", "seed"), [
     (12, 300, 16, 0), (37, 3000, 2048, 1), (64, 12215, 2048, 2), (9, 5000, 100, 3), (5, 70001, 2048, 4),
-    (3, 100000, 4096, 5), (130, 49081, 2048, 6), (2, 2500, 1, 7),
+    (3, 100000, 4096, 5), (130, 49081, 2048, 6), (2, 2500, 1, 7), (7, 8192, 2048, 8), (6, 8193, 2048, 9),
 ])
-def test_random_ragged_rows_match_torch_topk(rows, width, k, seed):
+@pytest.mark.parametrize("threads", [None, 512, 1024])
+def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, threads):
     gen = torch.Generator().manual_seed(seed)
     logits = random_logits(rows, width, gen)
     lengths = ragged_lengths(rows, width, k, gen)
-    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k))
+    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, threads=threads))
 
 
 # filtered=False: the full select (what a row the filtered pass cannot serve gets), its row staged in
@@ -52,18 +56,21 @@ def test_random_ragged_rows_match_torch_topk(rows, width, k, seed):
 @pytest.mark.parametrize(("stage", "filtered"), [(0, True), (0, False), (4, False), (1000, False), (2048, False),
                                                  (12000, False)])
 @pytest.mark.parametrize("row_stride", [None, 10003])  # a stride of 10003 floats: rows start off 16-byte boundaries
-@pytest.mark.parametrize("width", [5000, 10000])  # whole rows in the list; sampled cuts
-def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width):
+@pytest.mark.parametrize("width", [5000, 10000])  # short rows in registers; sampled cuts
+@THREADS
+def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width, threads):
     gen = torch.Generator().manual_seed(stage + width)
     logits = random_logits(11, width, gen, row_stride=row_stride)
     lengths = ragged_lengths(11, width, 2048, gen)
-    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, stage=stage, filtered=filtered))
+    out = radix(logits.cuda(), lengths.cuda(), 2048, stage=stage, filtered=filtered, threads=threads)
+    check(logits, lengths, 2048, out)
 
 
 @gpu
 @pytest.mark.parametrize(("stage", "filtered"), [(None, True), (1000, False), (0, False)])
 @pytest.mark.parametrize("width", [9000, 5000])
-def test_ties_inf_and_nan_rows(stage, filtered, width):
+@THREADS
+def test_ties_inf_and_nan_rows(stage, filtered, width, threads):
     gen = torch.Generator().manual_seed(9)
     k = 2048
     logits = random_logits(10, width, gen).clone()
@@ -81,7 +88,7 @@ def test_ties_inf_and_nan_rows(stage, filtered, width):
     logits[9, ::3] = 0.0
     lengths = torch.full((10,), width, dtype=torch.int32)
     lengths[5] = 10
-    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered))
+    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered, threads=threads))
 
 
 @gpu
@@ -94,7 +101,8 @@ def test_length_zero_k_past_the_length_and_lengths_past_the_width():
 
 
 @gpu
-def test_rows_read_inside_their_window_only():
+@THREADS
+def test_rows_read_inside_their_window_only(threads):
     # Every key outside a row's window is +inf: any read of one would select it.
     gen = torch.Generator().manual_seed(5)
     width, k = 20000, 2048
@@ -105,12 +113,14 @@ def test_rows_read_inside_their_window_only():
         s, n = int(starts[r]), int(lengths[r])
         logits[r, s:s + n] = torch.randn(n, generator=gen)
     for stage, filtered in ((None, True), (1000, False)):
-        out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage, filtered=filtered)
+        out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage, filtered=filtered,
+                    threads=threads)
         check(logits, lengths, k, out, starts=starts)
 
 
 @gpu
-def test_page_transform_gives_the_physical_slots_of_the_selection():
+@THREADS
+def test_page_transform_gives_the_physical_slots_of_the_selection(threads):
     gen = torch.Generator().manual_seed(6)
     rows, width, k, block = 8, 6000, 2048, 64
     logits = random_logits(rows, width, gen).cuda()
@@ -119,8 +129,8 @@ def test_page_transform_gives_the_physical_slots_of_the_selection():
     table = torch.randperm(3 * pages, generator=gen)[: 3 * pages].reshape(3, pages).to(torch.int32).cuda()
     table[2, 10] = -1  # an unmapped page: its positions become -1
     page_rows = torch.tensor([0, 1, 2, 0, 1, 2, 5, -1], dtype=torch.int32).cuda()  # the last two: outside the table
-    paged = radix(logits, lengths, k, page_table=table, page_rows=page_rows)
-    plain = radix(logits, lengths, k)
+    paged = radix(logits, lengths, k, page_table=table, page_rows=page_rows, threads=threads)
+    plain = radix(logits, lengths, k, threads=threads)
     want = page_slots(plain, table, page_rows.clamp(0, 2), block)
     want = want.clamp(min=-1)  # the unmapped page's slots: page_slots leaves them negative, the contract -1
     want[6:] = -1
@@ -194,6 +204,15 @@ def test_it_is_registered_as_a_topk_backend_with_its_reason_here():
     assert registered.plugin == "backends.cuda_topk.plugin"
     if not torch.cuda.is_available():
         assert registered.availability().reason == "no CUDA device visible to torch"
+
+
+def test_the_cta_size_is_512_once_the_rows_fill_the_multiprocessors():
+    # Measured on the H200 (132 SMs, 17:10 UTC): 512 threads won at 256-4096 rows, 1024 at 1-128 rows.
+    from backends.cuda_topk.radix_topk import THREADS, block_threads
+
+    assert [block_threads(rows, 132) for rows in (1, 8, 64, 128, 132)] == [1024] * 5
+    assert [block_threads(rows, 132) for rows in (133, 256, 512, 4096)] == [512] * 4
+    assert block_threads(100, 78) == 512 and set(THREADS) == {512, 1024}
 
 
 def test_cpu_tensors_are_a_layout_error_naming_the_tensor():

@@ -249,3 +249,6 @@ def test_gpu_archs_decide_a_gpu_topk_before_the_reference():
                     "sm100": ("triton", "sm90-sm100-engine-topk-unmeasured")}.get(arch, ("triton", "gpu-triton"))
         assert (decision.backend, decision.rule) == expected, arch
         assert decision.layout.value == "rows"
+    # Prefill too: measured ahead of Triton with row starts (4096 rows, windows 1..16K, H200 17:10 UTC).
+    extend = load_dispatcher(arch="sm90").decide(Op.TOPK, DispatchKey("sm90", "extend", 1, "e4m3fn"))
+    assert (extend.backend, extend.rule) == ("cuda.radix", "sm90-cuda-radix-measured")
