@@ -99,9 +99,23 @@ def _q_tile(q_ptr, w_ptr, row, first_tok, stride_q_row, stride_q_tok, stride_q_h
     return tl.trans(q), w
 
 
+HIST_BINS = 2048  # bins of the first radix digit (11 bits)
+_HIST_BINS: tl.constexpr = tl.constexpr(HIST_BINS)
+
+
 @triton.jit
-def _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows,
-                     T: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, NAN_BYTES: tl.constexpr):
+def _first_digit(x):
+    # The top 11 bits of the order-preserving unsigned key of fp32 x (sign flipped for x >= 0, all bits
+    # for x < 0): the first digit of an 11/11/10-bit radix select, as cuda.radix's first histogram has it.
+    bits = x.to(tl.int32, bitcast=True)
+    signed_key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (signed_key >> 21) + 1024
+
+
+@triton.jit
+def _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows, hist_rows,
+                     T: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, NAN_BYTES: tl.constexpr,
+                     HIST: tl.constexpr):
     # Keys are the dot's M and tokens x heads its N: the head sum stays inside a thread and its quad
     # instead of crossing warps.
     scores = tl.dot(keys, q_t)  # [T, TG * H], fp32 accumulation
@@ -111,7 +125,13 @@ def _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows,
         logits = tl.where(tl.max(_is_nan_byte(keys, NAN_BYTES), axis=1)[:, None] > 0, float("nan"), logits)
     # A select, not a multiply: bytes past a length are garbage and may decode to NaN.
     logits = tl.where(col[:, None] < ctx[None, :], logits, float("-inf"))
-    tl.store(out_rows[None, :] + col[:, None], logits, mask=live[None, :] & (col < col_end)[:, None])
+    stored = live[None, :] & (col < col_end)[:, None]
+    tl.store(out_rows[None, :] + col[:, None], logits, mask=stored)
+    if HIST:
+        # The first radix digit of every visible, non-NaN logit, counted per token row (issue 23 item 4:
+        # what a histogram written here, instead of a top-k's own first pass, costs the logits).
+        visible = stored & (col[:, None] < ctx[None, :]) & (logits == logits)
+        tl.atomic_add(hist_rows[None, :] + _first_digit(logits), 1, mask=visible, sem="relaxed")
 
 
 @triton.jit
@@ -124,6 +144,7 @@ def _paged_mqa_logits_kernel(
     table_ptr,  # int32 [R, M]: the guard's safe table (every entry inside the cache)
     bounds_ptr,  # int32 [P + 1, 2]: the schedule's (work row, page) cuts, one range per program
     out_ptr,  # fp32 [R * N, max_context_len]
+    hist_ptr,  # int32 [R * N, HIST_BINS] with HIST (zeroed by the caller), else unused
     stride_q_row,
     stride_q_tok,
     stride_q_head,
@@ -141,6 +162,7 @@ def _paged_mqa_logits_kernel(
     PRODUCT_SCALE: tl.constexpr,
     NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
     FILL: tl.constexpr,  # write -inf in the columns past the row's pages (clean_logits)
+    HIST: tl.constexpr = False,  # also count each logit row's first radix digits into hist_ptr
 ):
     GROUPS: tl.constexpr = (N + TG - 1) // TG
     num_pages = tl.cdiv(max_context_len, BLOCK_KV)
@@ -152,21 +174,21 @@ def _paged_mqa_logits_kernel(
     # One segment per work row the program's range touches: pages [first_page, segment_end) of it.
     while (work_row < last_work_row) | ((work_row == last_work_row) & (first_page < end_page)):
         segment_end = tl.where(work_row == last_work_row, end_page, num_pages)
-        _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, stride_q_row, stride_q_tok,
+        _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, hist_ptr, stride_q_row, stride_q_tok,
                           stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
                           max_context_len, num_pages, work_row // GROUPS, work_row % GROUPS, first_page,
-                          segment_end, N, TG, H, D, BLOCK_KV, PAGES, PRODUCT_SCALE, NAN_BYTES, FILL)
+                          segment_end, N, TG, H, D, BLOCK_KV, PAGES, PRODUCT_SCALE, NAN_BYTES, FILL, HIST)
         work_row += 1
         first_page = 0
 
 
 @triton.jit
-def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, stride_q_row, stride_q_tok,
+def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, hist_ptr, stride_q_row, stride_q_tok,
                       stride_q_head, stride_w_row, stride_ctx_row, stride_table_row, stride_out_row,
                       max_context_len, num_pages, row, group, page_begin, page_end,
                       N: tl.constexpr, TG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr,
                       PAGES: tl.constexpr, PRODUCT_SCALE: tl.constexpr, NAN_BYTES: tl.constexpr,
-                      FILL: tl.constexpr):
+                      FILL: tl.constexpr, HIST: tl.constexpr):
     # Up to TG tokens of one row, pages [page_begin, page_end): every logit column of that range is
     # written, -inf included (without FILL, the pages past the group's longest length are not), so no
     # reduction across programs is needed.
@@ -189,6 +211,7 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
     live = tok_ok & (ctx >= 0)  # [TG]
     poisoned = tok_ok & (ctx < 0)
     out_rows = out_ptr + (row * N + tok).to(tl.int64) * stride_out_row
+    hist_rows = hist_ptr + (row * N + tok).to(tl.int64) * _HIST_BINS
     t = tl.arange(0, T)
 
     if page_begin < compute_end:
@@ -205,7 +228,8 @@ def _work_row_segment(q_ptr, k_ptr, s_ptr, w_ptr, ctx_ptr, table_ptr, out_ptr, s
             scale = tl.load(s_ptr + block * BLOCK_WORDS + slot_of_t)
             scale = tl.fma(scale, 0.0, scale)  # a finite scale unchanged; inf * 0 makes inf (and NaN) NaN
             col = page * BLOCK_KV + t
-            _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows, T, TG, H, NAN_BYTES)
+            _score_and_store(keys, scale, q_t, w, col, col_end, ctx, live, out_rows, hist_rows, T, TG, H,
+                             NAN_BYTES, HIST)
     # The columns no compute step wrote (the last step may run past compute_end; its select wrote
     # -inf there) get -inf without reading anything.
     if FILL:
@@ -268,6 +292,7 @@ def triton_paged_mqa_logits(
     guard: PageGuard | None = None,
     schedule: PagedSchedule | None = None,
     clean_logits: bool = True,
+    histogram: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 logits [rows * N, max_context_len], -inf past each token's length (with clean_logits; without
     it the pages past a token group's longest length are left unwritten). No host-device sync.
@@ -281,6 +306,10 @@ def triton_paged_mqa_logits(
     builds it first (one more small launch). `fnuz_mode` overrides fnuz_mode_for_here() for
     an e4m3fnuz cache; `config` overrides default_config; `out` is a preallocated result (with clean_logits
     every element is written, so it needs no initialisation).
+
+    `histogram` (int32 [rows * N, HIST_BINS], zeroed by the caller) also gets, per logit row, the count
+    of its visible non-NaN logits by first radix digit (_first_digit): the measurement of issue 23's
+    item 4, what a top-k's first pass would cost inside this kernel (tools/probe_logits_histogram.py).
     """
     mode = fp8_mode(fp8_dtype, fnuz_mode)
     rows, next_n, heads, head_dim = _check(q, kv_cache, weights, context_lens, block_table, max_context_len, fp8_dtype)
@@ -304,6 +333,10 @@ def triton_paged_mqa_logits(
         guard = guard_pages(context_lens, block_table, num_blocks, max_context_len, block_kv, error_flags)
     else:
         _check_guard(guard, context_lens, max_context_len, kv_cache)
+    if histogram is not None and (histogram.dtype != torch.int32 or tuple(histogram.shape) != (shape[0], HIST_BINS)
+                                  or not histogram.is_contiguous() or histogram.device != q.device):
+        raise LayoutError(f"histogram must be contiguous int32 [{shape[0]}, {HIST_BINS}] on {q.device}; got "
+                          f"{histogram.dtype} {list(histogram.shape)}, strides {histogram.stride()} on {histogram.device}")
     if out.numel() == 0:
         return out
     cfg = config or default_config(next_n, q.device)
@@ -328,6 +361,7 @@ def triton_paged_mqa_logits(
         guard.safe_table,
         schedule.bounds,
         out,
+        out if histogram is None else histogram,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -345,6 +379,7 @@ def triton_paged_mqa_logits(
         PRODUCT_SCALE=mode.product_scale,
         NAN_BYTES=nan_bytes_mode(mode),
         FILL=clean_logits,
+        HIST=histogram is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
