@@ -49,9 +49,7 @@ from dispatch.contract import (
     PagedPlan,
     Layout,
     LayoutError,
-    check_logits_inputs,
     check_pages,
-    check_ragged_logits_inputs,
     debug_bounds_on,
 )
 
@@ -261,7 +259,8 @@ class DeepGemmPagedLogits:
     def run(
         self, plan: PagedPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
     ) -> torch.Tensor:
-        check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
+        # The op's call checked the inputs against this layout (dispatch/contract/ops/paged_logits.py);
+        # what is left is what deep_gemm's own host code would assert on.
         self._check_schedule(plan)
         check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
         num_blocks = kv_cache.shape[0]
@@ -381,5 +380,5 @@ class DeepGemmRaggedLogits:
         return TritonKeyGather.for_plan(plan)
 
     def run(self, q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True) -> torch.Tensor:
-        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
+        # The op's call checked the inputs (dispatch/contract/ops/ragged_logits.py); the launch adds deep_gemm's own.
         return launch_ragged_mqa_logits(self.load(), q, k, scales, weights, ks, ke, clean_logits=clean_logits)
