@@ -21,6 +21,10 @@ class OpContract:
     run: type
     layouts: tuple[Layout, ...]
     summary: str
-    op: Op
+    name: str  # the op's one spelling: `Op` is built from these (dispatch/contract/key.py reads them)
     steps: tuple[str, ...] = ()
     stage: int = 0
+
+    @property
+    def op(self) -> Op:
+        return Op(self.name)
