@@ -260,7 +260,12 @@ class DeepGemmPagedLogits:
         self, plan: PagedPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
     ) -> torch.Tensor:
         # The op's call checked the inputs against this layout (dispatch/contract/ops/paged_logits.py);
-        # what is left is what deep_gemm's own host code would assert on.
+        # what is left is what deep_gemm's own host code would assert on, and the plan's tag (free): the
+        # SGLang incident was this kernel handed a flatten plan by a caller that picked it on its own,
+        # where at next_n = 2 a flatten q is a valid native q of B*N requests.
+        if plan.layout is not self.layout:
+            raise LayoutError(f"backend consumes layout `{self.layout.value}`; the plan is tagged `{plan.layout.value}` "
+                              f"(backend `{plan.logits.backend}`, {plan.logits.chosen_by})")
         self._check_schedule(plan)
         check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
         num_blocks = kv_cache.shape[0]
