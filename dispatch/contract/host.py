@@ -226,14 +226,15 @@ def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
     for field_name in ("run", "probe"):
         if not callable(getattr(backend, field_name)):
             raise PluginError(f"{what} whose `{field_name}` is not callable")
-    problem = OP_CONTRACTS[backend.op].call_problem(backend.run)
-    if problem:
-        raise PluginError(f"{what} for {backend.op.value} with {problem}")
     if backend.prepare is not None and not callable(backend.prepare):
         raise PluginError(f"{what} whose `prepare` is neither None nor callable")
     for field_name in ("version", "description"):
         if not isinstance(getattr(backend, field_name), str):
             raise PluginError(f"{what} whose `{field_name}` is {quoted(getattr(backend, field_name))}; expected a str")
+    # The op's Protocol is the one signature: a run that cannot take the op's call is refused here.
+    problem = OP_CONTRACTS[backend.op].call_problem(backend.run)
+    if problem:
+        raise PluginError(f"{what} for {backend.op.value} with {problem}")
     return replace(backend, plugin=plugin.name, distribution=plugin.distribution, plugin_version=plugin.version)
 
 
