@@ -34,7 +34,10 @@ class OpContract:
         """Why `run` cannot be called as this op's call calls it (the Protocol's parameters, positional
         ones by position, keyword-only ones by name), or None. The host asks at registration, so the
         Protocol is the one place a backend's signature is written and a mismatch names the plugin
-        instead of failing on the first batch. A callable whose signature cannot be read passes."""
+        instead of failing on the first batch. A callable whose signature cannot be read passes, and so
+        does a C function (`inspect.isbuiltin`: its signature is whatever its docstring declares)."""
+        if inspect.isbuiltin(run):
+            return None
         try:
             accepts = inspect.signature(run)
         except (TypeError, ValueError):
