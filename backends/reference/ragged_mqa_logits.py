@@ -4,7 +4,7 @@
                  = -inf                                               otherwise
 
 q fp8 [M, H, D], k fp8 [S, D] (the batch's keys gathered into one contiguous buffer), scale fp32 [S],
-w fp32 [M, H], ks / ke int32 [M]. Prefill rows see their own request's keys: [ks, ke) is the request's
+w fp32 [M, H], ks / ke int32 [M]. Extend rows see their own request's keys: [ks, ke) is the request's
 slice of the buffer, causal inside it. fp8 values are decoded by torch, so e4m3fn and e4m3fnuz both
 mean what their dtype says; q and k must share one. NaN as in the paged reference: a NaN q, key byte or
 weight, or a non-finite key scale, makes the logits it touches NaN.
