@@ -52,9 +52,7 @@ from dispatch.contract import (
     PagedPlan,
     Layout,
     LayoutError,
-    check_logits_inputs,
     check_pages,
-    check_ragged_logits_inputs,
     debug_bounds_on,
 )
 
@@ -274,7 +272,13 @@ class DeepGemmPagedLogits:
     def run(
         self, plan: PagedPlan, q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, *, clean_logits=True
     ) -> torch.Tensor:
-        check_logits_inputs(plan, q, kv_cache, weights, consumes=self.layout)
+        # The op's call checked the inputs against this layout (dispatch/contract/ops/paged_logits.py);
+        # what is left is what deep_gemm's own host code would assert on, and the plan's tag (free): the
+        # SGLang incident was this kernel handed a flatten plan by a caller that picked it on its own,
+        # where at next_n = 2 a flatten q is a valid native q of B*N requests.
+        if plan.layout is not self.layout:
+            raise LayoutError(f"backend consumes layout `{self.layout.value}`; the plan is tagged `{plan.layout.value}` "
+                              f"(backend `{plan.logits.backend}`, {plan.logits.chosen_by})")
         self._check_schedule(plan)
         check_kernel_inputs(q, kv_cache, weights, plan.context_lens, plan.block_table)
         num_blocks = kv_cache.shape[0]
@@ -394,5 +398,5 @@ class DeepGemmRaggedLogits:
         return TritonKeyGather.for_plan(plan)
 
     def run(self, q, k, scales, weights, ks, ke, *, fp8_dtype, clean_logits=True) -> torch.Tensor:
-        check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
+        # The op's call checked the inputs (dispatch/contract/ops/ragged_logits.py); the launch adds deep_gemm's own.
         return launch_ragged_mqa_logits(self.load(), q, k, scales, weights, ks, ke, clean_logits=clean_logits)

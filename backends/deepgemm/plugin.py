@@ -269,7 +269,7 @@ def deepgemm_ragged_backends(load: Callable[[], ModuleType] = import_deep_gemm) 
                 run=ragged.run,
                 probe=probe_for(arch, load, missing_ragged_symbols),
                 prepare=ragged.prepare,
-                description=f"DeepGEMM fp8_mqa_logits (ragged, prefill), {arch.value.upper()}; Triton K gather",
+                description=f"DeepGEMM fp8_mqa_logits (ragged, extend), {arch.value.upper()}; Triton K gather",
                 verified={arch: VERIFIED[arch]},
             )
         )

@@ -4,7 +4,7 @@ Triton kernel against, and a path an operator can prefer.
 
 Its whole contract, beside dispatch.contract.TopkRun:
 - rows start at column 0 (no `starts`): it serves the paged modes, where each token's keys begin at
-  column 0; a ragged prefill row range is refused with LayoutError;
+  column 0; a ragged extend row range is refused with LayoutError;
 - positions past a row's length, and any FlashInfer reports as missing, come back as -1;
 - NaN: FlashInfer ranks NaN as a number, so a selected NaN position is turned into -1 afterwards. A
   poisoned row (all NaN) therefore gives all -1, as on every backend; a row mixing NaN with numbers

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
+from typing import TYPE_CHECKING
 
 from dispatch.contract import Fp8Dtype, LayoutError, split_kv_cache
+
+if TYPE_CHECKING:  # torch is imported where it runs: registering the reference must not (plugin.py)
+    import torch
 
 
 def reference_gather_keys(
@@ -26,6 +29,8 @@ def reference_gather_keys(
     `key_offsets` (int [B + 1], request r owns gathered keys [offsets[r], offsets[r + 1])) only makes
     the error for a bad slot name its request.
     """
+    import torch
+
     keys, scales = split_kv_cache(kv_cache, fp8_dtype)
     num_blocks, block_kv, head_dim = keys.shape
     num_slots = num_blocks * block_kv

@@ -16,10 +16,12 @@ non-finite key scale is made NaN, as in the Triton kernel.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+from dispatch.contract import ALL_ARCHS, PAGED_MODES, Backend, Fp8Dtype, Layout, Op, Support, split_kv_cache
 
-from dispatch.contract import Fp8Dtype, check_pages, split_kv_cache
+if TYPE_CHECKING:  # torch is imported where it runs: registering the reference must not (plugin.py)
+    import torch
 
 
 def reference_paged_mqa_logits(
@@ -37,6 +39,10 @@ def reference_paged_mqa_logits(
 
     `num_kv_blocks` (the engine's pool, PagedBatch.num_kv_blocks) is what table entries are checked
     against, as the page guard does; None: the cache's own block count."""
+    import torch
+
+    from dispatch.contract import check_pages
+
     rows, next_n, heads, head_dim = q.shape
     block_kv = kv_cache.shape[1]
     keys, scales = split_kv_cache(kv_cache, fp8_dtype)
@@ -61,3 +67,26 @@ def reference_paged_mqa_logits(
         visible = positions[None, :] < context_lens[row].view(next_n, 1)
         out[row * next_n : (row + 1) * next_n] = torch.where(visible, logits, float("-inf"))
     return out
+
+
+def run_paged_mqa_logits(plan, q, kv_cache, weights, *, clean_logits=True):
+    # Both reference backends run the same function, which reads the layout from the tensors' tag. It
+    # writes the -inf tail whatever clean_logits says (the flag permits skipping it, never requires it).
+    # The inputs passed the op's checks before this run (dispatch/contract/ops/paged_logits.py).
+    return reference_paged_mqa_logits(
+        q, kv_cache, weights, plan.context_lens, plan.block_table, plan.max_context_len, plan.fp8_dtype,
+        num_kv_blocks=plan.num_kv_blocks,
+    )
+
+
+BACKENDS = tuple(
+    Backend(
+        name=name,
+        op=Op.PAGED_MQA_LOGITS,
+        layout=layout,
+        supports=Support(archs=ALL_ARCHS, forward_modes=PAGED_MODES),
+        run=run_paged_mqa_logits,
+        description=f"plain torch, {layout.value} layout; slow, exact fp32 on fp8 inputs",
+    )
+    for name, layout in (("torch.reference", Layout.NATIVE), ("torch.reference.flatten", Layout.FLATTEN))
+)

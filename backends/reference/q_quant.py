@@ -11,10 +11,12 @@ poison that token the same way and set a flag instead)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+from dispatch.contract import ALL_ARCHS, FP8_MAX, Backend, Fp8Dtype, Layout, Op, RopeSpec, Support, torch_dtype
 
-from dispatch.contract import FP8_MAX, Fp8Dtype, RopeSpec, check_positions, torch_dtype
+if TYPE_CHECKING:  # torch is imported where it runs: registering the reference must not (plugin.py)
+    import torch
 
 
 def apply_rope(
@@ -27,6 +29,8 @@ def apply_rope(
 ) -> torch.Tensor:
     """RoPE on fp32 x [T, H, D]. cos_sin_cache [max_pos, rot_dim] holds cos in its first half, sin in
     its second. `rotary_dtype` rounds the rotated dims to that dtype and back (the engines: bf16)."""
+    import torch
+
     rot_dim = cos_sin_cache.shape[-1]
     half = rot_dim // 2
     cos_sin = cos_sin_cache[positions.long()].float()
@@ -54,6 +58,8 @@ def power_of_two_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     (2^(e_a - e_f - 1), 2^(e_a - e_f)] when m_a <= m_f, else one binade up. Comparing mantissas avoids
     log2 and division, whose rounding differs between devices (CUDA's log2 is not exact at powers of two).
     """
+    import torch
+
     amax_mantissa, amax_exponent = torch.frexp(amax.float().clamp(min=1e-4))
     max_mantissa, max_exponent = math.frexp(fp8_max)
     exponent = amax_exponent - max_exponent + (amax_mantissa > max_mantissa).to(amax_exponent.dtype)
@@ -75,6 +81,10 @@ def reference_indexer_q_quant(
     """q [T, H, D] (any float dtype), weights [T, H] -> (q fp8 [T, H, D], fp32 weights [T, H]).
 
     `error_flags` is accepted for the op's call convention and never written: a bad position raises."""
+    import torch
+
+    from dispatch.contract import check_positions
+
     check_positions(positions, cos_sin_cache.shape[0])
     fp8_max = FP8_MAX[Fp8Dtype(fp8_dtype)]
     # The engines keep their RoPE output in the activation dtype, bf16, before the amax and the division.
@@ -94,5 +104,19 @@ NAN_BYTE = {Fp8Dtype.E4M3FN: 0x7F, Fp8Dtype.E4M3FNUZ: 0x80}
 
 
 def _fp32(value: float) -> torch.Tensor:
+    import torch
+
     # A 0-d fp32 tensor, so each product rounds to fp32 exactly as a kernel's fp32 scalar does.
     return torch.tensor(value, dtype=torch.float32)
+
+
+BACKENDS = (
+    Backend(
+        name="torch.reference",
+        op=Op.INDEXER_Q_QUANT,
+        layout=Layout.TOKENS,
+        supports=Support(archs=ALL_ARCHS),
+        run=reference_indexer_q_quant,
+        description="plain torch RoPE + power-of-two fp8 quantisation",
+    ),
+)

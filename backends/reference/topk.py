@@ -8,9 +8,12 @@ values (-inf included) a visible column always comes before one that is not.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from dispatch.contract import BLOCK_KV
+from dispatch.contract import ALL_ARCHS, BLOCK_KV, Backend, Layout, Op, Support
+
+if TYPE_CHECKING:  # torch is imported where it runs: registering the reference must not (plugin.py)
+    import torch
 
 
 def topk_indices(
@@ -26,6 +29,8 @@ def topk_indices(
 ) -> torch.Tensor:
     """int32 [rows, k]: positions (relative to starts[r]) of each row's k largest visible logits,
     best first, -1 past the number selectable; physical KV slots instead when page_table is given."""
+    import torch
+
     rows, width = logits.shape
     first = torch.zeros_like(lengths) if starts is None else starts
     columns = torch.arange(width, device=logits.device)
@@ -51,6 +56,8 @@ def _to_slots(positions: torch.Tensor, page_table: torch.Tensor, page_rows: torc
     """page_table[page_rows[r], p // block_size] * block_size + p % block_size; -1 stays -1, and so is
     every position the table cannot map (the Triton kernel's rule): a page row outside [0, P), a page
     past the table's width, a negative entry. Nothing is clamped onto another row or page."""
+    import torch
+
     rows_in_table, width = page_table.shape
     row = page_rows.long()[:, None]
     page = positions.clamp(min=0) // block_size
@@ -59,3 +66,15 @@ def _to_slots(positions: torch.Tensor, page_table: torch.Tensor, page_rows: torc
     entry = table_rows.gather(1, page.clamp(max=width - 1))
     slots = entry * block_size + positions.clamp(min=0) % block_size
     return torch.where(mapped & (entry >= 0), slots, -1)
+
+
+BACKENDS = (
+    Backend(
+        name="torch.reference",
+        op=Op.TOPK,
+        layout=Layout.ROWS,
+        supports=Support(archs=ALL_ARCHS),
+        run=topk_indices,
+        description="plain torch two-key stable sort: visible first, then by value; NaN never selected",
+    ),
+)

@@ -1,6 +1,6 @@
 """The top-k contract's finish of an engine kernel's raw selection, in one launch: what
 backends/adapted_topk.finish does with five to eight torch ops (each a pass over [rows, k]), which at
-prefill sizes (4096 x 2048) cost more than the engines' kernels themselves.
+extend sizes (4096 x 2048) cost more than the engines' kernels themselves.
 
 For each slot of raw int32 [rows, k] (positions relative to starts[r], -1 for none): keep p when
 0 <= p < lengths[r] and logits[r, starts[r] + p] is not NaN, else -1; with a page table, p becomes

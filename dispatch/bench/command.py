@@ -75,11 +75,11 @@ def _cpu_note() -> None:
 
 
 def job_table() -> dict:
-    """op -> jobs(BenchRun): every runner module's JOBS, one row per op of OP_CONTRACTS."""
-    from dispatch.bench import extend_runner, runner
+    """op -> jobs(BenchRun): the runner's JOBS, one row per op of OP_CONTRACTS."""
+    from dispatch.bench import runner
     from dispatch.contract.ops import OP_CONTRACTS
 
-    table = {**runner.JOBS, **extend_runner.JOBS}
+    table = runner.JOBS
     missing = [op.value for op in OP_CONTRACTS if op not in table]
     assert not missing, f"every op needs a way to be measured: no JOBS row for {missing}"
     return {op: table[op] for op in OP_CONTRACTS}
@@ -125,7 +125,7 @@ def run_bench(args: argparse.Namespace) -> int:
     run = BenchRun(dispatcher, fp8, device, ceilings, args.repeats, wanted, tolerance,
                    [QuantShape(tokens, args.heads, args.head_dim) for tokens in args.tokens], logits_shapes,
                    ragged_shapes, args.k, budget)
-    # One job per (op, shape), labelled for the progress line on stderr; each op's from its runner's JOBS.
+    # One job per (op, shape), labelled for the progress line on stderr; each op's from the runner's JOBS.
     jobs = {op: build(run) for op, build in job_table().items()}
     chosen = [(op.value, label, job) for op in Op if args.op in ("all", op.value) for label, job in jobs[op]]
     if args.op in ("all", "step"):

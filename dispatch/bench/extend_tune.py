@@ -49,7 +49,7 @@ def _quant(tuner, shapes: list[RaggedShape], names: set[str]) -> list:
 
 
 def _ragged(tuner, shapes: list[RaggedShape], names: set[str]) -> list:
-    from dispatch.bench.extend_runner import bench_ragged
+    from dispatch.bench.runner import bench_ragged
 
     rows = []
     for shape in shapes:
@@ -68,7 +68,7 @@ def _as_the_step_calls(row):
 
 
 def _topk(tuner, shapes: list[RaggedShape], names: set[str]) -> list:
-    from dispatch.bench.extend_runner import bench_ragged_topk
+    from dispatch.bench.runner import bench_ragged_topk
 
     rows = []
     for shape in shapes:

@@ -201,8 +201,8 @@ def ragged_floor_counts(shape: RaggedShape) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class BenchRun:
-    """One `bench` run's settings: what each op's jobs are built from (the JOBS table of each runner
-    module, keyed by op; `bench` takes one row per op of dispatch.contract.OP_CONTRACTS)."""
+    """One `bench` run's settings: what each op's jobs are built from (the runner's JOBS table, keyed by
+    op; `bench` takes one row per op of dispatch.contract.OP_CONTRACTS)."""
 
     dispatcher: Any
     fp8: Fp8Dtype

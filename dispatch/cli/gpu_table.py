@@ -19,7 +19,7 @@ STEPS = (
     ("decode", ForwardMode.DECODE, 1, Op.PAGED_MQA_LOGITS),
     ("MTP next_n 2", ForwardMode.TARGET_VERIFY, 2, Op.PAGED_MQA_LOGITS),
     ("MTP next_n 4", ForwardMode.TARGET_VERIFY, 4, Op.PAGED_MQA_LOGITS),
-    ("prefill", ForwardMode.EXTEND, 1, Op.RAGGED_MQA_LOGITS),
+    ("extend", ForwardMode.EXTEND, 1, Op.RAGGED_MQA_LOGITS),
 )
 # Ops every step runs besides its logits; a column each.
 SHARED_OPS = ((Op.INDEXER_Q_QUANT, "Q quant"), (Op.TOPK, "top-k"))
@@ -80,7 +80,7 @@ def _row(gpu: Gpu, dispatcher: Dispatcher) -> GpuRow:
 
 def _verified_text(verified: list[tuple[str, str, str]]) -> str:
     """One kind of evidence for the whole row: just that. Else each kind with its backends, and with a
-    backend's columns where that backend has more than one kind ("triton (prefill, top-k): never run")."""
+    backend's columns where that backend has more than one kind ("triton (extend, top-k): never run")."""
     kinds: dict[str, dict[str, list[str]]] = {}
     for column, backend, kind in verified:
         columns = kinds.setdefault(kind, {}).setdefault(backend, [])

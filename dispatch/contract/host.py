@@ -232,6 +232,10 @@ def _validated(backend: object, plugin: LoadedPlugin) -> Backend:
     for field_name in ("version", "description"):
         if not isinstance(getattr(backend, field_name), str):
             raise PluginError(f"{what} whose `{field_name}` is {quoted(getattr(backend, field_name))}; expected a str")
+    # The op's Protocol is the one signature: a run that cannot take the op's call is refused here.
+    problem = OP_CONTRACTS[backend.op].call_problem(backend.run)
+    if problem:
+        raise PluginError(f"{what} for {backend.op.value} with {problem}")
     return replace(backend, plugin=plugin.name, distribution=plugin.distribution, plugin_version=plugin.version)
 
 

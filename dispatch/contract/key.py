@@ -1,9 +1,12 @@
-"""The dispatch key: the four facts about a batch that choose a path, validated where they are built."""
+"""The dispatch key: the four facts about a batch that choose a path, validated where they are built.
+`Op` is here too, its members read from the op files (dispatch/contract/ops/)."""
 
 from __future__ import annotations
 
+import ast
 import enum
 from dataclasses import dataclass
+from pathlib import Path
 
 from dispatch.contract.errors import InvalidKeyError
 
@@ -32,11 +35,26 @@ class Fp8Dtype(str, enum.Enum):
     E4M3FNUZ = "e4m3fnuz"
 
 
-class Op(str, enum.Enum):
-    PAGED_MQA_LOGITS = "paged_mqa_logits"
-    INDEXER_Q_QUANT = "indexer_q_quant"
-    TOPK = "topk"
-    RAGGED_MQA_LOGITS = "ragged_mqa_logits"
+def op_names(folder: Path = Path(__file__).parent / "ops") -> list[str]:
+    """The `name=` of every `CONTRACT = OpContract(...)` in the op files, in file order: read from their
+    source, not imported, because the op files import this module (dispatch/contract/ops/__init__.py
+    checks that the imported files declare exactly these)."""
+    names = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and [getattr(target, "id", None) for target in node.targets] == ["CONTRACT"]):
+                continue
+            name = next((kw.value for kw in node.value.keywords if kw.arg == "name"), None)
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                raise ImportError(f"{path}:{node.lineno}: CONTRACT needs its op's name as a literal `name=\"...\"`")
+            names.append(name.value)
+    return names
+
+
+# One member per op file (dispatch/contract/ops/<op>.py), named by its CONTRACT: adding an op adds its
+# file and edits nothing here.
+Op = enum.Enum("Op", [(name.upper(), name) for name in op_names()], type=str, module=__name__, qualname="Op")
 
 
 # Which fp8 encodings each arch can hold natively. gfx942 (MI300) has only the fnuz
@@ -113,3 +131,4 @@ class DispatchKey:
             f"arch={self.arch.value} forward_mode={self.forward_mode.value} "
             f"next_n={self.next_n} fp8_dtype={self.fp8_dtype.value}"
         )
+

@@ -15,6 +15,7 @@ from backends.deepgemm.plugin import deepgemm_backends, register_backends
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.key import Arch, ForwardMode, Op
 from dispatch.contract.layout import Layout
+from dispatch.contract.ops import paged_mqa_logits
 from tests.support.fake_deep_gemm import FakeDeepGemm
 from tests.support.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match
 from tests.support.paged_batch import expected_logits, paged_batch
@@ -247,19 +248,23 @@ def fresh_plan(name: str, next_n: int):
     return fake, backend, batch, plan
 
 
-def test_run_checks_the_layout_before_the_kernel():
+# The op's call checks the inputs once, before the backend (dispatch/contract/ops/paged_logits.py);
+# the backend's run adds only deep_gemm's own checks, so these go through the op.
+def test_the_ops_call_checks_the_layout_before_the_kernel():
     fake, backend, batch, plan = fresh_plan("deepgemm.sm90", 2)
     flat_q = batch.q_tokens[:, None]  # flatten-shaped q handed to a native plan
-    with pytest.raises(LayoutError, match="expects q"):
-        backend.run(plan, flat_q, batch.kv_cache, batch.weights)
+    with pytest.raises(LayoutError, match="expects per-token q"):
+        paged_mqa_logits(plan, flat_q, batch.kv_cache, batch.weights)
+    with pytest.raises(LayoutError, match="expects weights"):
+        paged_mqa_logits(plan, batch.q_tokens, batch.kv_cache, batch.weights[:-1])
     assert not fake.calls_to("fp8_fp4_paged_mqa_logits")
 
 
-def test_run_checks_the_fp8_dtype_before_the_kernel():
+def test_the_ops_call_checks_the_fp8_dtype_before_the_kernel():
     fake, backend, batch, plan = fresh_plan("deepgemm.sm90", 1)
-    q = plan.q_in_layout(batch.q_tokens).view(torch.uint8).view(torch.float8_e4m3fnuz)
+    q_tokens = batch.q_tokens.view(torch.uint8).view(torch.float8_e4m3fnuz)
     with pytest.raises(DtypeMismatchError):
-        backend.run(plan, q, batch.kv_cache, batch.weights)
+        paged_mqa_logits(plan, q_tokens, batch.kv_cache, batch.weights)
     assert not fake.calls_to("fp8_fp4_paged_mqa_logits")
 
 

@@ -82,7 +82,7 @@ def test_keys_and_rules_that_pair_the_wrong_dtype_with_gfx942_are_rejected():
         )
 
 
-# --- the same incident in prefill (extend batches: gathered K, ragged logits) -------------------------
+# --- the same incident in extend batches (gathered K, ragged logits) ---------------------------------
 
 
 def _extend_case(seed):
@@ -107,7 +107,7 @@ def test_gfx942_extend_plans_decide_fnuz_for_q_quant_and_ragged_logits():
 
 
 @pytest.mark.parametrize("backend", ["torch.reference", "rocm.fnuz"])
-def test_e4m3fn_q_against_an_fnuz_cache_is_refused_in_prefill_too(backend):
+def test_e4m3fn_q_against_an_fnuz_cache_is_refused_in_extend_too(backend):
     from dispatch.step.extend_plan import build_extend_plan
     from dispatch.contract.ops import gather_keys, ragged_mqa_logits
 

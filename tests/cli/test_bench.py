@@ -33,7 +33,7 @@ def test_compare_logits_catches_a_wrong_mask_and_nan():
 
 def test_quick_bench_of_the_extend_path(capsys):
     """bench --op ragged_mqa_logits: the op per eligible backend (checked against the reference), then
-    the whole prefill step through the decided backends, checked on sampled rows, with its chunks."""
+    the whole extend step through the decided backends, checked on sampled rows, with its chunks."""
     code = main(["bench", "--quick", "--op", "ragged_mqa_logits", "--backends", "triton", "--k", "16",
                  "--extend-shapes", "2x24+40,3x5+0", "--logits-budget", "4096", "--json"])
     report = json.loads(capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""The prefill probe's input building and checks, on the CPU at a small shape, so the one GPU run the
+"""The extend probe's input building and checks, on the CPU at a small shape, so the one GPU run the
 lead makes does not die in its setup."""
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import yaml
 
 import torch
 
-from backends.reference.plugin import run_paged_mqa_logits, run_ragged_mqa_logits
+from backends.reference.paged_mqa_logits import run_paged_mqa_logits
+from backends.reference.ragged_mqa_logits import run_ragged_mqa_logits
 from dispatch.contract.backend import Backend, Support
 from dispatch.bench.tune import measure_overlay
 from dispatch.cli.commands import main

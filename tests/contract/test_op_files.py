@@ -25,6 +25,23 @@ def test_every_op_has_one_file_and_the_tables_come_from_them():
     assert ops_for("decode") == PAGED_STEP_OPS and ops_for("extend") == EXTEND_STEP_OPS
 
 
+def test_op_is_read_from_the_op_files(tmp_path):
+    """`Op` has one member per op file, named by its CONTRACT: a new file is a new op, nothing else edited."""
+    from pathlib import Path
+
+    from dispatch.contract.key import op_names
+
+    ops_folder = Path(OP_FILES[0].__file__).parent
+    assert op_names(ops_folder) == [op.value for op in Op] == [module.CONTRACT.name for module in OP_FILES]
+    for path in ops_folder.glob("*.py"):
+        (tmp_path / path.name).write_text(path.read_text())
+    (tmp_path / "sparse_gather.py").write_text('CONTRACT = OpContract(run=R, layouts=(), summary="s", name="sparse_gather")\n')
+    assert op_names(tmp_path) == [op.value for op in Op][:2] + ["ragged_mqa_logits", "sparse_gather", "topk"]
+    (tmp_path / "zz_bad.py").write_text("NAME = 'x'\nCONTRACT = OpContract(run=R, name=NAME)\n")
+    with pytest.raises(ImportError, match=r"zz_bad.py:2: CONTRACT needs its op's name as a literal"):
+        op_names(tmp_path)
+
+
 class Recorder:
     """A backend's run that only counts its calls: the op's checks must refuse before it runs."""
 

@@ -34,8 +34,12 @@ def site(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
+def _paged_run(plan, q, kv_cache, weights, *, clean_logits=True):  # the op's call, never made here
+    raise AssertionError("not run")
+
+
 def backend(**changes) -> Backend:
-    fields = {"name": "ok", "op": Op.PAGED_MQA_LOGITS, "layout": Layout.NATIVE, "supports": Support(), "run": print}
+    fields = {"name": "ok", "op": Op.PAGED_MQA_LOGITS, "layout": Layout.NATIVE, "supports": Support(), "run": _paged_run}
     return Backend(**{**fields, **changes})
 
 
@@ -56,6 +60,10 @@ def backend(**changes) -> Backend:
         (backend(op="paged_mqa_logits"), "with op 'paged_mqa_logits'; expected a dispatch.contract.Op"),
         (backend(layout="native"), "with layout 'native'; that op takes: native, flatten"),
         (backend(run=None), "whose `run` is not callable"),
+        # The op's Protocol is the one signature: a run that cannot take its call is refused here.
+        (backend(run=lambda plan, q, kv_cache, weights: None),
+         "for paged_mqa_logits with a run(plan, q, kv_cache, weights) that cannot take paged_mqa_logits's call"),
+        (backend(run=lambda q, kv_cache, weights, *, clean_logits=True: None), "too many positional arguments"),
         (backend(probe=None), "whose `probe` is not callable"),
         (backend(probe=True), "whose `probe` is not callable"),
         (backend(prepare="schedule"), "whose `prepare` is neither None nor callable"),

@@ -33,7 +33,7 @@ from dispatch.contract.key import Op
 from dispatch.contract.layout import Layout
 
 
-def run(plan, q, kv_cache, weights):
+def run(plan, q, kv_cache, weights, *, clean_logits=True):
     raise NotImplementedError
 
 
@@ -250,8 +250,12 @@ def test_same_plugin_loaded_twice_is_refused():
         collect_backends([plugin, plugin])
 
 
+def _paged_run(plan, q, kv_cache, weights, *, clean_logits=True):  # the op's call, never made here
+    raise AssertionError("not run")
+
+
 def _backend(**changes) -> Backend:
-    fields = {"name": "ok", "op": Op.PAGED_MQA_LOGITS, "layout": Layout.NATIVE, "supports": Support(), "run": print}
+    fields = {"name": "ok", "op": Op.PAGED_MQA_LOGITS, "layout": Layout.NATIVE, "supports": Support(), "run": _paged_run}
     return Backend(**{**fields, **changes})
 
 

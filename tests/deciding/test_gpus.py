@@ -107,7 +107,7 @@ def test_gpus_follows_the_registry(capsys, tmp_path):
     code, out, err = run(capsys, "gpus", "--format", "json", "--registry", str(path))
     assert code == 0, err
     b200 = next(row for row in json.loads(out) if row["gpu"] == "B200")
-    assert b200["decided"]["decode"] == "triton" and b200["decided"]["prefill"] == "triton"
+    assert b200["decided"]["decode"] == "triton" and b200["decided"]["extend"] == "triton"
 
 
 def test_the_readme_table_is_the_commands_output(capsys):

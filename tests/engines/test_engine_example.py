@@ -1,4 +1,4 @@
-"""The engine example runs end to end (two prefill steps, then decode, verify and draft extension), and
+"""The engine example runs end to end (two extend steps, then decode, verify and draft extension), and
 each layer's top-k holds exactly the visible keys of each token (every one, when fewer than k are
 visible), with -1 padding: positions in the request, causal inside an extend batch."""
 
@@ -44,7 +44,7 @@ def test_engine_loop_selects_only_visible_keys():
     first, second = results[0][0], results[2][0]
     assert first.total_keys == first.total_tokens  # nothing cached yet
     assert second.total_keys == second.total_tokens + first.total_tokens  # the first part is its prefix
-    assert len(second.chunks) > 1  # the example's small logits budget chunks the second prefill
+    assert len(second.chunks) > 1  # the example's small logits budget chunks the second extend batch
 
 
 def test_the_decision_log_is_on_by_default(capsys):

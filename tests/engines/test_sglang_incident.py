@@ -118,11 +118,9 @@ def test_every_tagged_backend_gives_the_reference_answer(seq_lens, next_n, mode)
 
 
 def refusing(backend):
-    """What refuses a mismatched plan before the kernel: the DeepGEMM backend's own run (it checks what its
-    kernel needs), else the op's checks, which the host runs against the decision's layout before any
-    backend (dispatch/contract/ops/paged_logits.py)."""
-    if backend.name.startswith("deepgemm"):
-        return backend.run
+    """What refuses a mismatched plan before any kernel: the op's checks, which the op's call runs once
+    against the decision's layout before the backend (dispatch/contract/ops/paged_logits.py), whichever
+    backend it is (DeepGEMM's run adds only what its kernel needs)."""
     return lambda plan, q, kv_cache, weights: check_logits_inputs(plan, q, kv_cache, weights, consumes=backend.layout)
 
 

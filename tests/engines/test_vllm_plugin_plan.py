@@ -1,6 +1,6 @@
 """The plans the vLLM plugin builds from vLLM's indexer metadata (built with vLLM's own builder pieces)
 against vLLM's semantics: the decode part's per-token lengths are vLLM's own native [B, next_n] lengths
-and its block table vLLM's rows; each prefill part's key ranges are vLLM's cu_seqlen_ks / ke; and the
+and its block table vLLM's rows; each extend part's key ranges are vLLM's cu_seqlen_ks / ke; and the
 forwards dispatch cannot describe are named, not guessed at."""
 
 import dataclasses
@@ -55,7 +55,7 @@ def test_extend_plans_are_vllms_chunks(vllm_indexer, budget):
     built = plans(metadata)
     covered = [built.decode_tokens]
     chunks = iter(metadata.prefill.chunks)
-    for part in built.prefills:
+    for part in built.extend_parts:
         assert part.rows.start == covered[-1]
         covered.append(part.rows.stop)
         group = [next(chunks)]

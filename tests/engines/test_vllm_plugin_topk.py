@@ -1,7 +1,7 @@
 """The plugin's top-k, written into vLLM's topk_indices_buffer through vLLM's own call signature and
 forward context, against a torch reference of what vLLM's indexer computes from the same metadata
 (vLLM's op needs vllm._C and does not run on a CPU). Ragged batches: decode, target_verify (native
-next_n 2 and 4), prefill chunks, a request vLLM splits over query chunks, and mixed forwards."""
+next_n 2 and 4), vLLM's prefill chunks, a request vLLM splits over query chunks, and mixed forwards."""
 
 import pytest
 import torch

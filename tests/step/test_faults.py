@@ -49,7 +49,7 @@ def raising(error: Exception):
 def plan_with(logits_error: Exception, quant_error: Exception | None = None):
     catalog = catalog_of(
         fake_backend("faulty", run=raising(logits_error)),
-        fake_backend("healthy", run=lambda *a: "healthy ran"),
+        fake_backend("healthy", run=lambda *a, **k: "healthy ran"),
         fake_backend("faulty", QUANT, run=raising(quant_error or logits_error)),
         fake_backend("topk", Op.TOPK), fake_backend("topk", Op.RAGGED_MQA_LOGITS),
     )

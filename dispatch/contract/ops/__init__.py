@@ -1,7 +1,7 @@
 """The ops, one file each (q_quant.py, paged_logits.py, ragged_logits.py, top_k.py): an op's call
 convention, the layouts it accepts, its input and output checks and the host-side call through a
-plan's decision. OP_CONTRACTS and the indexer's step tables are built here from every file of this
-package that declares a CONTRACT, so adding an op adds its file and edits nothing here."""
+plan's decision. `Op`, OP_CONTRACTS and the indexer's step tables are built here from every file of
+this package that declares a CONTRACT, so adding an op adds its file and edits nothing here."""
 
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ OP_FILES = tuple(
     for module in (importlib.import_module(f"{__name__}.{info.name}") for info in sorted(pkgutil.iter_modules(__path__)))
     if hasattr(module, "CONTRACT")
 )
-_DECLARED = {module.CONTRACT.op: module.CONTRACT for module in OP_FILES}
-if set(_DECLARED) != set(Op):
-    raise ImportError(f"every Op needs a file in dispatch/contract/ops/; none for {sorted(set(Op) - set(_DECLARED))}")
+_DECLARED = [module.CONTRACT.name for module in OP_FILES]
+if _DECLARED != [op.value for op in Op]:  # Op is read from these files' source (dispatch/contract/key.py)
+    raise ImportError(f"dispatch/contract/ops/ declares the ops {_DECLARED}; Op has {[op.value for op in Op]}")
 
-OP_CONTRACTS: dict[Op, OpContract] = {op: _DECLARED[op] for op in Op}  # in Op's order
+OP_CONTRACTS: dict[Op, OpContract] = {module.CONTRACT.op: module.CONTRACT for module in OP_FILES}  # in Op's order
 
 
 def step_ops(step: str) -> tuple[Op, ...]:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Protocol
 from dispatch.contract.calling import call_backend
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.fp8 import torch_dtype
-from dispatch.contract.key import Op
 from dispatch.contract.layout import Layout, rows_and_tokens
 from dispatch.contract.ops.op_contract import PAGED_STEP, OpContract
 from dispatch.contract.output_checks import check_output
@@ -47,7 +46,7 @@ CONTRACT = OpContract(
     run=PagedMqaLogitsRun,
     layouts=(Layout.NATIVE, Layout.FLATTEN),
     summary="fp32 logits of every visible cached key",
-    op=Op.PAGED_MQA_LOGITS,
+    name="paged_mqa_logits",
     steps=(PAGED_STEP,),
     stage=1,
 )
@@ -61,7 +60,7 @@ def paged_mqa_logits(plan, q_tokens: torch.Tensor, kv_cache: torch.Tensor, weigh
     import torch
 
 
-    decision = plan.decision(Op.PAGED_MQA_LOGITS)
+    decision = plan.decision(CONTRACT.op)
     q = plan.q_in_layout(q_tokens)
     check_logits_inputs(plan, q, kv_cache, weights, consumes=decision.layout)
     out = call_backend(decision, plan, q, kv_cache, weights, clean_logits=clean_logits)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from dispatch.contract.calling import call_backend
 from dispatch.contract.errors import LayoutError
 from dispatch.contract.fp8 import torch_dtype
-from dispatch.contract.key import Fp8Dtype, Op
+from dispatch.contract.key import Fp8Dtype
 from dispatch.contract.layout import Layout
 from dispatch.contract.ops.op_contract import EXTEND_STEP, PAGED_STEP, OpContract
 from dispatch.contract.output_checks import check_output, check_pair
@@ -47,7 +47,7 @@ CONTRACT = OpContract(
     run=IndexerQQuantRun,
     layouts=(Layout.TOKENS,),
     summary="RoPE, power-of-two scale, fp8 store, scale folded into weights",
-    op=Op.INDEXER_Q_QUANT,
+    name="indexer_q_quant",
     steps=(PAGED_STEP, EXTEND_STEP),
     stage=0,
 )
@@ -68,7 +68,7 @@ def indexer_q_quant(
     import torch
 
 
-    decision = plan.decision(Op.INDEXER_Q_QUANT)
+    decision = plan.decision(CONTRACT.op)
     check_q_quant_inputs(q, weights, positions, cos_sin_cache, plan.error_flags)
     out = call_backend(
         decision,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from dispatch.contract.calling import call_backend
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.fp8 import torch_dtype
-from dispatch.contract.key import Fp8Dtype, Op
+from dispatch.contract.key import Fp8Dtype
 from dispatch.contract.layout import Layout
 from dispatch.contract.ops.op_contract import EXTEND_STEP, OpContract
 from dispatch.contract.output_checks import check_output, check_pair
@@ -62,7 +62,7 @@ CONTRACT = OpContract(
     run=RaggedMqaLogitsRun,
     layouts=(Layout.RAGGED,),
     summary="fp32 logits of each query row over its key range [ks, ke)",
-    op=Op.RAGGED_MQA_LOGITS,
+    name="ragged_mqa_logits",
     steps=(EXTEND_STEP,),
     stage=1,
 )
@@ -75,7 +75,7 @@ def ragged_mqa_logits(plan, q: torch.Tensor, k: torch.Tensor, scales: torch.Tens
     import torch
 
 
-    decision = plan.decision(Op.RAGGED_MQA_LOGITS)
+    decision = plan.decision(CONTRACT.op)
     fp8_dtype = decision.key.fp8_dtype
     check_ragged_logits_inputs(q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype)
     out = call_backend(decision, q, k, scales, weights, ks, ke, fp8_dtype=fp8_dtype, clean_logits=clean_logits)
@@ -88,8 +88,8 @@ def gather_keys(plan, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     ragged logits backend's per-batch gather (RaggedKeyGather)."""
     import torch
 
-    decision = plan.decision(Op.RAGGED_MQA_LOGITS)
-    gather = plan.state_of(Op.RAGGED_MQA_LOGITS)
+    decision = plan.decision(CONTRACT.op)
+    gather = plan.state_of(CONTRACT.op)
     if gather is None:
         raise LayoutError(
             f"backend `{decision.backend}` gave the plan no K gather (its prepare); a ragged logits backend must"

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from dispatch.contract.calling import call_backend
 from dispatch.contract.errors import LayoutError
-from dispatch.contract.key import Op
 from dispatch.contract.kv_cache import BLOCK_KV
 from dispatch.contract.layout import Layout
 from dispatch.contract.ops.op_contract import EXTEND_STEP, PAGED_STEP, OpContract
@@ -48,7 +47,7 @@ CONTRACT = OpContract(
     run=TopkRun,
     layouts=(Layout.ROWS,),
     summary="the k largest visible logits per row, -1 padded",
-    op=Op.TOPK,
+    name="topk",
     steps=(PAGED_STEP, EXTEND_STEP),
     stage=2,
 )
@@ -82,14 +81,14 @@ def topk_rows(
     import torch
 
 
-    decision = plan.decision(Op.TOPK)
+    decision = plan.decision(CONTRACT.op)
     check_topk_inputs(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
                       block_size=block_size)
     optional = {name: value for name, value in (("starts", starts), ("page_table", page_table),
                                                  ("page_rows", page_rows)) if value is not None}
     if page_table is not None:
         optional["block_size"] = block_size
-    state = plan.state_of(Op.TOPK)
+    state = plan.state_of(CONTRACT.op)
     if state is not None:  # a top-k backend with prepare(plan) gets the batch's state it built
         optional["state"] = state
     out = call_backend(decision, logits, lengths, k, sorted=sorted, **optional)

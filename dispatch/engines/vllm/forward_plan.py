@@ -2,9 +2,9 @@
 (`DeepseekV32IndexerMetadata`, made by `DeepseekV32IndexerMetadataBuilder.build`) once per forward.
 
 vLLM orders a forward's requests decodes first: tokens [0, num_decode_tokens) are the decode part,
-the rest the prefill part. The decode part becomes one paged plan (a PagedBatch of the decode
+the rest (vLLM's prefills) the extend part. The decode part becomes one paged plan (a PagedBatch of the decode
 requests' total lengths and page-table rows: dispatch, not vLLM's start-up flag, decides native or
-flatten). The prefill part becomes one extend plan per group of vLLM's prefill chunks: a chunk of whole
+flatten). The extend part becomes one extend plan per group of vLLM's prefill chunks: a chunk of whole
 requests is a group; a request vLLM split over several query chunks (its logits alone pass vLLM's
 budget: the later chunks carry `skip_kv_gather`) is one group, re-chunked by dispatch's own budget.
 Everything read on the host is a host value vLLM keeps (counts, `max_seq_len`, `total_seq_lens`,
@@ -25,7 +25,7 @@ from dispatch.step.extend_batch import DEFAULT_LOGITS_BYTES, ExtendBatch
 
 
 @dataclass(frozen=True)
-class PrefillPart:
+class ExtendPart:
     """One extend plan and the forward's token rows it serves."""
 
     rows: slice
@@ -39,11 +39,11 @@ class ForwardPlans:
     metadata: Any
     decode: PagedPlan | None
     decode_tokens: int
-    prefills: tuple[PrefillPart, ...]
+    extend_parts: tuple[ExtendPart, ...]
 
     @property
     def plans(self) -> tuple[PagedPlan | ExtendPlan, ...]:
-        return ((self.decode,) if self.decode is not None else ()) + tuple(p.plan for p in self.prefills)
+        return ((self.decode,) if self.decode is not None else ()) + tuple(p.plan for p in self.extend_parts)
 
 
 def not_served(metadata: Any) -> str | None:
@@ -79,14 +79,14 @@ def build_forward_plans(
     decode = None
     if metadata.num_decodes > 0:
         decode = build_plan(dispatcher, decode_batch(metadata, num_kv_blocks), kv_fp8_dtype=kv_fp8_dtype)
-    prefills = ()
+    extend_parts = ()
     if metadata.num_prefills > 0:
-        prefills = tuple(
-            PrefillPart(rows, build_extend_plan(dispatcher, batch, kv_fp8_dtype=kv_fp8_dtype,
+        extend_parts = tuple(
+            ExtendPart(rows, build_extend_plan(dispatcher, batch, kv_fp8_dtype=kv_fp8_dtype,
                                                 logits_byte_budget=logits_byte_budget))
             for rows, batch in extend_batches(metadata.prefill.chunks, block_kv)
         )
-    return ForwardPlans(metadata, decode, metadata.num_decode_tokens, prefills)
+    return ForwardPlans(metadata, decode, metadata.num_decode_tokens, extend_parts)
 
 
 def decode_batch(metadata: Any, num_kv_blocks: int) -> PagedBatch:

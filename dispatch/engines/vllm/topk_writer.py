@@ -1,5 +1,5 @@
 """One layer of vLLM's indexer through dispatch's plans: paged logits and top-k for the decode part,
-K gather, ragged logits and top-k for each prefill part, written into vLLM's `topk_indices_buffer`
+K gather, ragged logits and top-k for each extend part, written into vLLM's `topk_indices_buffer`
 as vLLM writes it (int32 [:T, :topk], each index a position in its request, -1 padded).
 
 Q arrives as vLLM holds it: fp8 with the Q scale folded into the head weights (what vLLM's fused Q
@@ -60,7 +60,7 @@ def write_topk(
         q_fp8, folded = _quantised(plans.decode, q, weights, rows, quantise)
         logits = paged_mqa_logits(plans.decode, q_fp8, kv, folded, clean_logits=False)
         topk_indices_buffer[rows, :topk_tokens] = topk(plans.decode, logits, topk_tokens, block_size=kv.shape[1])
-    for part in plans.prefills:
+    for part in plans.extend_parts:
         start = part.rows.start  # the part's rows within this forward's tokens
 
         def quantised_rows(rows: slice, plan=part.plan, start=start):
