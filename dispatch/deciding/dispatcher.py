@@ -198,7 +198,9 @@ class Dispatcher:
             _Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]", ("ops", op.value, "fallback", i))
             for i, name in enumerate(table.fallback)
         ]
-        return steps
+        # A rule may name a backend whose plugin is not loaded here (an allowlist, a catalog of one's own):
+        # it is skipped as the cluster's and the overlay's unknown names are, never chosen.
+        return [step for step in steps if self.catalog.get(op, step.backend) is not None]
 
     def _measured_preference(self, op: Op, key: DispatchKey):
         """(position, Preference) the cluster's measured overlay holds for (op, key), or None."""

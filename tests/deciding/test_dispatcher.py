@@ -84,6 +84,20 @@ def test_later_matching_rules_are_not_consulted():
     assert reasons(decision)["d"].startswith("eligible, but no cluster preference")
 
 
+def test_a_rule_naming_a_backend_not_registered_here_skips_it():
+    # `a`'s plugin is not loaded (an allowlist, a catalog of one's own): the rule's next name serves,
+    # and no rejection names the missing one (it is no candidate here).
+    catalog = catalog_of(fake_backend("b"), fake_backend("c"), fake_backend("d"))
+    decision = dispatcher(ORDER, catalog).decide(LOGITS, key())
+    assert (decision.backend, decision.rule, decision.source) == ("b", "first", "rule")
+    assert "a" not in reasons(decision)
+
+
+def test_when_no_named_backend_is_registered_the_error_lists_the_candidates():
+    with pytest.raises(NoBackendError, match="d: eligible, but no cluster preference"):
+        dispatcher(ORDER, catalog_of(fake_backend("d"))).decide(LOGITS, key(arch="cpu"))
+
+
 def test_no_matching_rule_goes_straight_to_fallback():
     decision = dispatcher(ORDER, order_catalog()).decide(LOGITS, key(arch="cpu"))
     assert (decision.backend, decision.rule, decision.source) == ("c", "fallback[0]", "fallback")
