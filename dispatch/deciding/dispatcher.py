@@ -177,18 +177,16 @@ class Dispatcher:
         steps = []
         if self.cluster is not None:
             for index, name in enumerate(self.document.registry.clusters[self.cluster].prefer):
-                if self.catalog.get(op, name) is not None:
-                    label = f"cluster `{self.cluster}` prefer[{index}]"
-                    location = ("clusters", self.cluster, "prefer", index)
-                    steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", label, location))
+                label = f"cluster `{self.cluster}` prefer[{index}]"
+                location = ("clusters", self.cluster, "prefer", index)
+                steps.append(_Step(name, f"prefer[{index}]", "cluster-prefer", label, location))
         measured = self._measured_preference(op, key)
         if measured is not None:
             position, preference = measured
             for index, name in enumerate(preference.order):
-                if self.catalog.get(op, name) is not None:
-                    where = self._measured.where(("ops", op.value, "preferences", position, "order", index))
-                    label = f"cluster `{self.cluster}` measured"
-                    steps.append(_Step(name, f"measured[{index}]", "measured", label, (), where))
+                where = self._measured.where(("ops", op.value, "preferences", position, "order", index))
+                label = f"cluster `{self.cluster}` measured"
+                steps.append(_Step(name, f"measured[{index}]", "measured", label, (), where))
         table = self.document.registry.table(op)
         index = table.first_match(key)
         if index is not None:
@@ -198,8 +196,8 @@ class Dispatcher:
             _Step(name, f"fallback[{i}]", "fallback", f"fallback[{i}]", ("ops", op.value, "fallback", i))
             for i, name in enumerate(table.fallback)
         ]
-        # A rule may name a backend whose plugin is not loaded here (an allowlist, a catalog of one's own):
-        # it is skipped as the cluster's and the overlay's unknown names are, never chosen.
+        # Any of them may name a backend whose plugin is not loaded here (an allowlist, a catalog of one's
+        # own, a cluster's or an overlay's name): it is skipped, never chosen.
         return [step for step in steps if self.catalog.get(op, step.backend) is not None]
 
     def _measured_preference(self, op: Op, key: DispatchKey):
