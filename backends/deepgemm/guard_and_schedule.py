@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.page_guard import SCAN_PAGES, PageGuard, _page_guard_kernel
-from dispatch.contract import BAD_PAGE, LENGTH_PAST_BOUND, LayoutError
+from backends.shared.page_guard import PageGuard, _page_guard_kernel
+from dispatch.contract import LayoutError
 
 if TYPE_CHECKING:
     from dispatch.contract import PagedPlan
@@ -206,8 +206,6 @@ class DeepGemmSchedule:
 def launch_guard_and_schedule(guard: PageGuard, schedule: DeepGemmSchedule, num_blocks: int) -> None:
     """Guard the plan's lens and table against a pool of `num_blocks` and compute deep_gemm's schedule:
     one launch (what guard.launch(num_blocks) then schedule.launch() compute)."""
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-        raise LayoutError(f"num_kv_blocks must be a host int >= 0; got {num_blocks!r}")
     if schedule.context_lens is not guard.context_lens:
         raise LayoutError("the page guard and the schedule must be over the same lens")
     rows, next_n = guard.context_lens.shape
@@ -215,14 +213,11 @@ def launch_guard_and_schedule(guard: PageGuard, schedule: DeepGemmSchedule, num_
         guard.launch(num_blocks)
         schedule.launch()
         return
-    guard.num_blocks = num_blocks
+    guard_arguments, guard_constants = guard.kernel_arguments(num_blocks)
     _guard_and_schedule_kernel[(rows + 1,)](
-        guard.context_lens, guard.block_table, guard.safe_table, guard.lens, guard.fill, guard.error_flags,
-        num_blocks, guard.max_context_len, guard.safe_table.shape[1], guard.context_lens.stride(0),
-        guard.block_table.stride(0),
+        *guard_arguments,
         *schedule.arguments(),
-        N=next_n, N_BLOCK=triton.next_power_of_2(next_n), BLOCK_KV=guard.block_kv, SCAN_PAGES=SCAN_PAGES,
-        BAD_PAGE=BAD_PAGE, LENGTH_PAST_BOUND=LENGTH_PAST_BOUND,
+        **guard_constants,
         **schedule.constants(),
         num_warps=4,
     )

@@ -127,31 +127,25 @@ class PageGuard:
 
     def launch(self, num_blocks: int) -> None:
         """Guard the current contents of the plan's lens and table against a pool of `num_blocks`."""
+        arguments, constants = self.kernel_arguments(num_blocks)
+        if self.context_lens.shape[0] == 0:
+            return
+        _page_guard_kernel[(self.context_lens.shape[0],)](*arguments, **constants)
+
+    def kernel_arguments(self, num_blocks: int) -> tuple[tuple, dict]:
+        """The guard body's arguments, in _page_guard_kernel's order, and its constexprs, for a pool of
+        `num_blocks` (checked, and kept as the pool every layer's cache must cover). One list for the
+        guard's own launch and for the kernels that run its body beside another's (guard_and_schedule)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise LayoutError(f"num_kv_blocks must be a host int >= 0; got {num_blocks!r}")
         self.num_blocks = num_blocks
-        rows, next_n = self.context_lens.shape
-        if rows == 0:
-            return
-        _page_guard_kernel[(rows,)](
-            ctx_ptr=self.context_lens,
-            table_ptr=self.block_table,
-            safe_table_ptr=self.safe_table,
-            lens_ptr=self.lens,
-            fill_ptr=self.fill,
-            error_flags_ptr=self.error_flags,
-            num_blocks=num_blocks,
-            max_context_len=self.max_context_len,
-            pages=self.safe_table.shape[1],
-            stride_ctx_row=self.context_lens.stride(0),
-            stride_table_row=self.block_table.stride(0),
-            N=next_n,
-            N_BLOCK=triton.next_power_of_2(next_n),
-            BLOCK_KV=self.block_kv,
-            SCAN_PAGES=SCAN_PAGES,
-            BAD_PAGE=BAD_PAGE,
-            LENGTH_PAST_BOUND=LENGTH_PAST_BOUND,
-        )
+        next_n = self.context_lens.shape[1]
+        arguments = (self.context_lens, self.block_table, self.safe_table, self.lens, self.fill, self.error_flags,
+                     num_blocks, self.max_context_len, self.safe_table.shape[1], self.context_lens.stride(0),
+                     self.block_table.stride(0))
+        constants = dict(N=next_n, N_BLOCK=triton.next_power_of_2(next_n), BLOCK_KV=self.block_kv,
+                         SCAN_PAGES=SCAN_PAGES, BAD_PAGE=BAD_PAGE, LENGTH_PAST_BOUND=LENGTH_PAST_BOUND)
+        return arguments, constants
 
     def for_cache(self, kv_cache: torch.Tensor) -> "PageGuard":
         """Per layer, host-side only (shapes): guard now if the pool size was not known at plan time, and
