@@ -99,7 +99,8 @@ def run_v2_ragged(module: ModuleType, logits, lengths, k, *, starts=None, page_t
     if rows == 0 or width == 0:
         return _none_selected(rows, k, logits.device)
     scores = aligned_rows(logits, V2_ROW_MULTIPLE)
-    first = torch.zeros_like(lengths) if starts is None else starts.to(torch.int32)
+    # Its matcher takes row_starts int32 and contiguous only; a strided view of an engine's starts is copied.
+    first = torch.zeros_like(lengths) if starts is None else starts.to(torch.int32).contiguous()
     lens = clamped_lengths(scores, lengths, first)
     # The kernel masks the <= 3 columns between each window's 16-byte-aligned base and its start.
     ahead = ((first // V2_ROW_MULTIPLE) * V2_ROW_MULTIPLE).long()[:, None] + torch.arange(
@@ -120,7 +121,7 @@ def run_fast_topk(module: ModuleType, logits, lengths, k, *, starts=None, page_t
     FAST_TOPK.check(rows, k, starts=starts is not None, width=width)
     if rows == 0 or width == 0:
         return _none_selected(rows, k, logits.device)
-    first = None if starts is None else starts.to(torch.int32)
+    first = None if starts is None else starts.to(torch.int32).contiguous()  # the kernel reads row_starts[row]
     lens = clamped_lengths(logits, lengths, first)
     positions = module.fast_topk_v2(logits, lens, k, row_starts=first)
     return finish(logits, lens, positions, page_table=page_table, page_rows=page_rows, block_size=block_size,

@@ -130,6 +130,20 @@ def test_ragged_v2_leaves_the_callers_logits_as_they_were():
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("name,k", [(name, k) for name, k, with_starts in CASES if with_starts])
+def test_strided_row_starts_and_lengths_reach_the_kernel_contiguous(name, k):
+    """An engine's starts and lengths may be columns of one [rows, 2] tensor (ks, ke): the kernels read
+    them through raw pointers or contiguous-only matchers, so the adapter hands them over contiguous."""
+    backends, _ = engine_backends()
+    logits, lengths, starts = ragged_rows(8, 2600, starts=True, seed=17)
+    packed = torch.stack([starts, lengths], dim=1)  # [rows, 2]: each column strided
+    strided_starts, strided_lengths = packed[:, 0], packed[:, 1]
+    assert not strided_starts.is_contiguous()
+    got = backends[name].run(logits, strided_lengths, k, starts=strided_starts)
+    want = backends[name].run(logits, lengths, k, starts=starts)
+    assert values_of(logits, got, starts) == values_of(logits, want, starts)
+
+
 def test_paged_v2_uses_the_routing_plan_built_once_per_batch():
     backends, calls = engine_backends()
     backend = backends["sglang.topk_v2"]

@@ -93,6 +93,9 @@ class FakeSglangV2(types.ModuleType):
                                dict(out_offsets=out_offsets, out_indices=out_indices, row_starts=row_starts)))
         rows, k = out_indices.shape
         _check_v2_scores(scores, seq_lens, k)
+        # Its TensorMatcher for row_starts and out_offsets is the default one: int32, contiguous.
+        for tensor in (row_starts, out_offsets):
+            assert tensor is None or (tensor.dtype == torch.int32 and tensor.is_contiguous())
         raw = _select_rows(scores, seq_lens, k, row_starts, who="topk_transform_ragged_v2")
         out_indices.copy_(torch.where(raw >= 0, raw + out_offsets[:, None], -1))
         if row_starts is not None:  # the 16-byte-aligned read base: the columns it pulls in are masked
@@ -119,6 +122,9 @@ class FakeSglKernel(types.ModuleType):
         self.calls.append(Call("fast_topk_v2", (score, lengths, topk), dict(row_starts=row_starts)))
         assert topk == 2048, "fast_topk_v2 is only optimized for deepseek v3.2 model, where topk=2048"
         assert score.dim() == 2 and score.stride(1) == 1 and lengths.dtype == torch.int32
+        # The kernel reads lengths[row] and row_starts[row] from their raw pointers.
+        assert lengths.is_contiguous() and (row_starts is None or (row_starts.dtype == torch.int32
+                                                                   and row_starts.is_contiguous()))
         return _select_rows(score, lengths, topk, row_starts, who="fast_topk_v2")
 
 
