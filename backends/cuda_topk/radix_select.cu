@@ -4,12 +4,15 @@
 // 512-thread CTAs share an SM, so one row's select overlaps another row's read). Per row:
 // - short rows (n <= kCandCap): the row read once into registers (kCandCap / T keys a thread, scalar
 //   coalesced loads, so any start or stride), then the exact radix select over those registers.
-// - longer rows, the filtered pass: a sample of kSample keys spread over the row gives a cut at the
-//   lower edge of the top-11-bit bin holding the sample's r-th largest (r a few standard deviations
-//   past what the sample expects above the k-th largest key); the row streamed once from HBM with
-//   16-byte loads, every key at or above the cut appended to a shared-memory list (a thread's 16 keys
-//   take their slots with one warp scan and one shared atomic per warp); a list of at least k keys is
-//   read into registers and takes the same radix select.
+// - longer rows, the filtered pass: a sample of kSample keys (four adjacent keys at each of kSpots
+//   spots spread over the row) gives a cut at the lower edge of the top-11-bit bin holding the
+//   sample's r-th largest (r a few standard deviations past what the sample expects above the k-th
+//   largest key); the row streamed once from HBM with 16-byte loads (the next ones in flight while
+//   the current ones are filed), every key at or above the cut appended to a shared-memory list (a
+//   thread's 16 keys take their slots with one warp scan and one shared atomic per warp); a list of
+//   at least k keys is read into registers and takes the same radix select.
+// The select over registers visits only the register slots that hold entries (a 2.4K-key row at 1024
+// threads: 3 of 8).
 // The radix select: 11 + 11 + 10-bit digits; each round one histogram (shared atomics; the next
 // round's histogram cleared meanwhile, two buffers) and one threshold search (a warp scan, then every
 // warp sums the warps before it itself: two block-wide syncs), so three syncs a digit; then the keys
@@ -35,6 +38,7 @@ namespace {
 
 constexpr int kMaxWarps = 32;   // a CTA of 1024 threads
 constexpr int kSample = 1024;   // keys the cut samples from a long row
+constexpr int kSpots = 256;     // where the sample's keys are read: four adjacent keys at each
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
 constexpr int kCandCap = 8192;    // candidates kept as a list (the filtered pass's 2-7K; a threshold bin's 1-3K)
@@ -228,17 +232,22 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const Share
 }
 
 // The cut for the filtered pass over a long row (n > kCandCap): a key at or above it is a candidate.
-// kSample keys spread over the row; the cut is the lower edge of the top-11-bit bin holding the
-// sample's r-th largest, r a few standard deviations past the k * kSample / n the sample expects above
-// the k-th largest key. 0: no cut (the sample holds too few numbers), so the row takes the full select.
-// Leaves s.hist[0] cleared.
+// kSample keys from kSpots spots spread over the row, kSample / kSpots adjacent keys at each (adjacent
+// lanes read one 32-byte sector: a quarter of the DRAM accesses of kSample scattered keys, whose
+// loads held 9% of the stall samples at 512 x 49K on the H200). The cut is the lower edge of the
+// top-11-bit bin holding the sample's r-th largest, r a few standard deviations past the
+// k * kSample / n the sample expects above the k-th largest key. 0: no cut (the sample holds too few
+// numbers), so the row takes the full select. Leaves s.hist[0] cleared.
 template <int T>
 __device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
+  constexpr int kAt = kSample / kSpots;
   const int t = threadIdx.x;
-  const int step = v.n / kSample;
+  const int step = v.n / kSpots;  // >= kCandCap / kSpots > kAt: the spots never overlap
 #pragma unroll
-  for (int j = t; j < kSample; j += T)
-    atomicAdd(&s.hist[0][ordered_key(v.src[static_cast<int64_t>(j) * step + step / 2]) >> 21], 1);
+  for (int j = t; j < kSample; j += T) {
+    const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
+    atomicAdd(&s.hist[0][ordered_key(v.src[i]) >> 21], 1);
+  }
   __syncthreads();
   const int numbers = kSample - s.hist[0][0];
   const float expect = static_cast<float>(k) * kSample / v.n;
@@ -253,45 +262,62 @@ __device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
   return cut;  // the sync after collect_candidates orders the clearing before the next histogram
 }
 
+// The value a float compare takes for the cut: every non-NaN x with ordered_key(x) >= cut, and no
+// other x but -0.0 when the cut is +0.0's key (so the list is every key at or above -0.0's key: still
+// a cut). A cut at or below -inf's key takes every number.
+__device__ __forceinline__ float cut_value(uint32_t cut) {
+  if (cut <= 0x007FFFFFu) return -__int_as_float(0x7F800000);
+  return __uint_as_float((cut & 0x80000000u) ? (cut & 0x7FFFFFFFu) : ~cut);
+}
+
 // The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut`
-// appended to the candidate list (slots past kCandCap counted, not written).
+// appended to the candidate list (slots past kCandCap counted, not written). Keys are compared as
+// floats (one compare; NaN fails it), and only the taken ones are turned into keys: measured with this
+// round's other changes, and alone 0.1-1.6 us slower than the key compare (benchmark-history, round 4).
+// The next kUnroll loads are in flight while the current ones are filed.
 template <int T>
 __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
   const int t = threadIdx.x;
   const int n = v.n;
   const int head = min(n, (4 - v.pad) & 3);
-  auto offer = [&](bool in, uint32_t key, int pos) {  // warp-uniform
-    const bool take = in && key >= cut;
+  const float floor = cut_value(cut);
+  auto offer = [&](bool in, float x, int pos) {  // warp-uniform
+    const bool take = in && x >= floor;
     const int c = warp_slot(take, &s.cand_count);
     if (take && c < kCandCap) {
-      s.cand_key[c] = key;
+      s.cand_key[c] = ordered_key(x);
       s.cand_pos[c] = pos;
     }
   };
-  offer(t < head, t < head ? ordered_key(v.src[t]) : 0u, t);
+  offer(t < head, t < head ? v.src[t] : 0.f, t);
   const int vectors = (n - head) / 4;
   const float4* body = reinterpret_cast<const float4*>(v.src + head);
   const int lane = t & 31;
+  float4 next[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int j = u * T + t;
+    next[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   for (int base = 0; base < vectors; base += T * kUnroll) {
-    float4 x[kUnroll];
+    float x[4 * kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int j = base + u * T + t;
-      x[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+      x[4 * u] = next[u].x;
+      x[4 * u + 1] = next[u].y;
+      x[4 * u + 2] = next[u].z;
+      x[4 * u + 3] = next[u].w;
+      const int j = base + T * kUnroll + u * T + t;
+      next[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // A thread's 4 * kUnroll keys take their slots together: one warp scan and one shared atomic per
     // warp for 512 keys (a slot counter per key serialises the CTA's warps on one address).
-    uint32_t keys[4 * kUnroll];
     unsigned taken = 0;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const bool in = base + u * T + t < vectors;
-      keys[4 * u] = ordered_key(x[u].x);
-      keys[4 * u + 1] = ordered_key(x[u].y);
-      keys[4 * u + 2] = ordered_key(x[u].z);
-      keys[4 * u + 3] = ordered_key(x[u].w);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && keys[4 * u + c] >= cut) << (4 * u + c);
+      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && x[4 * u + c] >= floor) << (4 * u + c);
     }
     const int mine = __popc(taken);
     int inclusive = mine;
@@ -308,7 +334,7 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
     for (int e = 0; e < 4 * kUnroll; ++e) {
       if ((taken >> e) & 1u) {
         if (slot < kCandCap) {
-          s.cand_key[slot] = keys[e];
+          s.cand_key[slot] = ordered_key(x[e]);
           s.cand_pos[slot] = head + 4 * (base + (e / 4) * T + t) + e % 4;
         }
         ++slot;
@@ -316,20 +342,23 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
     }
   }
   const int tail = head + 4 * vectors + t;
-  offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
+  offer(tail < n, tail < n ? v.src[tail] : 0.f, tail);
 }
 
-// The k largest of the keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key 0 for
-// NaN and for entries past the end) into out_row: three radix rounds over the registers, then the keys
-// above the threshold and the first `need` equal to it; where no more than k are selectable (non-NaN),
-// all of them, then -1. pos(i) is entry i's position in the row. s.hist[0] is clear on entry.
+// The k largest of the `count` keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key
+// 0 for NaN and for entries past the end) into out_row: three radix rounds over the registers, then the
+// keys above the threshold and the first `need` equal to it; where no more than k are selectable
+// (non-NaN), all of them, then -1. pos(i) is entry i's position in the row. s.hist[0] is clear on entry.
+// Every loop stops at the first register slot past `count` (j * T >= count: no thread holds an entry
+// there). The bound is block-uniform, so the warp-wide slot claims stay uniform. A 2.4K-key row at
+// 1024 threads visits 3 of its 8 slots, and a list of 3.5K keys at 512 threads 7 of 16.
 template <int T, bool kHasPages, int kPer, typename Pos>
-__device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int k, int* out_row, const PageRow& pr,
-                                    int block_size, Pos pos) {
+__device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int count, int k, int* out_row,
+                                    const PageRow& pr, int block_size, Pos pos) {
   const int t = threadIdx.x;
   int mine = 0;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
+  for (int j = 0; j < kPer && j * T < count; ++j) {
     if (key[j] != 0u) atomicAdd(&s.hist[0][key[j] >> 21], 1);
     mine += key[j] != 0u;
   }
@@ -341,7 +370,7 @@ __device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int 
   const int selectable = s.selectable;
   if (selectable <= k) {  // block-uniform
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
+    for (int j = 0; j < kPer && j * T < count; ++j) {
       const bool take = key[j] != 0u;
       const int slot = warp_slot(take, &s.out_count);
       if (take) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
@@ -354,7 +383,7 @@ __device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int 
   int need = k - s.above;
 
 #pragma unroll
-  for (int j = 0; j < kPer; ++j)
+  for (int j = 0; j < kPer && j * T < count; ++j)
     if (key[j] != 0u && (key[j] >> 21) == b1) atomicAdd(&s.hist[1][(key[j] >> 10) & 0x7FF], 1);
   clear_bins<T>(s.hist[0], kLastBins);  // round 1's readers are past find_threshold's last sync
   __syncthreads();
@@ -363,7 +392,7 @@ __device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int 
   need -= s.above;
 
 #pragma unroll
-  for (int j = 0; j < kPer; ++j)
+  for (int j = 0; j < kPer && j * T < count; ++j)
     if ((key[j] >> 10) == (prefix >> 10)) atomicAdd(&s.hist[0][key[j] & 0x3FF], 1);
   __syncthreads();
   find_threshold<T>(s, s.hist[0], need, kLastBins);
@@ -371,7 +400,7 @@ __device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int 
   need -= s.above;  // keys equal to the threshold still needed, >= 1
 
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
+  for (int j = 0; j < kPer && j * T < count; ++j) {
     const bool above = key[j] > threshold;
     const int slot = warp_slot(above, &s.out_count);
     if (above) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
@@ -393,7 +422,7 @@ __device__ void short_row(const RowView& v, Shared& s, int k, int* out_row, cons
     const int i = t + j * T;
     key[j] = i < v.n ? ordered_key(__ldg(v.src + i)) : 0u;
   }
-  select_in_registers<T, kHasPages>(s, key, k, out_row, pr, block_size, [](int i) { return i; });
+  select_in_registers<T, kHasPages>(s, key, v.n, k, out_row, pr, block_size, [](int i) { return i; });
 }
 
 // The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
@@ -538,7 +567,8 @@ __global__ void __launch_bounds__(T, 1024 / T) radix_topk_kernel(const Params p)
         const int i = t + j * T;
         key[j] = i < count ? s.cand_key[i] : 0u;
       }
-      select_in_registers<T, kHasPages>(s, key, k, out_row, pr, p.block_size, [&](int i) { return s.cand_pos[i]; });
+      select_in_registers<T, kHasPages>(s, key, count, k, out_row, pr, p.block_size,
+                                        [&](int i) { return s.cand_pos[i]; });
       return;
     }
     __syncthreads();

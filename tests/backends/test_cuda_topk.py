@@ -91,6 +91,26 @@ def test_ties_inf_and_nan_rows(stage, filtered, width, threads):
     check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered, threads=threads))
 
 
+def signed_zero_rows(rows, width, gen):
+    """A sixth of each row positive, a third +0.0, a third -0.0, a sixth negative: a long row's sampled
+    cut lands at +0.0's key, and the list (the positives and both zeros) fits in the 8192 entries."""
+    pick = torch.randint(0, 6, (rows, width), generator=gen)
+    noise = torch.randn(rows, width, generator=gen).abs()
+    zeros = torch.where(pick < 3, torch.zeros(()), torch.full((), -0.0))
+    return torch.where(pick == 0, noise + 1, torch.where(pick < 5, zeros, -noise - 1))
+
+
+@gpu
+@THREADS
+def test_a_cut_at_plus_zero_takes_both_zeros(threads):
+    # The filtered pass compares floats, so -0.0 passes a cut at +0.0's key; the k largest then take
+    # zeros of either sign, equal values (the check compares values, as torch.topk's ties do).
+    gen = torch.Generator().manual_seed(11)
+    logits = signed_zero_rows(4, 9100, gen)
+    lengths = torch.tensor([9100, 9000, 8800, 9050], dtype=torch.int32)
+    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, threads=threads))
+
+
 @gpu
 def test_length_zero_k_past_the_length_and_lengths_past_the_width():
     gen = torch.Generator().manual_seed(4)
