@@ -47,7 +47,11 @@ _ARANGE[0].flags.writeable = False
 def ragged_fields_on_host(batch, limit: int) -> dict:
     """The RaggedMetadata fields of an ExtendBatch whose lengths were checked on this host (the caller,
     dispatch/step/extend_batch.py, builds the metadata from them). `limit`: a page entry must lie in
-    [0, limit), the pool and the int32 room of its slots."""
+    [0, limit), the pool and the int32 room of its slots.
+
+    With host lengths the rows' ks / ke are left to the metadata, built on request from them (no backend
+    reads them on this path: the chunks carry their own, dispatch/step/extend_plan.py), so only the
+    rows' requests are written here; without, they are built now from the tensors' lengths."""
     rows, keys = batch.total_tokens, batch.total_keys
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
@@ -57,23 +61,25 @@ def ragged_fields_on_host(batch, limit: int) -> dict:
     key_offsets, row_offsets = offsets.key_offsets, offsets.row_offsets
     requests = len(key_offsets) - 1
     new_tokens = [b - a for a, b in zip(row_offsets, row_offsets[1:])]
-    # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
-    ke_base = [k - r + 1 for k, r in zip(key_offsets[1:], row_offsets[1:])]
-    per_request = np.array([range(requests), key_offsets[:-1], ke_base], dtype=np.int32).reshape(3, requests)
-    per_row = np.repeat(per_request, new_tokens, axis=1)  # [3, M]: request, ks, ke less the row index
-    per_row[2] += arange_on_host(rows)
-    as_tensor = torch.from_numpy(per_row)
+    if host_ranges is not None:
+        row_request, row_ranges = torch.from_numpy(np.repeat(arange_on_host(requests), new_tokens)), None
+    else:
+        # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
+        ke_base = [k - r + 1 for k, r in zip(key_offsets[1:], row_offsets[1:])]
+        per_request = np.array([range(requests), key_offsets[:-1], ke_base], dtype=np.int32).reshape(3, requests)
+        per_row = np.repeat(per_request, new_tokens, axis=1)  # [3, M]: request, ks, ke less the row index
+        per_row[2] += arange_on_host(rows)
+        as_tensor = torch.from_numpy(per_row)
+        row_request, row_ranges = as_tensor[0], as_tensor[1:]
     return dict(
-        ks=as_tensor[1],
-        ke=as_tensor[2],
         gather_slots=_slots(batch.page_table.numpy(), batch.block_kv, limit, key_offsets, keys),
-        row_request=as_tensor[0],
+        row_request=row_request,
         key_offsets=torch.from_numpy(np.array(key_offsets, dtype=np.int32)),
         total_tokens=rows,
         total_keys=keys,
         host_ranges=host_ranges,
         length_flags=None,
-        ranges=as_tensor[1:],
+        row_ranges=row_ranges,
     )
 
 
