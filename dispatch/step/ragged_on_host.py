@@ -114,8 +114,8 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
         # Every request but the last fills its pages: the slots are every page's slots in order, one
         # broadcast add that writes them once (an entry outside may wrap here: its keys become -1 below).
         # torch's: numpy's broadcast over a 64-wide inner dimension takes 3x as long on this path.
-        every = torch.from_numpy(entry * block_kv)[:, None] + _offsets_in_page(block_kv)
-        slots = every.view(-1)[:keys]
+        every = torch.from_numpy((entry * block_kv)[:, None]) + _offsets_in_page(block_kv)  # numpy's view: cheaper
+        slots = every.view(-1) if pages * block_kv == keys else every.view(-1)[:keys]
         if not inside.all():
             slots.numpy()[np.repeat(~inside, block_kv)[:keys]] = -1
         return slots
