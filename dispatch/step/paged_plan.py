@@ -149,9 +149,9 @@ def visible_lengths(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
 
     int64 lengths are clamped into int32 before they narrow, so a length past 2^31 stays past every
     bound (the kernels flag it LENGTH_PAST_BOUND) instead of wrapping to a small one."""
-    if seq_lens.dtype != torch.int32:
-        seq_lens = seq_lens.clamp(-1, INT32_MAX)
-    return (seq_lens.to(torch.int32)[:, None] + _causal_offsets(next_n, seq_lens.device)).clamp_(min=0)
+    if seq_lens.dtype != torch.int32:  # (an int32 one is used as is: even a no-op `to` costs the host a call)
+        seq_lens = seq_lens.clamp(-1, INT32_MAX).to(torch.int32)
+    return (seq_lens[:, None] + _causal_offsets(next_n, seq_lens.device)).clamp_(min=0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,7 +189,7 @@ def build_plan(
     describes the plan without running any backend's per-batch prepare (`states` stays empty):
     explain does so, since a what-if for another machine must not need that machine's libraries.
     """
-    if ForwardMode(batch.forward_mode) is ForwardMode.EXTEND:
+    if batch.forward_mode is ForwardMode.EXTEND:  # (parsed where the batch was built)
         raise LayoutError(
             "an extend batch is planned from an ExtendBatch (dispatch.step.extend_batch) through IndexerStep.plan or "
             "dispatch.step.extend_plan.build_extend_plan: its keys are gathered and scored ragged, not paged"
