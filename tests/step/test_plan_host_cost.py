@@ -70,7 +70,8 @@ def test_a_paged_plan_at_b128_launches_a_handful_of_ops():
                          page_table=torch.zeros(128, 64, dtype=torch.int32), max_seq_len=4096,
                          forward_mode=ForwardMode.TARGET_VERIFY, next_n=4)
     build_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")  # caches warm, as on every later batch
-    assert _launches(lambda: build_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")) <= 4
+    # the lengths' add and clamp, the error flags (the unsqueeze is a view)
+    assert _launches(lambda: build_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")) <= 3
 
 
 @pytest.mark.parametrize("prefix", [0, 12288])  # M = 16K rows, S = 16K and 64K keys
