@@ -109,15 +109,16 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
     per_page = np.repeat(per_request, pages_of, axis=1)  # [2, T]
     page_index = arange_on_host(pages)
     entry = table.reshape(-1).take(per_page[0] + page_index)
-    inside = entry.view(np.uint32) < limit  # a negative entry reads as 2^31 or more, past every limit
+    unsigned = entry.view(np.uint32)  # a negative entry reads as 2^31 or more, past every limit
+    all_inside = unsigned.max() < limit  # one reduction; the mask only where some entry is outside
     if all(n % block_kv == 0 for n in counts[:-1]):
         # Every request but the last fills its pages: the slots are every page's slots in order, one
         # broadcast add that writes them once (an entry outside may wrap here: its keys become -1 below).
         # torch's: numpy's broadcast over a 64-wide inner dimension takes 3x as long on this path.
         every = torch.from_numpy((entry * block_kv)[:, None]) + _offsets_in_page(block_kv)  # numpy's view: cheaper
         slots = every.view(-1) if pages * block_kv == keys else every.view(-1)[:keys]
-        if not inside.all():
-            slots.numpy()[np.repeat(~inside, block_kv)[:keys]] = -1
+        if not all_inside:
+            slots.numpy()[np.repeat(unsigned >= limit, block_kv)[:keys]] = -1
         return slots
     # The page's first slot less its first key's index (int64: an entry outside may overflow int32; one
     # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot.
@@ -129,6 +130,6 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
                                                                          zip(counts, pages_of) if p]
     slots = np.repeat(value.astype(np.int32), page_keys)
     slots += arange_on_host(keys)
-    if not inside.all():  # hostile or stale entries only: their keys are no slot
-        slots[np.repeat(~inside, page_keys)] = -1
+    if not all_inside:  # hostile or stale entries only: their keys are no slot
+        slots[np.repeat(unsigned >= limit, page_keys)] = -1
     return torch.from_numpy(slots)
