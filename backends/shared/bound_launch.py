@@ -17,7 +17,8 @@ options), the compiled kernel launched with every bound argument in the kernel's
 launch. A wrong launch is far worse than a slow one.
 
 Binding is checked against Triton's own binder for the call that binds: the arguments this module would
-pass must be those Triton passes, object for object, or the signature is never bound.
+pass must be those Triton passes, object for object, or the signature is never bound. Triton's knobs
+(debug, instrumentation) are those of the launch that bound: a process does not change them mid-run.
 """
 
 from __future__ import annotations

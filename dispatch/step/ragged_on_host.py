@@ -103,12 +103,10 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
     first_page = list(itertools.accumulate(pages_of, initial=0))
     pages = first_page[-1]
     # Per page t of request r (pages request after request): its entry's flat index in the table,
-    # r * P + t - first_page[r], and its first gathered key, t * block_kv + key_offsets[r] - block_kv * first_page[r].
-    per_request = np.array([[r * width - first_page[r] for r in range(requests)],
-                            [k - block_kv * f for k, f in zip(key_offsets[:-1], first_page)]], dtype=np.int64).reshape(2, requests)
-    per_page = np.repeat(per_request, pages_of, axis=1)  # [2, T]
+    # r * P + t - first_page[r] (and, below, its first gathered key).
+    first_entry = np.array([r * width - first_page[r] for r in range(requests)], dtype=np.int64)
     page_index = arange_on_host(pages)
-    entry = table.reshape(-1).take(per_page[0] + page_index)
+    entry = table.reshape(-1).take(np.repeat(first_entry, pages_of) + page_index)
     unsigned = entry.view(np.uint32)  # a negative entry reads as 2^31 or more, past every limit
     all_inside = unsigned.max() < limit  # one reduction; the mask only where some entry is outside
     if all(n % block_kv == 0 for n in counts[:-1]):
@@ -121,10 +119,12 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
             slots.numpy()[np.repeat(unsigned >= limit, block_kv)[:keys]] = -1
         return slots
     # The page's first slot less its first key's index (int64: an entry outside may overflow int32; one
-    # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot.
+    # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot. Page t of
+    # request r starts at gathered key t * block_kv + key_offsets[r] - block_kv * first_page[r].
+    first_key = np.array([k - block_kv * f for k, f in zip(key_offsets[:-1], first_page)], dtype=np.int64)
     value = entry - page_index
     value *= block_kv
-    value -= per_page[1]
+    value -= np.repeat(first_key, pages_of)
     page_keys = np.full(pages, block_kv)
     page_keys[[f - 1 for f, n in zip(first_page[1:], pages_of) if n]] = [n - block_kv * (p - 1) for n, p in
                                                                          zip(counts, pages_of) if p]
