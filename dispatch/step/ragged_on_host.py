@@ -62,7 +62,7 @@ def ragged_fields_on_host(batch, limit: int) -> dict:
     requests = len(key_offsets) - 1
     new_tokens = [b - a for a, b in zip(row_offsets, row_offsets[1:])]
     if host_ranges is not None:
-        row_request, row_ranges = torch.from_numpy(np.repeat(arange_on_host(requests), new_tokens)), None
+        row_request, row_ranges = torch.from_numpy(arange_on_host(requests).repeat(new_tokens)), None
     else:
         # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
         ke_base = [k - r + 1 for k, r in zip(key_offsets[1:], row_offsets[1:])]
@@ -106,7 +106,7 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
     # r * P + t - first_page[r] (and, below, its first gathered key).
     first_entry = np.array([r * width - first_page[r] for r in range(requests)], dtype=np.int64)
     page_index = arange_on_host(pages)
-    entry = table.reshape(-1).take(np.repeat(first_entry, pages_of) + page_index)
+    entry = table.reshape(-1).take(first_entry.repeat(pages_of) + page_index)
     unsigned = entry.view(np.uint32)  # a negative entry reads as 2^31 or more, past every limit
     all_inside = unsigned.max() < limit  # one reduction; the mask only where some entry is outside
     if all(n % block_kv == 0 for n in counts[:-1]):
