@@ -5,13 +5,15 @@ host, a handful of calls whatever the batch's shape.
 The plan is built every batch on the engine's critical path, and a torch call on a CPU costs 5-15 us of
 dispatch (issue 24, item 5; docs/benchmarks.md) where numpy's costs about 1 us, so the per-request values
 come from the host lengths in plain ints and every per-row and per-key array is one `repeat` of them:
-- a row of request r has ks = key_offsets[r] and ke = ke_base[r] + its row index, so the rows' request,
-  ks and ke are one repeat of a [3, B] array by the requests' new tokens, plus one add of the row index;
+- the rows' requests are one repeat of 0..B-1 by the requests' new tokens; a row of request r has
+  ks = key_offsets[r] and ke = ke_base[r] + its row index, which no backend reads on this path (the
+  chunks carry their own): with host lengths the metadata builds them when first asked for
+  (HostRanges.row_ranges), without, they are one repeat of [2, B] values and one add of the row index;
 - a key's slot is its page's first slot plus its offset in the page, and the batch's keys are its
   requests' pages in order, so every slot is one repeat of a per-page value (page base less the page's
   first gathered key) by the page's key count, plus the key's index; where every request but the last
   fills its pages, one broadcast add of the pages' first slots and the offsets in a page, which writes
-  the slots once instead of twice (at M = 16K the plan is bound by the bytes it writes, not its calls). A page entry outside the pool, or
+  the slots once instead of twice. A page entry outside the pool, or
   whose slots would pass int32, or past the table's width, gets a value that makes each of its keys
   negative, clamped to -1. Entries are compared against the pool as they are read (int32 against a
   Python int: exact); the slots are formed in int64 and narrowed once bounded.
