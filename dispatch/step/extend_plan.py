@@ -69,9 +69,9 @@ def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkT
     """Every chunk's per-row tensors, as views of per-batch ones. The plan is built every batch on the
     host's critical path: the work must not grow with the chunk count (tests/step/test_plan_host_cost.py).
     With the metadata on the CPU, the chunks' ranges and lengths are one [3, M] int32 array in a few numpy
-    calls and their page rows views of the metadata's; on a device, the top-k lengths ke - ks once for all rows (a shift does not change
-    them) and the ranges relative to each chunk's window in one subtraction per chunk that starts past
-    key 0 (a chunk at key 0 views the metadata's own): device ops, no sync."""
+    calls and their page rows views of the metadata's; on a device, the top-k lengths ke - ks once for all
+    rows (a shift does not change them) and the ranges relative to each chunk's window in one subtraction
+    per chunk that starts past key 0 (a chunk at key 0 views the metadata's own): device ops, no sync."""
     if not chunks:
         return ()
     if metadata.row_request.device.type == "cpu":
@@ -98,8 +98,8 @@ def _chunk_tensors_on_host(metadata: RaggedMetadata, chunks: list[Chunk]) -> tup
     ks = key_offsets[r] - b, ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (i its
     row index), so every chunk's rows are one repeat of per-(request, chunk) values [3, pieces] by the
     pieces' row counts, plus one add of the row index: numpy calls whose count grows with neither the rows
-    nor the chunks. The page rows are the metadata's row requests. Each chunk's tensors are views, from
-    one split per row: written once, at M = 16K the plan is bound by the bytes it writes."""
+    nor the chunks, each row of M written once. The page rows are the metadata's row requests. Each
+    chunk's tensors are views, from one split per row."""
     ranges = metadata.host_ranges
     if ranges is None:  # no host lengths: every chunk spans all keys, from key 0, so the metadata's own rows
         lengths = metadata.ke - metadata.ks
