@@ -28,15 +28,14 @@ from typing import Any
 import torch
 
 try:
-    from triton.runtime.driver import driver as _triton_driver
     from triton.runtime.jit import JITFunction
-except ImportError:  # a Triton without them: every launch is the normal one
-    _triton_driver = JITFunction = None
+except ImportError:  # a Triton without it: every launch is the normal one
+    JITFunction = None
 
 _ALIGNMENT_CLASS = 255  # address bits kept in the signature: every alignment up to 256 bytes is its own signature
 _SCALARS = frozenset((int, float, bool, str, type(None)))
 _ON_ROCM = torch.version.hip is not None  # AMD's buffer ops specialise on a tensor's storage fitting 2 GiB
-_ABSENT = object()
+_UNBINDABLE = object()
 _MOST_SIGNATURES = 64  # per kernel: past them, a new signature launches normally and is not kept
 
 
@@ -52,10 +51,8 @@ class BoundLauncher:
         self._bindable = JITFunction is not None and isinstance(kernel, JITFunction)
 
     def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        signature = self._signature(args, kwargs) if self._bindable else None
-        if signature is not None:  # and the device: a compiled kernel's handles belong to the one it was loaded on
-            signature = (_current_device(), signature)
-        bound = self._bound.get(signature) if signature is not None else None
+        signature = self._signature(args, kwargs) if self._bindable else _UNBINDABLE
+        bound = self._bound.get(signature) if signature is not _UNBINDABLE else None
         if bound is not None and self._unhooked():
             compiled, recipe = bound
             try:
@@ -67,7 +64,7 @@ class BoundLauncher:
                 self.direct_launches += 1
                 return
         compiled = self.kernel[grid](*args, **kwargs)
-        if signature is not None and bound is None and len(self._bound) < _MOST_SIGNATURES:
+        if signature is not _UNBINDABLE and bound is None and len(self._bound) < _MOST_SIGNATURES:
             recipe = self._recipe(compiled, args, kwargs)
             if recipe is None:  # this Triton's binder or compiled kernel is not of the form read here
                 self._bindable = False
@@ -75,7 +72,7 @@ class BoundLauncher:
                 self._bound[signature] = (compiled, recipe)
 
     @staticmethod
-    def _signature(args: tuple, kwargs: dict) -> tuple | None:
+    def _signature(args: tuple, kwargs: dict) -> tuple | object:
         # Inline and flat: this runs on every launch, on the host's critical path.
         # A flat list that decodes one way: an int adds its class (a tuple), a tensor its dtype (never a
         # tuple) then its alignment class and storage flag, another scalar its type then its value.
@@ -91,10 +88,10 @@ class BoundLauncher:
             elif kind in _SCALARS:
                 parts += (kind, value)
             else:
-                return None
+                return _UNBINDABLE
         values = tuple(kwargs.values())
         if not all(type(value) in _SCALARS for value in values):
-            return None
+            return _UNBINDABLE
         return (tuple(parts), tuple(kwargs), values, tuple(map(type, values)))
 
     def _unhooked(self) -> bool:
@@ -104,7 +101,7 @@ class BoundLauncher:
         if kernel.pre_run_hooks:
             return False
         for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
-            if globals_dict.get(name, _ABSENT) != value:
+            if globals_dict.get(name, _UNBINDABLE) != value:
                 return False
         return True
 
@@ -157,7 +154,9 @@ def _int_class(value: int) -> tuple:
 
 def _current_device() -> Any:
     """The device whose compiled kernels a launch uses, as JITFunction.run looks it up."""
-    return _triton_driver.active.get_current_device()
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device()
 
 
 def _arguments(recipe: tuple, args: tuple, kwargs: dict) -> list:

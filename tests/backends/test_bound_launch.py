@@ -124,17 +124,6 @@ def test_any_change_triton_could_specialise_on_is_a_normal_launch(fake_triton, c
     assert kernel.log[-1][0] == "direct"  # the new signature is bound in its turn
 
 
-def test_another_device_binds_its_own_compiled_kernel(fake_triton, monkeypatch):
-    kernel = _Kernel()
-    kernel.device_caches[1] = kernel.device_caches[0]
-    launcher = BoundLauncher(kernel)
-    launcher.launch((1,), _x(), 16, 1, BLOCK=128)
-    monkeypatch.setattr(bound_launch, "_current_device", lambda: 1)
-    launcher.launch((1,), _x(), 16, 1, BLOCK=128)
-    launcher.launch((1,), _x(), 16, 1, BLOCK=128)
-    assert [entry[0] for entry in kernel.log] == ["normal", "normal", "direct"]
-
-
 def test_arguments_it_cannot_key_always_launch_normally(fake_triton):
     kernel = _Kernel()
     launcher = BoundLauncher(kernel)
