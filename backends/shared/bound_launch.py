@@ -5,8 +5,7 @@ share of a plan's host time (docs/benchmarks.md, issue 24 item 5). The guard and
 every batch on the host's critical path.
 
 The signature is everything Triton's specialisation can depend on, taken conservatively: each tensor's
-dtype, its pointer's alignment class (the address modulo 256; Triton specialises on 16) and whether its
-storage fits 2 GiB (on ROCm: AMD's buffer ops specialise on it); each int's
+dtype and its pointer's alignment class (the address modulo 256; Triton specialises on 16); each int's
 class: its sign and width (int32, int64, past), whether it is 0 or 1, and its divisibility by each power
 of two up to 256 (Triton specialises on 16 and on 1), so a batch's new lengths and page counts reuse
 the binding where Triton reuses its kernel; other scalars by exact value; every keyword (constexprs and
@@ -33,16 +32,13 @@ except ImportError:  # a Triton without it: every launch is the normal one
     JITFunction = None
 
 _ALIGNMENT_CLASS = 255  # address bits kept in the signature: every alignment up to 256 bytes is its own signature
-_SCALARS = frozenset((int, float, bool, str, type(None)))
-_ON_ROCM = torch.version.hip is not None  # AMD's buffer ops specialise on a tensor's storage fitting 2 GiB
+_SCALARS = (int, float, bool, str, type(None))
 _UNBINDABLE = object()
 _MOST_SIGNATURES = 64  # per kernel: past them, a new signature launches normally and is not kept
 
 
 class BoundLauncher:
-    """`launch(grid, *args, **kwargs)`: what `kernel[grid](*args, **kwargs)` does, bound per signature.
-    For idempotent kernels only (each launch writes its outputs from its inputs): a direct launch the
-    launcher refuses is followed by the normal one."""
+    """`launch(grid, *args, **kwargs)`: what `kernel[grid](*args, **kwargs)` does, bound per signature."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
@@ -55,14 +51,9 @@ class BoundLauncher:
         bound = self._bound.get(signature) if signature is not _UNBINDABLE else None
         if bound is not None and self._unhooked():
             compiled, recipe = bound
-            try:
-                compiled[grid](*_arguments(recipe, args, kwargs))
-            except Exception:  # the launcher refused the arguments: never again, the normal launch now
-                # (the kernels bound here are idempotent: a launch that ran before the error runs again harmlessly)
-                self._bindable, self._bound = False, {}
-            else:
-                self.direct_launches += 1
-                return
+            compiled[grid](*_arguments(recipe, args, kwargs))
+            self.direct_launches += 1
+            return
         compiled = self.kernel[grid](*args, **kwargs)
         if signature is not _UNBINDABLE and bound is None and len(self._bound) < _MOST_SIGNATURES:
             recipe = self._recipe(compiled, args, kwargs)
@@ -73,26 +64,21 @@ class BoundLauncher:
 
     @staticmethod
     def _signature(args: tuple, kwargs: dict) -> tuple | object:
-        # Inline and flat: this runs on every launch, on the host's critical path.
-        # A flat list that decodes one way: an int adds its class (a tuple), a tensor its dtype (never a
-        # tuple) then its alignment class and storage flag, another scalar its type then its value.
         parts = []
         for value in args:
-            kind = type(value)
-            if kind is int:
-                found = _INT_CLASSES.get(value)
-                parts.append(found if found is not None else _int_class(value))
-            elif isinstance(value, torch.Tensor):
-                parts += (value.dtype, value.data_ptr() & _ALIGNMENT_CLASS,
-                          _ON_ROCM and value.untyped_storage().nbytes() < 2**31)
-            elif kind in _SCALARS:
-                parts += (kind, value)
+            if isinstance(value, torch.Tensor):
+                parts.append((value.dtype, value.data_ptr() & _ALIGNMENT_CLASS))
+            elif type(value) is int:
+                parts.append(_int_class(value))
+            elif isinstance(value, _SCALARS):
+                parts.append((type(value), value))
             else:
                 return _UNBINDABLE
-        values = tuple(kwargs.values())
-        if not all(type(value) in _SCALARS for value in values):
-            return _UNBINDABLE
-        return (tuple(parts), tuple(kwargs), values, tuple(map(type, values)))
+        for name, value in kwargs.items():
+            if not isinstance(value, _SCALARS):
+                return _UNBINDABLE
+            parts.append((name, type(value), value))
+        return tuple(parts)
 
     def _unhooked(self) -> bool:
         """No pre-run hook, and every global the kernel read as it was when it compiled (else the
@@ -139,17 +125,12 @@ class BoundLauncher:
             return None
 
 
-_INT_CLASSES: dict[int, tuple] = {}
-_MOST_INT_CLASSES = 1 << 16
-
-
 def _int_class(value: int) -> tuple:
-    """What Triton could specialise an int on, conservatively: sign and width, 0 and 1, the largest power
-    of two up to 256 dividing it. Remembered per value (a batch's lengths recur)."""
-    found = (-2**31 <= value < 2**31, value < 2**63, value < 0, value == 1, min(value & -value, 256))
-    if len(_INT_CLASSES) < _MOST_INT_CLASSES:
-        _INT_CLASSES[value] = found
-    return found
+    """What Triton could specialise an int on, conservatively: sign and width, 0 and 1, and the largest
+    power of two up to 256 dividing it."""
+    width = 32 if -2**31 <= value < 2**31 else 64 if -2**63 <= value < 2**63 else 128
+    divides = min((value & -value).bit_length(), 9) if value else 0
+    return (int, value < 0, width, value == 1, divides)
 
 
 def _current_device() -> Any:
@@ -167,4 +148,4 @@ def _arguments(recipe: tuple, args: tuple, kwargs: dict) -> list:
 
 
 def _same_scalar(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and type(a) in _SCALARS and a == b
+    return type(a) is type(b) and isinstance(a, _SCALARS) and a == b

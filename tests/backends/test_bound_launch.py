@@ -167,21 +167,6 @@ def test_a_binder_of_another_form_is_never_bound(fake_triton, form):
     assert launcher.direct_launches == 0 and not launcher._bound
 
 
-def test_a_direct_launch_the_launcher_refuses_falls_back_to_the_normal_one_for_good(fake_triton):
-    kernel = _Kernel()
-    launcher = BoundLauncher(kernel)
-    launcher.launch((1,), _x(), 16, 1, BLOCK=128)
-
-    def refusing(grid):
-        def launch(*arguments):
-            raise TypeError("function takes exactly 4 arguments (5 given)")
-        return launch
-    kernel.compiled.__class__ = type("_Refusing", (_Compiled,), {"__getitem__": lambda self, grid: refusing(grid)})
-    launcher.launch((1,), _x(), 16, 1, BLOCK=128)
-    launcher.launch((1,), _x(), 16, 1, BLOCK=128)
-    assert [entry[0] for entry in kernel.log] == ["normal"] * 3 and launcher.direct_launches == 0
-
-
 def test_a_kernel_that_is_no_jit_function_is_launched_as_given():
     # The interpreter's kernels (TRITON_INTERPRET=1), or a Triton without JITFunction.
     kernel = _Kernel()
