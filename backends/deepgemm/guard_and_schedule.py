@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.bound_launch import BoundLauncher
 from backends.shared.page_guard import PageGuard, _page_guard_kernel
 from dispatch.contract import LayoutError
 
@@ -169,11 +168,6 @@ def _guard_and_schedule_kernel(
                        N, SPLIT_KV, CLAMP_REQUEST, REQUESTS_PER_STEP, SLOTS_BLOCK)
 
 
-# Every batch: bound once per signature (backends/shared/bound_launch.py).
-_SCHEDULE_LAUNCH = BoundLauncher(_schedule_kernel)
-_LAUNCH = BoundLauncher(_guard_and_schedule_kernel)
-
-
 @dataclass(frozen=True)
 class DeepGemmSchedule:
     """A batch's schedule [slots + 1, 2] int32 as deep_gemm's kernel reads it, and its scratch."""
@@ -205,8 +199,8 @@ class DeepGemmSchedule:
 
     def launch(self) -> None:
         """The schedule alone (the guard waits for the first layer's cache)."""
-        _SCHEDULE_LAUNCH.launch((1,), self.context_lens, self.context_lens.stride(0), *self.arguments(),
-                                N=self.context_lens.shape[1], **self.constants())
+        _schedule_kernel[(1,)](self.context_lens, self.context_lens.stride(0), *self.arguments(),
+                               N=self.context_lens.shape[1], **self.constants())
 
 
 def launch_guard_and_schedule(guard: PageGuard, schedule: DeepGemmSchedule, num_blocks: int) -> None:
@@ -220,8 +214,7 @@ def launch_guard_and_schedule(guard: PageGuard, schedule: DeepGemmSchedule, num_
         schedule.launch()
         return
     guard_arguments, guard_constants = guard.kernel_arguments(num_blocks)
-    _LAUNCH.launch(
-        (rows + 1,),
+    _guard_and_schedule_kernel[(rows + 1,)](
         *guard_arguments,
         *schedule.arguments(),
         **guard_constants,

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.bound_launch import BoundLauncher
 from dispatch.contract import BAD_PAGE, BLOCK_KV, LENGTH_PAST_BOUND, GraphMismatchError, LayoutError
 
 if TYPE_CHECKING:
@@ -83,9 +82,6 @@ def _page_guard_kernel(
     tl.atomic_or(error_flags_ptr, flags, mask=flags != 0)
 
 
-_GUARD_LAUNCH = BoundLauncher(_page_guard_kernel)  # every batch: bound once per signature
-
-
 @dataclass(eq=False)
 class PageGuard:
     """One batch's guard: its inputs (the plan's tensors, read at each launch), its outputs (written in
@@ -134,7 +130,7 @@ class PageGuard:
         arguments, constants = self.kernel_arguments(num_blocks)
         if self.context_lens.shape[0] == 0:
             return
-        _GUARD_LAUNCH.launch((self.context_lens.shape[0],), *arguments, **constants)
+        _page_guard_kernel[(self.context_lens.shape[0],)](*arguments, **constants)
 
     def kernel_arguments(self, num_blocks: int) -> tuple[tuple, dict]:
         """The guard body's arguments, in _page_guard_kernel's order, and its constexprs, for a pool of

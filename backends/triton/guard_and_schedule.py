@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.bound_launch import BoundLauncher
 from backends.shared.page_guard import PageGuard, _page_guard_kernel
 from backends.triton.paged_mqa_logits import default_config, work_row_tokens
 from backends.triton.paged_schedule import (BOUNDS_PER_STEP, COMPUTE_COST, FILL_COST, ROWS_PER_STEP, PagedSchedule,
@@ -51,9 +50,6 @@ def _guard_and_schedule_kernel(
                          ROWS_PER_STEP, BOUNDS_PER_STEP)
 
 
-_LAUNCH = BoundLauncher(_guard_and_schedule_kernel)  # every batch: bound once per signature
-
-
 def allocate_schedule(context_lens: torch.Tensor, max_context_len: int, block_kv: int) -> PagedSchedule:
     """paged_mqa_logits.schedule_for's schedule (the default config's), allocated but not yet cut."""
     next_n = context_lens.shape[1]
@@ -76,8 +72,7 @@ def launch_guard_and_schedule(guard: PageGuard, schedule: PagedSchedule, num_blo
         schedule.launch()
         return
     guard_arguments, guard_constants = guard.kernel_arguments(num_blocks)
-    _LAUNCH.launch(
-        (rows + 1,),
+    _guard_and_schedule_kernel[(rows + 1,)](
         *guard_arguments,
         schedule.cost_prefix, schedule.work_pages, schedule.bounds, work_rows, pages, schedule.programs,
         max(work_rows - 1, 1).bit_length() + 1,

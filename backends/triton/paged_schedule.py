@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.bound_launch import BoundLauncher
 from dispatch.contract import LayoutError, triton_interpreter_on
 
 # Relative cost of a page that is scored (8.4 KB of keys read, a dot, TG x 256 B written) and of one
@@ -102,9 +101,6 @@ def _schedule_kernel(
         tl.store(bounds_ptr + p * 2 + 1, page, mask=live)
 
 
-_SCHEDULE_LAUNCH = BoundLauncher(_schedule_kernel)  # every batch: bound once per signature
-
-
 @dataclass(eq=False)
 class PagedSchedule:
     """One batch's schedule: its input (the plan's lens, read at each launch) and outputs, written in
@@ -147,8 +143,7 @@ class PagedSchedule:
         pages = triton.cdiv(self.width, self.block_kv)
         if work_rows == 0 or pages == 0:
             return  # no output: the kernel is not launched
-        _SCHEDULE_LAUNCH.launch(
-            (1,),
+        _schedule_kernel[(1,)](
             self.context_lens,
             self.context_lens.stride(0),
             self.cost_prefix,
