@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from dispatch.contract.bounds import new_error_flags
@@ -43,6 +45,16 @@ class HostRanges:
             rows.append(rows[-1] + new)
             keys.append(keys[-1] + cached + new)
         return cls(tuple(rows), tuple(keys), tuple(prefix))
+
+    def row_ranges(self, rows: int) -> np.ndarray:
+        """int32 [2, M]: every row's ks and ke (M = `rows`, the offsets' last row offset): one repeat of
+        the requests' ks and ke less the row index by their new tokens, plus the row index."""
+        offsets, keys = self.row_offsets, self.key_offsets
+        ke_base = [k - r + 1 for k, r in zip(keys[1:], offsets[1:])]  # ke of request r's row i is this + i
+        per_request = np.array([keys[:-1], ke_base], dtype=np.int32).reshape(2, len(ke_base))
+        ranges = np.repeat(per_request, [b - a for a, b in zip(offsets, offsets[1:])], axis=1)
+        ranges[1] += np.arange(rows, dtype=np.int32)
+        return ranges
 
     def at(self, row: int) -> tuple[int, int]:
         """(ks, ke) of query row `row`: its request's first key, and one past its own position."""
@@ -81,8 +93,6 @@ class Chunk:
 class RaggedMetadata:
     """Per-batch tensors of the ragged logits step (built once per batch, shared by every layer)."""
 
-    ks: torch.Tensor  # int32 [M]: first visible gathered key of each query row
-    ke: torch.Tensor  # int32 [M]: one past its last visible key
     gather_slots: torch.Tensor  # int32 [S]: physical cache slot of each gathered key (-1: page table too short)
     row_request: torch.Tensor  # int32 [M]: request of each query row
     key_offsets: torch.Tensor  # int32 [B + 1]: request r owns gathered keys [key_offsets[r], key_offsets[r + 1])
@@ -94,9 +104,27 @@ class RaggedMetadata:
     # int32 [1]: BAD_LENGTH where lengths on the device were negative or disagreed with the host totals
     # (every gather slot is then -1); None where the host checked the lengths (dispatch/contract/bounds.py).
     length_flags: torch.Tensor | None = None
-    # int32 [2, M]: ks and ke as the rows of one tensor (ks and ke are its views), so a chunk's ranges
-    # shift in one op (dispatch.step.extend_plan.chunk_tensors).
-    ranges: torch.Tensor | None = None
+    # int32 [2, M]: every row's ks and ke, as built; None where the host lengths give them on request
+    # (the `ranges` property): the step reads its chunks' own, and the plan is on every batch's critical
+    # path, so the host path does not write two rows of M that no backend reads there.
+    row_ranges: torch.Tensor | None = None
+
+    @functools.cached_property
+    def ranges(self) -> torch.Tensor:
+        """int32 [2, M]: ks and ke as the rows of one tensor, so a chunk's ranges shift in one op."""
+        if self.row_ranges is not None:
+            return self.row_ranges
+        return torch.from_numpy(self.host_ranges.row_ranges(self.total_tokens))
+
+    @property
+    def ks(self) -> torch.Tensor:
+        """int32 [M]: the first visible gathered key of each query row."""
+        return self.ranges[0]
+
+    @property
+    def ke(self) -> torch.Tensor:
+        """int32 [M]: one past each query row's last visible key."""
+        return self.ranges[1]
 
     def chunk_ranges(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """ks / ke of the chunk's rows, relative to its first key (device ops, no sync)."""

@@ -66,7 +66,7 @@ class Dispatcher:
 
     def decide(self, op: Op | str, key: DispatchKey) -> Decision:
         """The decision for `key`; computed once per (op, key), then served from the cache."""
-        op = Op(op)
+        op = op if type(op) is Op else Op(op)  # every plan asks: an Op is taken as it is
         cached = self._cache.get((op, key))
         if cached is not None:
             return cached

@@ -94,8 +94,6 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
     return RaggedMetadata(
-        ks=ranges[0],
-        ke=ranges[1],
         gather_slots=slots,
         row_request=row_request,
         key_offsets=key_offsets,
@@ -103,7 +101,7 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
         total_keys=keys,
         host_ranges=host_ranges,
         length_flags=length_flags,
-        ranges=ranges,
+        row_ranges=ranges,
     )
 
 

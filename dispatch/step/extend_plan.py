@@ -20,9 +20,9 @@ import torch
 from dispatch.contract.extend_batch import ExtendBatch
 # The plan types live in the contract (a backend reads them); named here too, where the step builds them.
 from dispatch.contract.extend_plan import DEFAULT_LOGITS_BYTES, Chunk, ChunkTensors, ExtendPlan, RaggedMetadata
-from dispatch.contract.key import Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
+from dispatch.contract.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.step.extend_batch import build_ragged_metadata
-from dispatch.step.paged_plan import EXTEND_STEP_OPS, decider, key_fp8_dtype, prepare_states
+from dispatch.step.paged_plan import EXTEND_STEP_OPS, decider, dispatch_key, key_fp8_dtype, prepare_states
 from dispatch.step.ragged_on_host import arange_on_host
 
 if TYPE_CHECKING:
@@ -46,12 +46,7 @@ def build_extend_plan(
 
     `kv_fp8_dtype` is the K cache's fp8 dtype and becomes the key's, as in build_plan; `pinned` and
     `allow_disabled` as there; `prepare=False` skips the backends' per-batch state (a what-if)."""
-    key = DispatchKey(
-        arch=arch or dispatcher.target_arch,
-        forward_mode=ForwardMode.EXTEND,
-        next_n=1,
-        fp8_dtype=key_fp8_dtype(kv_fp8_dtype),
-    )
+    key = dispatch_key(arch or dispatcher.target_arch, ForwardMode.EXTEND, 1, key_fp8_dtype(kv_fp8_dtype))
     decide = decider(dispatcher, key, pinned, allow_disabled)
     decisions = {op: decide(op) for op in EXTEND_STEP_OPS}
     metadata = build_ragged_metadata(batch)
@@ -73,17 +68,16 @@ def build_extend_plan(
 def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
     """Every chunk's per-row tensors, as views of per-batch ones. The plan is built every batch on the
     host's critical path: the work must not grow with the chunk count (tests/step/test_plan_host_cost.py).
-    With the metadata on the CPU, the chunks' ranges, lengths and page rows are one [4, M] int32 array in
-    a few numpy calls; on a device, the top-k lengths ke - ks once for all rows (a shift does not change
-    them) and the ranges relative to each chunk's window in one subtraction per chunk that starts past
-    key 0 (a chunk at key 0 views the metadata's own): device ops, no sync."""
+    With the metadata on the CPU, the chunks' ranges and lengths are one [3, M] int32 array in a few numpy
+    calls and their page rows views of the metadata's; on a device, the top-k lengths ke - ks once for all
+    rows (a shift does not change them) and the ranges relative to each chunk's window in one subtraction
+    per chunk that starts past key 0 (a chunk at key 0 views the metadata's own): device ops, no sync."""
     if not chunks:
         return ()
-    if metadata.ks.device.type == "cpu":
+    if metadata.row_request.device.type == "cpu":
         return _chunk_tensors_on_host(metadata, chunks)
-    ks, ke = metadata.ks, metadata.ke
-    ranges = metadata.ranges if metadata.ranges is not None else torch.stack((ks, ke))
-    lengths = ke - ks
+    ranges = metadata.ranges
+    lengths = ranges[1] - ranges[0]
     shifted = None
     out = []
     for chunk in chunks:
@@ -102,17 +96,17 @@ def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkT
 def _chunk_tensors_on_host(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
     """The CPU form, from the host lengths: a row of request r in a chunk whose window starts at key b has
     ks = key_offsets[r] - b, ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (i its
-    row index), so every chunk's rows (and their requests, the page rows) are one repeat of
-    per-(request, chunk) values [4, pieces] by the pieces' row counts, plus one add of the row index:
-    numpy calls whose count grows with neither the rows nor the chunks. Each chunk's tensors are views
-    of one split of that array."""
+    row index), so every chunk's rows are one repeat of per-(request, chunk) values [3, pieces] by the
+    pieces' row counts, plus one add of the row index: numpy calls whose count grows with neither the rows
+    nor the chunks, each row of M written once. The page rows are the metadata's row requests. Each
+    chunk's tensors are views, from one split per row."""
     ranges = metadata.host_ranges
     if ranges is None:  # no host lengths: every chunk spans all keys, from key 0, so the metadata's own rows
         lengths = metadata.ke - metadata.ks
         return tuple(ChunkTensors(chunk=c, ks=metadata.ks[c.rows], ke=metadata.ke[c.rows], lengths=lengths[c.rows],
                                   page_rows=metadata.row_request[c.rows]) for c in chunks)
     row_offsets, key_offsets = ranges.row_offsets, ranges.key_offsets
-    values, counts, request = ([], [], [], []), [], 0
+    values, counts, request = ([], [], []), [], 0
     for chunk in chunks:  # pieces: a chunk's rows cut at request boundaries (at most B + chunks of them)
         row = chunk.row_begin
         while row < chunk.row_end:
@@ -123,14 +117,13 @@ def _chunk_tensors_on_host(metadata: RaggedMetadata, chunks: list[Chunk]) -> tup
             values[0].append(first - chunk.key_begin)
             values[1].append(ke_base - chunk.key_begin)
             values[2].append(ke_base - first)
-            values[3].append(request)
             counts.append(end - row)
             row = end
-    rows = np.repeat(np.array(values, dtype=np.int32), counts, axis=1)  # [4, M]: ks, ke, lengths less i, request
-    rows[1:3] += arange_on_host(metadata.total_tokens)
+    rows = np.array(values, dtype=np.int32).repeat(counts, axis=1)  # [3, M]: ks, ke, lengths less i (the method: no wrapper)
+    rows[1:] += arange_on_host(metadata.total_tokens)
     sizes = [c.row_end - c.row_begin for c in chunks]
-    out = []
-    for chunk, part in zip(chunks, torch.from_numpy(rows).split(sizes, dim=1)):
-        chunk_ks, chunk_ke, lengths, page_rows = part.unbind()
-        out.append(ChunkTensors(chunk=chunk, ks=chunk_ks, ke=chunk_ke, lengths=lengths, page_rows=page_rows))
-    return tuple(out)
+    # split_with_sizes, not Tensor.split: that is a Python wrapper costing as much again per call.
+    ks, ke, lengths = (row.split_with_sizes(sizes) for row in torch.from_numpy(rows).unbind())
+    page_rows = metadata.row_request.split_with_sizes(sizes)
+    return tuple(ChunkTensors(chunk=c, ks=a, ke=b, lengths=n, page_rows=p)
+                 for c, a, b, n, p in zip(chunks, ks, ke, lengths, page_rows))

@@ -149,9 +149,9 @@ def visible_lengths(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
 
     int64 lengths are clamped into int32 before they narrow, so a length past 2^31 stays past every
     bound (the kernels flag it LENGTH_PAST_BOUND) instead of wrapping to a small one."""
-    if seq_lens.dtype != torch.int32:
-        seq_lens = seq_lens.clamp(-1, INT32_MAX)
-    return (seq_lens.to(torch.int32)[:, None] + _causal_offsets(next_n, seq_lens.device)).clamp_(min=0)
+    if seq_lens.dtype != torch.int32:  # (an int32 one is used as is: even a no-op `to` costs the host a call)
+        seq_lens = seq_lens.clamp(-1, INT32_MAX).to(torch.int32)
+    return (seq_lens[:, None] + _causal_offsets(next_n, seq_lens.device)).clamp_(min=0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,17 +189,12 @@ def build_plan(
     describes the plan without running any backend's per-batch prepare (`states` stays empty):
     explain does so, since a what-if for another machine must not need that machine's libraries.
     """
-    if ForwardMode(batch.forward_mode) is ForwardMode.EXTEND:
+    if batch.forward_mode is ForwardMode.EXTEND:  # (parsed where the batch was built)
         raise LayoutError(
             "an extend batch is planned from an ExtendBatch (dispatch.step.extend_batch) through IndexerStep.plan or "
             "dispatch.step.extend_plan.build_extend_plan: its keys are gathered and scored ragged, not paged"
         )
-    key = DispatchKey(
-        arch=arch or dispatcher.target_arch,
-        forward_mode=batch.forward_mode,
-        next_n=batch.next_n,
-        fp8_dtype=key_fp8_dtype(kv_fp8_dtype),
-    )
+    key = dispatch_key(arch or dispatcher.target_arch, batch.forward_mode, batch.next_n, key_fp8_dtype(kv_fp8_dtype))
     decide = decider(dispatcher, key, pinned, allow_disabled)
     decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
     logits = decisions[Op.PAGED_MQA_LOGITS]
@@ -220,6 +215,21 @@ def build_plan(
         return plan
     states = prepare_states(decisions, plan)
     return dataclasses.replace(plan, states=states) if states else plan
+
+
+def dispatch_key(arch: Arch | str, forward_mode: ForwardMode | str, next_n: int, fp8_dtype: Fp8Dtype | str) -> DispatchKey:
+    """DispatchKey(arch, forward_mode, next_n, fp8_dtype), built once per distinct value: its checks cost
+    the host ~7 us, and a plan is built every batch. A value that cannot be hashed is checked afresh (the
+    key's own checks name it)."""
+    try:
+        return _dispatch_key(arch, forward_mode, next_n, fp8_dtype)
+    except TypeError:
+        return DispatchKey(arch=arch, forward_mode=forward_mode, next_n=next_n, fp8_dtype=fp8_dtype)
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: True and 1 are different next_n
+def _dispatch_key(arch, forward_mode, next_n, fp8_dtype) -> DispatchKey:
+    return DispatchKey(arch=arch, forward_mode=forward_mode, next_n=next_n, fp8_dtype=fp8_dtype)
 
 
 def key_fp8_dtype(kv_fp8_dtype: Fp8Dtype | str | torch.dtype) -> Fp8Dtype | str:

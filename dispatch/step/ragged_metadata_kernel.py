@@ -193,8 +193,6 @@ def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
     return RaggedMetadata(
-        ks=out.ranges[0],
-        ke=out.ranges[1],
         gather_slots=out.gather_slots,
         row_request=out.row_request,
         key_offsets=out.key_offsets,
@@ -202,5 +200,5 @@ def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
         total_keys=batch.total_keys,
         host_ranges=host_ranges,
         length_flags=out.length_flags,
-        ranges=out.ranges,
+        row_ranges=out.ranges,
     )

@@ -5,13 +5,15 @@ host, a handful of calls whatever the batch's shape.
 The plan is built every batch on the engine's critical path, and a torch call on a CPU costs 5-15 us of
 dispatch (issue 24, item 5; docs/benchmarks.md) where numpy's costs about 1 us, so the per-request values
 come from the host lengths in plain ints and every per-row and per-key array is one `repeat` of them:
-- a row of request r has ks = key_offsets[r] and ke = ke_base[r] + its row index, so the rows' request,
-  ks and ke are one repeat of a [3, B] array by the requests' new tokens, plus one add of the row index;
+- the rows' requests are one repeat of 0..B-1 by the requests' new tokens; a row of request r has
+  ks = key_offsets[r] and ke = ke_base[r] + its row index, which no backend reads on this path (the
+  chunks carry their own): with host lengths the metadata builds them when first asked for
+  (HostRanges.row_ranges), without, they are one repeat of [2, B] values and one add of the row index;
 - a key's slot is its page's first slot plus its offset in the page, and the batch's keys are its
   requests' pages in order, so every slot is one repeat of a per-page value (page base less the page's
   first gathered key) by the page's key count, plus the key's index; where every request but the last
   fills its pages, one broadcast add of the pages' first slots and the offsets in a page, which writes
-  the slots once instead of twice (at M = 16K the plan is bound by the bytes it writes, not its calls). A page entry outside the pool, or
+  the slots once instead of twice. A page entry outside the pool, or
   whose slots would pass int32, or past the table's width, gets a value that makes each of its keys
   negative, clamped to -1. Entries are compared against the pool as they are read (int32 against a
   Python int: exact); the slots are formed in int64 and narrowed once bounded.
@@ -47,7 +49,11 @@ _ARANGE[0].flags.writeable = False
 def ragged_fields_on_host(batch, limit: int) -> dict:
     """The RaggedMetadata fields of an ExtendBatch whose lengths were checked on this host (the caller,
     dispatch/step/extend_batch.py, builds the metadata from them). `limit`: a page entry must lie in
-    [0, limit), the pool and the int32 room of its slots."""
+    [0, limit), the pool and the int32 room of its slots.
+
+    With host lengths the rows' ks / ke are left to the metadata, built on request from them (no backend
+    reads them on this path: the chunks carry their own, dispatch/step/extend_plan.py), so only the
+    rows' requests are written here; without, they are built now from the tensors' lengths."""
     rows, keys = batch.total_tokens, batch.total_keys
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
@@ -57,23 +63,25 @@ def ragged_fields_on_host(batch, limit: int) -> dict:
     key_offsets, row_offsets = offsets.key_offsets, offsets.row_offsets
     requests = len(key_offsets) - 1
     new_tokens = [b - a for a, b in zip(row_offsets, row_offsets[1:])]
-    # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
-    ke_base = [k - r + 1 for k, r in zip(key_offsets[1:], row_offsets[1:])]
-    per_request = np.array([range(requests), key_offsets[:-1], ke_base], dtype=np.int32).reshape(3, requests)
-    per_row = np.repeat(per_request, new_tokens, axis=1)  # [3, M]: request, ks, ke less the row index
-    per_row[2] += arange_on_host(rows)
-    as_tensor = torch.from_numpy(per_row)
+    if host_ranges is not None:
+        row_request, row_ranges = torch.from_numpy(arange_on_host(requests).repeat(new_tokens)), None
+    else:
+        # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
+        ke_base = [k - r + 1 for k, r in zip(key_offsets[1:], row_offsets[1:])]
+        per_request = np.array([range(requests), key_offsets[:-1], ke_base], dtype=np.int32).reshape(3, requests)
+        per_row = np.repeat(per_request, new_tokens, axis=1)  # [3, M]: request, ks, ke less the row index
+        per_row[2] += arange_on_host(rows)
+        as_tensor = torch.from_numpy(per_row)
+        row_request, row_ranges = as_tensor[0], as_tensor[1:]
     return dict(
-        ks=as_tensor[1],
-        ke=as_tensor[2],
         gather_slots=_slots(batch.page_table.numpy(), batch.block_kv, limit, key_offsets, keys),
-        row_request=as_tensor[0],
+        row_request=row_request,
         key_offsets=torch.from_numpy(np.array(key_offsets, dtype=np.int32)),
         total_tokens=rows,
         total_keys=keys,
         host_ranges=host_ranges,
         length_flags=None,
-        ranges=as_tensor[1:],
+        row_ranges=row_ranges,
     )
 
 
@@ -97,32 +105,33 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
     first_page = list(itertools.accumulate(pages_of, initial=0))
     pages = first_page[-1]
     # Per page t of request r (pages request after request): its entry's flat index in the table,
-    # r * P + t - first_page[r], and its first gathered key, t * block_kv + key_offsets[r] - block_kv * first_page[r].
-    per_request = np.array([[r * width - first_page[r] for r in range(requests)],
-                            [k - block_kv * f for k, f in zip(key_offsets[:-1], first_page)]], dtype=np.int64).reshape(2, requests)
-    per_page = np.repeat(per_request, pages_of, axis=1)  # [2, T]
+    # r * P + t - first_page[r] (and, below, its first gathered key).
+    first_entry = np.array([r * width - first_page[r] for r in range(requests)], dtype=np.int64)
     page_index = arange_on_host(pages)
-    entry = table.reshape(-1).take(per_page[0] + page_index)
-    inside = entry.view(np.uint32) < limit  # a negative entry reads as 2^31 or more, past every limit
+    entry = table.reshape(-1).take(first_entry.repeat(pages_of) + page_index)
+    unsigned = entry.view(np.uint32)  # a negative entry reads as 2^31 or more, past every limit
+    all_inside = unsigned.max() < limit  # one reduction; the mask only where some entry is outside
     if all(n % block_kv == 0 for n in counts[:-1]):
         # Every request but the last fills its pages: the slots are every page's slots in order, one
         # broadcast add that writes them once (an entry outside may wrap here: its keys become -1 below).
         # torch's: numpy's broadcast over a 64-wide inner dimension takes 3x as long on this path.
-        every = torch.from_numpy(entry * block_kv)[:, None] + _offsets_in_page(block_kv)
-        slots = every.view(-1)[:keys]
-        if not inside.all():
-            slots.numpy()[np.repeat(~inside, block_kv)[:keys]] = -1
+        every = torch.from_numpy((entry * block_kv)[:, None]) + _offsets_in_page(block_kv)  # numpy's view: cheaper
+        slots = every.view(-1) if pages * block_kv == keys else every.view(-1)[:keys]
+        if not all_inside:
+            slots.numpy()[np.repeat(unsigned >= limit, block_kv)[:keys]] = -1
         return slots
     # The page's first slot less its first key's index (int64: an entry outside may overflow int32; one
-    # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot.
+    # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot. Page t of
+    # request r starts at gathered key t * block_kv + key_offsets[r] - block_kv * first_page[r].
+    first_key = np.array([k - block_kv * f for k, f in zip(key_offsets[:-1], first_page)], dtype=np.int64)
     value = entry - page_index
     value *= block_kv
-    value -= per_page[1]
+    value -= np.repeat(first_key, pages_of)
     page_keys = np.full(pages, block_kv)
     page_keys[[f - 1 for f, n in zip(first_page[1:], pages_of) if n]] = [n - block_kv * (p - 1) for n, p in
                                                                          zip(counts, pages_of) if p]
     slots = np.repeat(value.astype(np.int32), page_keys)
     slots += arange_on_host(keys)
-    if not inside.all():  # hostile or stale entries only: their keys are no slot
-        slots[np.repeat(~inside, page_keys)] = -1
+    if not all_inside:  # hostile or stale entries only: their keys are no slot
+        slots[np.repeat(unsigned >= limit, page_keys)] = -1
     return torch.from_numpy(slots)
