@@ -1,15 +1,17 @@
 // dispatch's own CUDA top-k: one CTA a row, one launch a call, exact whatever the data.
 //
-// A CTA has T threads (512 or 1024, chosen per call on the host: at <= 64 registers a thread two
-// 512-thread CTAs share an SM, so one row's select overlaps another row's read). Per row:
+// Three instances, chosen per call on the host from its ints (rows, width): Wide (an 8192-entry list)
+// at T = 512 or 1024 threads (at <= 64 registers a thread two 512-thread CTAs share an SM, so one
+// row's select overlaps another row's read), and ShortList (a 4096-entry list, three 512-thread CTAs
+// an SM) for many rows of at most ~24K keys. Per row:
 // - short rows (n <= kCandCap): the row read once into registers (kCandCap / T keys a thread, scalar
 //   coalesced loads, so any start or stride), then the exact radix select over those registers.
 // - longer rows, the filtered pass: a sample of kSample keys (four adjacent keys at each of kSpots
-//   spots spread over the row) gives a cut at the lower edge of the top-11-bit bin holding the
-//   sample's r-th largest (r a few standard deviations past what the sample expects above the k-th
-//   largest key); the row streamed once from HBM with 16-byte loads (the next ones in flight while
+//   spots spread over the row) gives a cut at the lower edge of the top-11-bit bin (ShortList: 22-bit)
+//   holding the sample's r-th largest (r a few standard deviations past what the sample expects above
+//   the k-th largest key); the row streamed once from HBM with 16-byte loads (the next ones in flight while
 //   the current ones are filed), every key at or above the cut appended to a shared-memory list (a
-//   thread's 16 keys take their slots with one warp scan and one shared atomic per warp); a list of
+//   thread's 4 x kUnroll keys take their slots with one warp scan and one shared atomic per warp); a list of
 //   at least k keys is read into registers and takes the same radix select.
 // The select over registers visits only the register slots that hold entries (a 2.4K-key row at 1024
 // threads: 3 of 8).
@@ -41,10 +43,30 @@ constexpr int kSample = 1024;   // keys the cut samples from a long row
 constexpr int kSpots = 256;     // where the sample's keys are read: four adjacent keys at each
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
-constexpr int kCandCap = 8192;    // candidates kept as a list (the filtered pass's 2-7K; a threshold bin's 1-3K)
-constexpr int kUnroll = 4;        // 16-byte loads each thread has in flight in the load pass
 
+// The kernel's two instances, chosen per call on the host (radix_topk.py's `instance`).
+// Wide: an 8192-entry list (the filtered pass's 2-7K on rows to 98K; a threshold bin's 1-3K), two
+// 512-thread CTAs an SM (<= 64 registers a thread) or one of 1024.
+struct Wide {
+  static constexpr int kCandCap = 8192;  // candidates kept as a list; rows to this length sit in registers
+  static constexpr int kUnroll = 4;      // 16-byte loads each thread has in flight in the load passes
+  static constexpr bool kFineCut = false;
+  static constexpr int blocks(int threads) { return 1024 / threads; }
+};
+// Many short rows: a 4096-entry list, three 512-thread CTAs an SM (<= 40 registers a thread), the
+// cut refined to 22 bits so that a row to ~24K keys fits the list. Occupancy pays only there (many
+// rows, short ones): on the H200 at 512 x 49K the same list lost 2x to the wide instance (round 4).
+struct ShortList {
+  static constexpr int kCandCap = 4096;
+  static constexpr int kUnroll = 2;
+  static constexpr bool kFineCut = true;
+  static constexpr int blocks(int) { return 3; }
+};
+
+template <class C>
 struct alignas(16) Shared {
+  using Config = C;
+  static constexpr int kCandCap = C::kCandCap;
   int hist[2][kBins];  // a round's histogram and the next round's, cleared while the first fills
   uint32_t cand_key[kCandCap];
   int cand_pos[kCandCap];
@@ -118,8 +140,8 @@ __device__ __forceinline__ void clear_bins(int* hist, int bins) {
 // (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above. Two block-wide
 // syncs: each thread scans its kOwn bins, a warp scan, the warps' totals published once; every warp
 // then sums the warps before it itself (no second scan by warp 0 and no sync for it).
-template <int T>
-__device__ void find_threshold(Shared& s, const int* hist, int need, int bins) {
+template <int T, class S>
+__device__ void find_threshold(S& s, const int* hist, int need, int bins) {
   constexpr int kOwn = kBins / T;  // bins a thread owns: descending positions kOwn*t .. kOwn*t + kOwn - 1
   const int t = threadIdx.x;
   const int lane = t & 31, warp = t >> 5;
@@ -168,7 +190,7 @@ struct RowView {
 
 // The full select's first pass: stage and count. The body is 16-byte loads from the first 16-byte-aligned key on; the keys
 // before it (at most 3) and after the last full vector are read one at a time.
-template <int T>
+template <int T, int kUnroll>
 __device__ void load_row(const RowView& v, uint32_t* stage, int* hist) {
   const int t = threadIdx.x;
   const int n = v.n;
@@ -214,8 +236,8 @@ __device__ void load_row(const RowView& v, uint32_t* stage, int* hist) {
 
 // The candidates of the later rounds: the list, or (when it overflowed) the row filtered to bin b1.
 // f(key, pos, live) is called warp-uniformly (every lane of a warp calls it the same number of times).
-template <int T, typename F>
-__device__ __forceinline__ void for_each_candidate(const RowView& v, const Shared& s, bool from_list, int count,
+template <int T, class S, typename F>
+__device__ __forceinline__ void for_each_candidate(const RowView& v, const S& s, bool from_list, int count,
                                                    uint32_t b1, F f) {
   const int total = from_list ? count : v.n;
   for (int base = 0; base < total; base += T) {
@@ -236,18 +258,33 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const Share
 // lanes read one 32-byte sector: a quarter of the DRAM accesses of kSample scattered keys, whose
 // loads held 9% of the stall samples at 512 x 49K on the H200). The cut is the lower edge of the
 // top-11-bit bin holding the sample's r-th largest, r a few standard deviations past the
-// k * kSample / n the sample expects above the k-th largest key. 0: no cut (the sample holds too few
-// numbers), so the row takes the full select. Leaves s.hist[0] cleared.
-template <int T>
-__device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
+// k * kSample / n the sample expects above the k-th largest key; with kFineCut, the lower edge of its
+// 22-bit bin (a second histogram over the same sample keys, held in registers), so that the list is
+// about r / kSample of the row, not up to a bin's width more. 0: no cut (the sample holds too few
+// numbers), so the row takes the full select. Leaves s.hist[0] cleared (s.hist[1] is cleared where it is next used).
+template <int T, class S>
+__device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
   constexpr int kAt = kSample / kSpots;
+  constexpr int kMine = (kSample + T - 1) / T;
   const int t = threadIdx.x;
   const int step = v.n / kSpots;  // >= kCandCap / kSpots > kAt: the spots never overlap
+  uint32_t sample[kMine];  // kept for the fine cut's second round only
+  if constexpr (S::Config::kFineCut) {
 #pragma unroll
-  for (int j = t; j < kSample; j += T) {
-    const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
-    atomicAdd(&s.hist[0][ordered_key(v.src[i]) >> 21], 1);
+    for (int m = 0; m < kMine; ++m) {
+      const int j = t + m * T;
+      const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
+      sample[m] = j < kSample ? ordered_key(v.src[i]) : 0u;
+      if (j < kSample) atomicAdd(&s.hist[0][sample[m] >> 21], 1);
+    }
+  } else {
+#pragma unroll
+    for (int j = t; j < kSample; j += T) {
+      const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
+      atomicAdd(&s.hist[0][ordered_key(v.src[i]) >> 21], 1);
+    }
   }
+  if constexpr (S::Config::kFineCut) clear_bins<T>(s.hist[1], kBins);
   __syncthreads();
   const int numbers = kSample - s.hist[0][0];
   const float expect = static_cast<float>(k) * kSample / v.n;
@@ -255,41 +292,42 @@ __device__ uint32_t candidate_cut(const RowView& v, Shared& s, int k) {
   uint32_t cut = 0u;
   if (numbers >= rank) {  // block-uniform: every thread read the same counts
     find_threshold<T>(s, s.hist[0], rank, kBins);
-    cut = static_cast<uint32_t>(s.bin) << 21;
+    const uint32_t b = s.bin;
+    cut = b << 21;
+    if constexpr (S::Config::kFineCut) {
+      const int rank2 = rank - s.above;
+#pragma unroll
+      for (int m = 0; m < kMine; ++m)
+        if (t + m * T < kSample && (sample[m] >> 21) == b) atomicAdd(&s.hist[1][(sample[m] >> 10) & 0x7FF], 1);
+      __syncthreads();
+      find_threshold<T>(s, s.hist[1], rank2, kBins);
+      cut |= static_cast<uint32_t>(s.bin) << 10;
+    }
   }
   __syncthreads();
   clear_bins<T>(s.hist[0], kBins);
   return cut;  // the sync after collect_candidates orders the clearing before the next histogram
 }
 
-// The value a float compare takes for the cut: every non-NaN x with ordered_key(x) >= cut, and no
-// other x but -0.0 when the cut is +0.0's key (so the list is every key at or above -0.0's key: still
-// a cut). A cut at or below -inf's key takes every number.
-__device__ __forceinline__ float cut_value(uint32_t cut) {
-  if (cut <= 0x007FFFFFu) return -__int_as_float(0x7F800000);
-  return __uint_as_float((cut & 0x80000000u) ? (cut & 0x7FFFFFFFu) : ~cut);
-}
-
 // The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut`
 // appended to the candidate list (slots past kCandCap counted, not written). Keys are compared as
-// floats (one compare; NaN fails it), and only the taken ones are turned into keys: measured with this
-// round's other changes, and alone 0.1-1.6 us slower than the key compare (benchmark-history, round 4).
-// The next kUnroll loads are in flight while the current ones are filed.
-template <int T>
-__device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
+// keys: the float compare (only the taken ones turned into keys) was 0.1-1.6 us slower on the H200
+// (benchmark-history, round 4). The next kUnroll loads are in flight while the current ones are filed.
+template <int T, class S>
+__device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
+  constexpr int kUnroll = S::Config::kUnroll;
   const int t = threadIdx.x;
   const int n = v.n;
   const int head = min(n, (4 - v.pad) & 3);
-  const float floor = cut_value(cut);
-  auto offer = [&](bool in, float x, int pos) {  // warp-uniform
-    const bool take = in && x >= floor;
+  auto offer = [&](bool in, uint32_t key, int pos) {  // warp-uniform
+    const bool take = in && key >= cut;
     const int c = warp_slot(take, &s.cand_count);
-    if (take && c < kCandCap) {
-      s.cand_key[c] = ordered_key(x);
+    if (take && c < S::kCandCap) {
+      s.cand_key[c] = key;
       s.cand_pos[c] = pos;
     }
   };
-  offer(t < head, t < head ? v.src[t] : 0.f, t);
+  offer(t < head, t < head ? ordered_key(v.src[t]) : 0u, t);
   const int vectors = (n - head) / 4;
   const float4* body = reinterpret_cast<const float4*>(v.src + head);
   const int lane = t & 31;
@@ -300,15 +338,20 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
     next[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   for (int base = 0; base < vectors; base += T * kUnroll) {
-    float x[4 * kUnroll];
+    float4 x[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      x[4 * u] = next[u].x;
-      x[4 * u + 1] = next[u].y;
-      x[4 * u + 2] = next[u].z;
-      x[4 * u + 3] = next[u].w;
+      x[u] = next[u];
       const int j = base + T * kUnroll + u * T + t;
       next[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    uint32_t keys[4 * kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      keys[4 * u] = ordered_key(x[u].x);
+      keys[4 * u + 1] = ordered_key(x[u].y);
+      keys[4 * u + 2] = ordered_key(x[u].z);
+      keys[4 * u + 3] = ordered_key(x[u].w);
     }
     // A thread's 4 * kUnroll keys take their slots together: one warp scan and one shared atomic per
     // warp for 512 keys (a slot counter per key serialises the CTA's warps on one address).
@@ -317,7 +360,7 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
     for (int u = 0; u < kUnroll; ++u) {
       const bool in = base + u * T + t < vectors;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && x[4 * u + c] >= floor) << (4 * u + c);
+      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && keys[4 * u + c] >= cut) << (4 * u + c);
     }
     const int mine = __popc(taken);
     int inclusive = mine;
@@ -333,8 +376,8 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
 #pragma unroll
     for (int e = 0; e < 4 * kUnroll; ++e) {
       if ((taken >> e) & 1u) {
-        if (slot < kCandCap) {
-          s.cand_key[slot] = ordered_key(x[e]);
+        if (slot < S::kCandCap) {
+          s.cand_key[slot] = keys[e];
           s.cand_pos[slot] = head + 4 * (base + (e / 4) * T + t) + e % 4;
         }
         ++slot;
@@ -342,7 +385,7 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
     }
   }
   const int tail = head + 4 * vectors + t;
-  offer(tail < n, tail < n ? v.src[tail] : 0.f, tail);
+  offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
 }
 
 // The k largest of the `count` keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key
@@ -352,8 +395,8 @@ __device__ void collect_candidates(const RowView& v, Shared& s, uint32_t cut) {
 // Every loop stops at the first register slot past `count` (j * T >= count: no thread holds an entry
 // there). The bound is block-uniform, so the warp-wide slot claims stay uniform. A 2.4K-key row at
 // 1024 threads visits 3 of its 8 slots, and a list of 3.5K keys at 512 threads 7 of 16.
-template <int T, bool kHasPages, int kPer, typename Pos>
-__device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int count, int k, int* out_row,
+template <int T, bool kHasPages, class S, int kPer, typename Pos>
+__device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count, int k, int* out_row,
                                     const PageRow& pr, int block_size, Pos pos) {
   const int t = threadIdx.x;
   int mine = 0;
@@ -412,9 +455,9 @@ __device__ void select_in_registers(Shared& s, const uint32_t (&key)[kPer], int 
 
 // A short row (n <= kCandCap) read once into registers with coalesced scalar loads (any start, any
 // stride), then selected there.
-template <int T, bool kHasPages>
-__device__ void short_row(const RowView& v, Shared& s, int k, int* out_row, const PageRow& pr, int block_size) {
-  constexpr int kPer = kCandCap / T;
+template <int T, bool kHasPages, class S>
+__device__ void short_row(const RowView& v, S& s, int k, int* out_row, const PageRow& pr, int block_size) {
+  constexpr int kPer = S::kCandCap / T;
   const int t = threadIdx.x;
   uint32_t key[kPer];
 #pragma unroll
@@ -428,13 +471,13 @@ __device__ void short_row(const RowView& v, Shared& s, int k, int* out_row, cons
 // The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
 // overflowed, too few numbers): a histogram of the whole row, its threshold bin's keys as the list, or
 // the row itself when they overflow it; exact whatever the data. s.hist[0] is clear on entry.
-template <int T, bool kHasPages>
-__device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k, int* out_row, const PageRow& pr,
+template <int T, bool kHasPages, class S>
+__device__ void full_select(const RowView& v, uint32_t* stage, S& s, int k, int* out_row, const PageRow& pr,
                             int block_size) {
   const int t = threadIdx.x;
   const int n = v.n;
   int* hist = s.hist[0];
-  load_row<T>(v, stage, hist);
+  load_row<T, S::Config::kUnroll>(v, stage, hist);
   __syncthreads();
 
   const int selectable = n - hist[0];
@@ -463,7 +506,7 @@ __device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k,
     if (above) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
     const bool cand = i < n && digit == b1;
     const int c = warp_slot(cand, &s.cand_count);
-    if (cand && c < kCandCap) {
+    if (cand && c < S::kCandCap) {
       s.cand_key[c] = key;
       s.cand_pos[c] = i;
     }
@@ -471,7 +514,7 @@ __device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k,
   clear_bins<T>(hist, kBins);
   __syncthreads();
   const int count = s.cand_count;
-  const bool from_list = count <= kCandCap;
+  const bool from_list = count <= S::kCandCap;
 
   // Round 2: bits 20..10 of b1's keys.
   for_each_candidate<T>(v, s, from_list, count, b1, [&](uint32_t key, int, bool live) {
@@ -505,8 +548,8 @@ __device__ void full_select(const RowView& v, uint32_t* stage, Shared& s, int k,
   });
 }
 
-template <int T>
-__device__ void reset(Shared& s) {
+template <int T, class S>
+__device__ void reset(S& s) {
   clear_bins<T>(s.hist[0], kBins);
   if (threadIdx.x == 0) {
     s.out_count = 0;
@@ -517,11 +560,14 @@ __device__ void reset(Shared& s) {
   __syncthreads();
 }
 
-// Two CTAs an SM at 512 threads (<= 64 registers a thread), one at 1024.
-template <int T, bool kHasPages>
-__global__ void __launch_bounds__(T, 1024 / T) radix_topk_kernel(const Params p) {
+// C::blocks(T) CTAs an SM: Wide's two at 512 threads (<= 64 registers a thread) or one at 1024;
+// ShortList's three at 512 (<= 40).
+template <int T, class C, bool kHasPages>
+__global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Params p) {
+  using S = Shared<C>;
+  constexpr int kCandCap = C::kCandCap;
   extern __shared__ uint4 smem[];
-  Shared& s = *reinterpret_cast<Shared*>(smem);
+  S& s = *reinterpret_cast<S*>(smem);
   uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
   const int t = threadIdx.x;
   const int64_t row = blockIdx.x;
@@ -581,10 +627,10 @@ __global__ void __launch_bounds__(T, 1024 / T) radix_topk_kernel(const Params p)
 
 using Kernel = void (*)(Params);
 
-template <int T, bool kHasPages>
+template <int T, class C, bool kHasPages>
 Kernel kernel_with_smem(int bytes) {
   static int raised[64] = {};  // per device: the dynamic shared memory limit this instance was given
-  Kernel kernel = radix_topk_kernel<T, kHasPages>;
+  Kernel kernel = radix_topk_kernel<T, C, kHasPages>;
   int& limit = raised[c10::cuda::current_device() & 63];
   if (bytes > limit) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -593,25 +639,26 @@ Kernel kernel_with_smem(int bytes) {
   return kernel;
 }
 
-template <int T>
+template <int T, class C>
 Kernel pick_kernel(bool has_pages, int bytes) {
-  return has_pages ? kernel_with_smem<T, true>(bytes) : kernel_with_smem<T, false>(bytes);
+  return has_pages ? kernel_with_smem<T, C, true>(bytes) : kernel_with_smem<T, C, false>(bytes);
 }
 
 }  // namespace
 
-// The most keys a row may stage on this device (the opt-in shared memory less the fixed part).
+// The most keys a row may stage on this device (the opt-in shared memory less the larger fixed part).
 int64_t max_stage(int64_t device) {
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, static_cast<int>(device)));
-  const int64_t keys = (static_cast<int64_t>(optin) - static_cast<int64_t>(sizeof(Shared)) - 16) / 4;
+  const int64_t keys = (static_cast<int64_t>(optin) - static_cast<int64_t>(sizeof(Shared<Wide>)) - 16) / 4;
   return keys / 4 * 4;
 }
 
 // out int32 [rows, k] (contiguous); the host wrapper (radix_topk.py) has checked every tensor.
 void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
                 const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
-                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t threads, torch::Tensor& out) {
+                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t threads, bool short_list,
+                torch::Tensor& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   if (rows == 0) return;
@@ -634,11 +681,14 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
   p.table_pages = page_table ? static_cast<int>(page_table->size(1)) : 0;
   p.block_size = static_cast<int>(block_size);
   p.filtered = filtered ? 1 : 0;
-  const int bytes = static_cast<int>(sizeof(Shared) + 4 * (stage_cap + 4));
+  const int fixed = static_cast<int>(short_list ? sizeof(Shared<ShortList>) : sizeof(Shared<Wide>));
+  const int bytes = fixed + static_cast<int>(4 * (stage_cap + 4));
   const bool has_pages = page_table.has_value();
   TORCH_CHECK(threads == 512 || threads == 1024, "radix_topk: threads must be 512 or 1024, got ", threads);
-  const Kernel kernel = threads == 512 ? pick_kernel<512>(has_pages, bytes)
-                                       : pick_kernel<1024>(has_pages, bytes);
+  TORCH_CHECK(!short_list || threads == 512, "radix_topk: the short-list instance has 512 threads, got ", threads);
+  const Kernel kernel = short_list      ? pick_kernel<512, ShortList>(has_pages, bytes)
+                        : threads == 512 ? pick_kernel<512, Wide>(has_pages, bytes)
+                                         : pick_kernel<1024, Wide>(has_pages, bytes);
   kernel<<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -24,26 +24,29 @@ def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: t
 
 
 def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True,
-           threads=None):
+           threads=None, short_list=None):
     """The launch of checked inputs. filtered: short rows selected in registers, longer ones by the
     sampled cut and one filtered pass first (the served path); False: the full select only. stage: keys
     of a row the full select stages in shared memory (a multiple of 4, at most max_stage). Served with
     0: the full select runs only where the filtered pass cannot serve a row. threads: a CTA's threads,
-    512 or 1024; None: block_threads's choice for these rows."""
+    512 or 1024, and short_list: the kernel's short-list instance (512 threads only); threads None:
+    instance()'s choice for these rows and this width."""
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     if stage % 4 or not 0 <= stage <= max_stage(device):
         raise ValueError(f"stage {stage} must be a multiple of 4 in [0, {max_stage(device)}]")
     rows = logits.shape[0]
     if threads is None:
-        threads = block_threads(rows, multiprocessors(device))
-    if threads not in THREADS:
-        raise ValueError(f"threads {threads} must be one of {THREADS}")
+        threads, short_list = instance(rows, logits.shape[1], multiprocessors(device))
+    short_list = bool(short_list)
+    if (threads, short_list) not in INSTANCES:
+        raise ValueError(f"threads {threads} with short_list {short_list} must be one of {INSTANCES}")
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
     fuse_pages = page_table is not None and not sorted
     extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
-                           page_rows if fuse_pages else None, k, block_size, stage, filtered, threads, out)
+                           page_rows if fuse_pages else None, k, block_size, stage, filtered, threads, short_list,
+                           out)
     if sorted:
         return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                       sorted=True, starts=starts)
@@ -51,6 +54,18 @@ def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sor
 
 
 THREADS = (512, 1024)
+INSTANCES = ((512, False), (1024, False), (512, True))  # (threads, short_list): radix_select.cu's three
+SHORT_LIST_WIDTH = 3 * 8192  # the widest rows the short-list instance serves (its 22-bit cut's list fits)
+
+
+def instance(rows: int, width: int, sms: int) -> tuple[int, bool]:
+    """(threads, short_list) for `rows` rows of at most `width` keys on a GPU of `sms` multiprocessors:
+    the short-list instance (three 512-thread CTAs an SM, a 4096-entry list) for many short rows (more
+    rows than SMs, width <= SHORT_LIST_WIDTH), else block_threads's CTA size with the 8192-entry list.
+    Both are exact whatever the data (a row the short list cannot hold takes the full select); this
+    picks the faster one from the host's ints alone (no sync)."""
+    threads = block_threads(rows, sms)
+    return threads, threads == 512 and width <= SHORT_LIST_WIDTH
 
 
 def block_threads(rows: int, sms: int) -> int:

@@ -4,7 +4,8 @@ cannot run where it cannot and its registration (the probe, the build and its ca
 
 The GPU tests compile backends/cuda_topk/radix_select.cu on first use (cached per user); `stage`
 below forces the kernel to stage only part of each row in shared memory, so the re-read of a row's
-tail runs at small widths too; `threads` runs both CTA sizes (512 and 1024) whatever the host would pick.
+tail runs at small widths too; `cta` runs each of the kernel's instances (512 and 1024 threads, and the
+short-list one at 512) whatever the host would pick.
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ NAN, INF = float("nan"), float("inf")
 gpu = pytest.mark.gpu
 
 
-def radix(*args, stage=None, filtered=True, threads=None, **kwargs):
-    """The served call, or (stage or threads given) the launch with that staging, path and CTA size."""
+def radix(*args, stage=None, filtered=True, cta=None, **kwargs):
+    """The served call, or (stage or cta given) the launch with that staging, path and kernel instance
+    (cta: (threads, short_list), one of radix_topk.INSTANCES)."""
     from backends.cuda_topk.radix_topk import launch, radix_topk
 
-    if stage is None and threads is None:
+    if stage is None and cta is None:
         return radix_topk(*args, **kwargs)
     options = {"starts": None, "page_table": None, "page_rows": None, "block_size": 64, "sorted": False, **kwargs}
-    return launch(*args, stage=stage or 0, filtered=filtered, threads=threads, **options)
+    threads, short_list = cta or (None, None)
+    return launch(*args, stage=stage or 0, filtered=filtered, cta=cta, short_list=short_list, **options)
 
 
-THREADS = pytest.mark.parametrize("threads", [512, 1024])
+INSTANCES = [(512, False), (1024, False), (512, True)]
+CTAS = pytest.mark.parametrize("cta", INSTANCES, ids=["t512", "t1024", "t512-short-list"])
 
 
 # ---- on a GPU: exactness ----
@@ -42,12 +46,12 @@ THREADS = pytest.mark.parametrize("threads", [512, 1024])
     (12, 300, 16, 0), (37, 3000, 2048, 1), (64, 12215, 2048, 2), (9, 5000, 100, 3), (5, 70001, 2048, 4),
     (3, 100000, 4096, 5), (130, 49081, 2048, 6), (2, 2500, 1, 7), (7, 8192, 2048, 8), (6, 8193, 2048, 9),
 ])
-@pytest.mark.parametrize("threads", [None, 512, 1024])
-def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, threads):
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
+def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, cta):
     gen = torch.Generator().manual_seed(seed)
     logits = random_logits(rows, width, gen)
     lengths = ragged_lengths(rows, width, k, gen)
-    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, threads=threads))
+    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, cta=cta))
 
 
 # filtered=False: the full select (what a row the filtered pass cannot serve gets), its row staged in
@@ -57,20 +61,20 @@ def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, threads):
                                                  (12000, False)])
 @pytest.mark.parametrize("row_stride", [None, 10003])  # a stride of 10003 floats: rows start off 16-byte boundaries
 @pytest.mark.parametrize("width", [5000, 10000])  # short rows in registers; sampled cuts
-@THREADS
-def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width, threads):
+@CTAS
+def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width, cta):
     gen = torch.Generator().manual_seed(stage + width)
     logits = random_logits(11, width, gen, row_stride=row_stride)
     lengths = ragged_lengths(11, width, 2048, gen)
-    out = radix(logits.cuda(), lengths.cuda(), 2048, stage=stage, filtered=filtered, threads=threads)
+    out = radix(logits.cuda(), lengths.cuda(), 2048, stage=stage, filtered=filtered, cta=cta)
     check(logits, lengths, 2048, out)
 
 
 @gpu
 @pytest.mark.parametrize(("stage", "filtered"), [(None, True), (1000, False), (0, False)])
 @pytest.mark.parametrize("width", [9000, 5000])
-@THREADS
-def test_ties_inf_and_nan_rows(stage, filtered, width, threads):
+@CTAS
+def test_ties_inf_and_nan_rows(stage, filtered, width, cta):
     gen = torch.Generator().manual_seed(9)
     k = 2048
     logits = random_logits(10, width, gen).clone()
@@ -88,7 +92,7 @@ def test_ties_inf_and_nan_rows(stage, filtered, width, threads):
     logits[9, ::3] = 0.0
     lengths = torch.full((10,), width, dtype=torch.int32)
     lengths[5] = 10
-    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered, threads=threads))
+    check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered, cta=cta))
 
 
 def signed_zero_rows(rows, width, gen):
@@ -101,14 +105,15 @@ def signed_zero_rows(rows, width, gen):
 
 
 @gpu
-@THREADS
-def test_a_cut_at_plus_zero_takes_both_zeros(threads):
-    # The filtered pass compares floats, so -0.0 passes a cut at +0.0's key; the k largest then take
-    # zeros of either sign, equal values (the check compares values, as torch.topk's ties do).
+@CTAS
+def test_a_cut_at_plus_zero_takes_both_zeros(cta):
+    # A cut at +0.0's key leaves -0.0 out of the list (its key is one lower); the k largest then take
+    # zeros of either sign wherever they rank, equal values (the check compares values, as torch.topk's
+    # ties do).
     gen = torch.Generator().manual_seed(11)
     logits = signed_zero_rows(4, 9100, gen)
     lengths = torch.tensor([9100, 9000, 8800, 9050], dtype=torch.int32)
-    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, threads=threads))
+    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
 
 
 @gpu
@@ -121,8 +126,8 @@ def test_length_zero_k_past_the_length_and_lengths_past_the_width():
 
 
 @gpu
-@THREADS
-def test_rows_read_inside_their_window_only(threads):
+@CTAS
+def test_rows_read_inside_their_window_only(cta):
     # Every key outside a row's window is +inf: any read of one would select it.
     gen = torch.Generator().manual_seed(5)
     width, k = 20000, 2048
@@ -134,13 +139,13 @@ def test_rows_read_inside_their_window_only(threads):
         logits[r, s:s + n] = torch.randn(n, generator=gen)
     for stage, filtered in ((None, True), (1000, False)):
         out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage, filtered=filtered,
-                    threads=threads)
+                    cta=cta)
         check(logits, lengths, k, out, starts=starts)
 
 
 @gpu
-@THREADS
-def test_page_transform_gives_the_physical_slots_of_the_selection(threads):
+@CTAS
+def test_page_transform_gives_the_physical_slots_of_the_selection(cta):
     gen = torch.Generator().manual_seed(6)
     rows, width, k, block = 8, 6000, 2048, 64
     logits = random_logits(rows, width, gen).cuda()
@@ -149,8 +154,8 @@ def test_page_transform_gives_the_physical_slots_of_the_selection(threads):
     table = torch.randperm(3 * pages, generator=gen)[: 3 * pages].reshape(3, pages).to(torch.int32).cuda()
     table[2, 10] = -1  # an unmapped page: its positions become -1
     page_rows = torch.tensor([0, 1, 2, 0, 1, 2, 5, -1], dtype=torch.int32).cuda()  # the last two: outside the table
-    paged = radix(logits, lengths, k, page_table=table, page_rows=page_rows, threads=threads)
-    plain = radix(logits, lengths, k, threads=threads)
+    paged = radix(logits, lengths, k, page_table=table, page_rows=page_rows, cta=cta)
+    plain = radix(logits, lengths, k, cta=cta)
     want = page_slots(plain, table, page_rows.clamp(0, 2), block)
     want = want.clamp(min=-1)  # the unmapped page's slots: page_slots leaves them negative, the contract -1
     want[6:] = -1
@@ -233,6 +238,18 @@ def test_the_cta_size_is_512_once_the_rows_fill_the_multiprocessors():
     assert [block_threads(rows, 132) for rows in (1, 8, 64, 128, 132)] == [1024] * 5
     assert [block_threads(rows, 132) for rows in (133, 256, 512, 4096)] == [512] * 4
     assert block_threads(100, 78) == 512 and set(THREADS) == {512, 1024}
+
+
+def test_the_short_list_instance_serves_many_rows_of_at_most_24k_keys():
+    from backends.cuda_topk.radix_topk import INSTANCES, SHORT_LIST_WIDTH, instance
+
+    assert SHORT_LIST_WIDTH == 24576
+    assert instance(4096, 20480, 132) == (512, True)  # extend: 4096 query rows, windows to 16K
+    assert instance(512, 24576, 132) == (512, True)
+    assert instance(512, 24577, 132) == (512, False) and instance(512, 49152, 132) == (512, False)
+    assert instance(128, 12000, 132) == (1024, False)  # a row an SM: the whole SM, the wide list
+    assert instance(1, 10, 132) == (1024, False)
+    assert {instance(rows, width, 132) for rows in (1, 200, 4096) for width in (1, 30000)} <= set(INSTANCES)
 
 
 def test_cpu_tensors_are_a_layout_error_naming_the_tensor():
