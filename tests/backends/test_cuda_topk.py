@@ -32,7 +32,7 @@ def radix(*args, stage=None, filtered=True, cta=None, **kwargs):
         return radix_topk(*args, **kwargs)
     options = {"starts": None, "page_table": None, "page_rows": None, "block_size": 64, "sorted": False, **kwargs}
     threads, short_list = cta or (None, None)
-    return launch(*args, stage=stage or 0, filtered=filtered, cta=cta, short_list=short_list, **options)
+    return launch(*args, stage=stage or 0, filtered=filtered, threads=threads, short_list=short_list, **options)
 
 
 INSTANCES = [(512, False), (1024, False), (512, True)]
