@@ -63,7 +63,10 @@ def instance(rows: int, width: int, sms: int) -> tuple[int, bool]:
     the short-list instance (three 512-thread CTAs an SM, a 4096-entry list) for many short rows (more
     rows than SMs, width <= SHORT_LIST_WIDTH), else block_threads's CTA size with the 8192-entry list.
     Both are exact whatever the data (a row the short list cannot hold takes the full select); this
-    picks the faster one from the host's ints alone (no sync)."""
+    picks the faster one from the host's ints alone (no sync). H200, 2026-12-01 19:57 UTC (132 SMs):
+    the short list 146.4 us against 167.1 in extend (4096 rows to 16K keys), 38.8 against 39.5 at
+    512 x 24.5K; 72.1 against 52.7 at 512 x 49K and 130.1 against 44.7 at 256 x 98K, where it is not
+    served; between 24.5K and 49K keys not measured."""
     threads = block_threads(rows, sms)
     return threads, threads == 512 and width <= SHORT_LIST_WIDTH
 
