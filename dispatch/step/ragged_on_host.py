@@ -63,16 +63,9 @@ def ragged_fields_on_host(batch, limit: int) -> dict:
     key_offsets, row_offsets = offsets.key_offsets, offsets.row_offsets
     requests = len(key_offsets) - 1
     new_tokens = [b - a for a, b in zip(row_offsets, row_offsets[1:])]
-    if host_ranges is not None:
-        row_request, row_ranges = torch.from_numpy(arange_on_host(requests).repeat(new_tokens)), None
-    else:
-        # Row i of request r: ks = key_offsets[r], ke = i + 1 + key_offsets[r + 1] - row_offsets[r + 1].
-        ke_base = [k - r + 1 for k, r in zip(key_offsets[1:], row_offsets[1:])]
-        per_request = np.array([range(requests), key_offsets[:-1], ke_base], dtype=np.int32).reshape(3, requests)
-        per_row = np.repeat(per_request, new_tokens, axis=1)  # [3, M]: request, ks, ke less the row index
-        per_row[2] += arange_on_host(rows)
-        as_tensor = torch.from_numpy(per_row)
-        row_request, row_ranges = as_tensor[0], as_tensor[1:]
+    row_request = torch.from_numpy(arange_on_host(requests).repeat(new_tokens))
+    # Without host lengths the rows' ks / ke are built now, by the same rule, from the tensors' lengths.
+    row_ranges = None if host_ranges is not None else torch.from_numpy(offsets.row_ranges(rows))
     return dict(
         gather_slots=_slots(batch.page_table.numpy(), batch.block_kv, limit, key_offsets, keys),
         row_request=row_request,
