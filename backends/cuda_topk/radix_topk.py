@@ -53,7 +53,6 @@ def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sor
     return out
 
 
-THREADS = (512, 1024)
 INSTANCES = ((512, False), (1024, False), (512, True))  # (threads, short_list): radix_select.cu's three
 SHORT_LIST_WIDTH = 3 * 8192  # the widest rows the short-list instance serves (its 22-bit cut's list fits)
 
