@@ -15,6 +15,7 @@ import torch
 from dispatch.step.ragged_metadata_kernel import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
 from dispatch.contract.bounds import BAD_LENGTH
 from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
+from tests.support.extend_batch import unchecked_extend_batch
 
 FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "length_flags", "ranges")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under the interpreter
@@ -30,15 +31,6 @@ def _on_device(batch: ExtendBatch) -> ExtendBatch:
 
 def _launch(batch: ExtendBatch):
     return ragged_metadata_in_one_launch(_on_device(batch))
-
-
-def _unchecked(**fields) -> ExtendBatch:
-    """What a GPU batch hands over: lengths the host never read (the CPU check skipped)."""
-    batch = object.__new__(ExtendBatch)
-    defaults = dict(block_kv=64, host_prefix_lens=None, host_extend_lens=None, num_kv_blocks=None)
-    for name, value in {**defaults, **fields}.items():
-        object.__setattr__(batch, name, value)
-    return batch
 
 
 def _assert_same(batch: ExtendBatch) -> None:
@@ -122,7 +114,7 @@ def test_an_entry_whose_slots_pass_int32_is_no_slot_even_inside_a_huge_pool():
          "negative-first-extend", "negative-middle-prefix"],
 )
 def test_device_lengths_that_cannot_occur_flag_and_poison_as_on_the_torch_path(prefix, extend, tokens, keys):
-    batch = _unchecked(prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+    batch = unchecked_extend_batch(prefix_lens=torch.tensor(prefix, dtype=torch.int32),
                        extend_lens=torch.tensor(extend, dtype=torch.int32),
                        page_table=torch.zeros(len(prefix), 2, dtype=torch.int32), total_tokens=tokens, total_keys=keys)
     _assert_same(batch)

@@ -21,7 +21,7 @@ from dispatch.contract.fp8 import torch_dtype
 from dispatch.contract.key import Fp8Dtype
 from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 from dispatch.deciding.runtime import load_dispatcher
-from tests.support.extend_batch import extend_case
+from tests.support.extend_batch import extend_case, unchecked_extend_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -90,15 +90,6 @@ def test_host_lengths_that_cannot_occur_are_refused_where_the_batch_is_built(cha
         ExtendBatch(**{**good, **change})
 
 
-def _unchecked(**fields) -> ExtendBatch:
-    """What a GPU batch hands over: lengths the host never read (the CPU check skipped)."""
-    batch = object.__new__(ExtendBatch)
-    defaults = dict(block_kv=64, host_prefix_lens=None, host_extend_lens=None, num_kv_blocks=None)
-    for name, value in {**defaults, **fields}.items():
-        object.__setattr__(batch, name, value)
-    return batch
-
-
 @pytest.mark.parametrize(
     ("prefix", "extend", "tokens", "keys"),
     [([1, 2], [3, -2], 1, 4), ([1, 2], [3, 4], 6, 10), ([1, 2], [3, 4], 7, 12), ([-9, 2], [3, 4], 7, 10),
@@ -106,7 +97,7 @@ def _unchecked(**fields) -> ExtendBatch:
     ids=["negative-extend", "tokens-short", "keys-long", "negative-prefix", "both-long"],
 )
 def test_device_lengths_that_cannot_occur_poison_every_key_and_flag(prefix, extend, tokens, keys):
-    batch = _unchecked(prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+    batch = unchecked_extend_batch(prefix_lens=torch.tensor(prefix, dtype=torch.int32),
                        extend_lens=torch.tensor(extend, dtype=torch.int32),
                        page_table=torch.zeros(2, 2, dtype=torch.int32), total_tokens=tokens, total_keys=keys)
     metadata = build_ragged_metadata(batch, host_checked=False)
@@ -129,7 +120,7 @@ def test_consistent_device_lengths_are_not_flagged_and_match_the_host_path():
 def test_an_extend_plan_carries_the_length_flag_into_its_error_flags(monkeypatch):
     import dispatch.step.extend_plan
 
-    batch = _unchecked(prefix_lens=torch.tensor([1, 2], dtype=torch.int32),
+    batch = unchecked_extend_batch(prefix_lens=torch.tensor([1, 2], dtype=torch.int32),
                        extend_lens=torch.tensor([3, -4], dtype=torch.int32),
                        page_table=torch.zeros(2, 2, dtype=torch.int32), total_tokens=7, total_keys=10)
     # The plan builds its metadata as it would from a GPU batch.

@@ -17,6 +17,15 @@ from dispatch.step.extend_batch import ExtendBatch, RaggedMetadata, build_ragged
 POISON_BLOCK = 1 << 30
 
 
+def unchecked_extend_batch(**fields) -> ExtendBatch:
+    """What a GPU batch hands over: lengths the host never read (ExtendBatch's CPU checks skipped)."""
+    batch = object.__new__(ExtendBatch)
+    defaults = dict(block_kv=64, host_prefix_lens=None, host_extend_lens=None, num_kv_blocks=None)
+    for name, value in {**defaults, **fields}.items():
+        object.__setattr__(batch, name, value)
+    return batch
+
+
 @dataclass(frozen=True)
 class ExtendCase:
     batch: ExtendBatch
