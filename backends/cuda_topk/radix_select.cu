@@ -34,7 +34,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cooperative_groups.h>
 #include <cstdint>
 
 namespace {
@@ -44,7 +43,6 @@ constexpr int kSample = 1024;   // keys the cut samples from a long row
 constexpr int kSpots = 256;     // where the sample's keys are read: four adjacent keys at each
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
-constexpr bool kScanOutput = true;  // the final pass's slots by one block scan (false: a warp's slot claims)
 
 // The kernel's two instances, chosen per call on the host (radix_topk.py's `instance`).
 // Wide: an 8192-entry list (the filtered pass's 2-7K on rows to 98K; a threshold bin's 1-3K), two
@@ -61,7 +59,7 @@ struct Wide {
 struct ShortList {
   static constexpr int kCandCap = 4096;
   static constexpr int kUnroll = 2;
-  static constexpr bool kFineCut = false;  // round 6: the 11-bit cut (slcoarse; the 22-bit cut was round 5's)
+  static constexpr bool kFineCut = true;
   static constexpr int blocks(int) { return 3; }
 };
 
@@ -142,9 +140,8 @@ __device__ __forceinline__ void clear_bins(int* hist, int bins) {
 // (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above. Two block-wide
 // syncs: each thread scans its kOwn bins, a warp scan, the warps' totals published once; every warp
 // then sums the warps before it itself (no second scan by warp 0 and no sync for it).
-// count(b) is bin b's count: one histogram's, or (a row split over a cluster) the sum of its CTAs'.
-template <int T, class S, typename Count>
-__device__ void find_threshold_of(S& s, Count count, int need, int bins) {
+template <int T, class S>
+__device__ void find_threshold(S& s, const int* hist, int need, int bins) {
   constexpr int kOwn = kBins / T;  // bins a thread owns: descending positions kOwn*t .. kOwn*t + kOwn - 1
   const int t = threadIdx.x;
   const int lane = t & 31, warp = t >> 5;
@@ -153,7 +150,7 @@ __device__ void find_threshold_of(S& s, Count count, int need, int bins) {
   int sum = 0;
 #pragma unroll
   for (int e = 0; e < kOwn; ++e) {
-    h[e] = b_hi - e >= 0 ? count(b_hi - e) : 0;
+    h[e] = b_hi - e >= 0 ? hist[b_hi - e] : 0;
     sum += h[e];
   }
   int inclusive = sum;
@@ -177,11 +174,6 @@ __device__ void find_threshold_of(S& s, Count count, int need, int bins) {
     before += h[e];
   }
   __syncthreads();
-}
-
-template <int T, class S>
-__device__ __forceinline__ void find_threshold(S& s, const int* hist, int need, int bins) {
-  find_threshold_of<T>(s, [hist](int b) { return hist[b]; }, need, bins);
 }
 
 struct RowView {
@@ -396,67 +388,6 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
   offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
 }
 
-// The final pass's slots by one scan over the CTA (or the cluster) instead of two slot claims per
-// register slot, each a shared atomic on one counter that every warp takes in turn. A thread's count is
-// packed: its keys above the threshold in the low 16 bits, those equal to it in the high 16 (a CTA or
-// a cluster holds at most 32,768 keys, so neither half carries into the other).
-template <int kPer>
-__device__ __forceinline__ uint32_t above_and_equal(const uint32_t (&key)[kPer], int count, int T, uint32_t threshold) {
-  uint32_t mine = 0;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j)
-    if (j * T < count) mine += (key[j] > threshold ? 1u : 0u) + (key[j] == threshold ? 0x10000u : 0u);
-  return mine;
-}
-
-__device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint32_t other = __shfl_up_sync(0xFFFFFFFFu, v, d);
-    if (lane >= d) v += other;
-  }
-  return v;
-}
-
-__device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
-#pragma unroll
-  for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, d);
-  return v;
-}
-
-// The sum of `mine` over the CTA's threads before this one; one block-wide sync. s.warp_sums is free:
-// the last find_threshold's readers are past its last sync.
-template <int T, class S>
-__device__ __forceinline__ uint32_t block_exclusive_scan(S& s, uint32_t mine) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t inclusive = warp_inclusive_scan(mine);
-  if (lane == 31) s.warp_sums[warp] = static_cast<int>(inclusive);
-  __syncthreads();
-  const uint32_t earlier = warp_sum(lane < warp ? static_cast<uint32_t>(s.warp_sums[lane]) : 0u);
-  return earlier + inclusive - mine;
-}
-
-// A thread's keys above the threshold into the slots from `before`'s low half on; its keys equal to
-// it are the equal keys numbered from its high half on, the first `need` of them (over the CTA or the
-// cluster) into the last `need` slots. value(j) is register slot j's output.
-template <int kPer, typename Value>
-__device__ __forceinline__ void write_selected(const uint32_t (&key)[kPer], int count, int T, uint32_t threshold,
-                                               uint32_t before, int need, int k, int* out_row, Value value) {
-  int slot = static_cast<int>(before & 0xFFFFu);
-  int e = static_cast<int>(before >> 16);
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    if (j * T >= count) break;
-    if (key[j] > threshold) {
-      out_row[slot++] = value(j);
-    } else if (key[j] == threshold) {
-      if (e < need) out_row[k - need + e] = value(j);
-      ++e;
-    }
-  }
-}
-
 // The k largest of the `count` keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key
 // 0 for NaN and for entries past the end) into out_row: three radix rounds over the registers, then the
 // keys above the threshold and the first `need` equal to it; where no more than k are selectable
@@ -511,13 +442,6 @@ __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count
   const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
   need -= s.above;  // keys equal to the threshold still needed, >= 1
 
-  if constexpr (kScanOutput) {
-    const uint32_t mine = above_and_equal(key, count, T, threshold);
-    const uint32_t before = block_exclusive_scan<T>(s, mine);
-    write_selected(key, count, T, threshold, before, need, k, out_row,
-                   [&](int j) { return slot_value<kHasPages>(pos(t + j * T), pr, block_size); });
-    return;
-  }
 #pragma unroll
   for (int j = 0; j < kPer && j * T < count; ++j) {
     const bool above = key[j] > threshold;
@@ -528,9 +452,6 @@ __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count
     if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
   }
 }
-
-template <int T, class S>
-__device__ void reset(S& s);
 
 // A short row (n <= kCandCap) read once into registers with coalesced scalar loads (any start, any
 // stride), then selected there.
@@ -544,7 +465,6 @@ __device__ void short_row(const RowView& v, S& s, int k, int* out_row, const Pag
     const int i = t + j * T;
     key[j] = i < v.n ? ordered_key(__ldg(v.src + i)) : 0u;
   }
-  reset<T>(s);  // after the loads are issued: the clearing and its sync run while they are in flight
   select_in_registers<T, kHasPages>(s, key, v.n, k, out_row, pr, block_size, [](int i) { return i; });
 }
 
@@ -675,12 +595,12 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
     pr.pages = ok ? p.table_pages : 0;
   }
 
+  reset<T>(s);
   constexpr int kPer = kCandCap / T;
   if (p.filtered && n <= kCandCap) {
     short_row<T, kHasPages>(v, s, k, out_row, pr, p.block_size);
     return;
   }
-  reset<T>(s);
   const uint32_t cut = p.filtered ? candidate_cut<T>(v, s, k) : 0u;
   if (cut != 0u) {
     collect_candidates<T>(v, s, cut);
@@ -705,166 +625,6 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
   full_select<T, kHasPages>(v, stage, s, k, out_row, pr, p.block_size);
 }
 
-// ---- Few rows: a row split over a cluster of C CTAs (sm_90) ----
-// Where rows * C CTAs fit the SMs and a row has at most C * kSplitKeys keys, CTA r of a row's cluster
-// holds the row's r-th part in registers (one read, no sample, no filtered pass) and the three radix
-// rounds count over the cluster: each CTA fills its own histogram, and every CTA reads all of the
-// cluster's (distributed shared memory) to find the same threshold. A round's histograms are never
-// reused within the row, so one cluster barrier a round orders them. The output slots come from one
-// scan over the cluster: a CTA's slots follow those of the CTAs of lower rank.
-constexpr int kSplitKeys = 8192;  // keys a CTA of the split holds: 8 a thread at 1024 threads
-
-struct alignas(16) SplitShared {
-  int hist[3][kBins];  // round r's histogram of this CTA's keys
-  int warp_sums[kMaxWarps];
-  int selectable;  // this CTA's non-NaN keys
-  int bin;
-  int above;
-};
-
-// cluster primitives {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define RADIX_HAS_CLUSTERS 1
-struct Cluster {
-  static __device__ __forceinline__ int rank() { return static_cast<int>(cooperative_groups::this_cluster().block_rank()); }
-  static __device__ __forceinline__ void sync() { cooperative_groups::this_cluster().sync(); }
-  static __device__ __forceinline__ void arrive() { cooperative_groups::this_cluster().barrier_arrive(); }
-  static __device__ __forceinline__ void wait() { cooperative_groups::this_cluster().barrier_wait(); }
-  template <class V>
-  static __device__ __forceinline__ V* peer(V* p, int r) { return cooperative_groups::this_cluster().map_shared_rank(p, r); }
-};
-#endif
-// } cluster primitives
-
-// The sum of `mine` over the cluster's threads before this one (lower ranks first), the CTAs' warp
-// totals exchanged through s.warp_sums; one cluster barrier. The caller arrives at the closing barrier
-// once it has read its peers (returned: every peer read is done) and waits on it before it exits.
-template <int T, int C>
-__device__ __forceinline__ uint32_t cluster_exclusive_scan(SplitShared& s, uint32_t mine, int rank) {
-#ifdef RADIX_HAS_CLUSTERS
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t inclusive = warp_inclusive_scan(mine);
-  if (lane == 31) s.warp_sums[warp] = static_cast<int>(inclusive);
-  Cluster::sync();
-  uint32_t earlier = lane < warp ? static_cast<uint32_t>(s.warp_sums[lane]) : 0u;
-#pragma unroll
-  for (int r = 0; r < C; ++r)
-    if (r < rank && lane < T / 32) earlier += static_cast<uint32_t>(Cluster::peer(s.warp_sums, r)[lane]);
-  return warp_sum(earlier) + inclusive - mine;
-#else
-  return 0u;
-#endif
-}
-
-// One launch: rows * C CTAs of T threads, clusters of C (the host's cudaLaunchKernelEx). The host has
-// checked the tensor's width <= C * kSplitKeys, so every part fits a CTA's registers.
-template <int T, int C, bool kHasPages>
-__global__ void __launch_bounds__(T, 1) radix_topk_split_kernel(const Params p) {
-#ifdef RADIX_HAS_CLUSTERS
-  constexpr int kPer = kSplitKeys / T;
-  extern __shared__ uint4 smem[];
-  SplitShared& s = *reinterpret_cast<SplitShared*>(smem);
-  const int t = threadIdx.x;
-  const int lane = t & 31;
-  const int rank = Cluster::rank();
-  const int64_t row = blockIdx.x / C;
-
-  int start = 0;
-  if (p.starts != nullptr) start = min(max(p.starts[row * p.stride_start], 0), p.width);
-  const int n = min(max(p.lengths[row * p.stride_len], 0), p.width - start);
-  const int part = (n + C - 1) / C;
-  const int lo = min(rank * part, n);
-  const int m = min(n - lo, part);  // this CTA's keys: [lo, lo + m) of the row
-  const float* src = p.logits + row * p.stride_row + start + lo;
-  uint32_t key[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int i = t + j * T;
-    key[j] = i < m ? ordered_key(__ldg(src + i)) : 0u;
-  }
-  // While the loads are in flight: the three histograms cleared.
-  for (int b = t; b < 3 * kBins; b += T) s.hist[b / kBins][b % kBins] = 0;
-  if (t == 0) s.selectable = 0;
-  int* out_row = p.out + row * p.k;
-  const int k = p.k;
-  PageRow pr{nullptr, 0};
-  if (kHasPages) {
-    const int page_row = p.page_rows[row * p.stride_page_rows];
-    const bool ok = page_row >= 0 && page_row < p.table_rows;
-    pr.row = p.page_table + static_cast<int64_t>(ok ? page_row : 0) * p.stride_pt;
-    pr.pages = ok ? p.table_pages : 0;
-  }
-  auto value = [&](int j) { return slot_value<kHasPages>(lo + t + j * T, pr, p.block_size); };
-  auto over_cluster = [&s](int d) {  // round d's histogram summed over the cluster's CTAs
-    return [&s, d](int b) {
-      int c = 0;
-#pragma unroll
-      for (int r = 0; r < C; ++r) c += Cluster::peer(s.hist[d], r)[b];
-      return c;
-    };
-  };
-  __syncthreads();
-
-  int mine = 0;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    if (j * T >= m) break;
-    if (key[j] != 0u) atomicAdd(&s.hist[0][key[j] >> 21], 1);
-    mine += key[j] != 0u;
-  }
-  mine = static_cast<int>(warp_sum(static_cast<uint32_t>(mine)));
-  if (lane == 0 && mine) atomicAdd(&s.selectable, mine);
-  Cluster::sync();  // every CTA of the cluster running, its round-1 histogram and count complete
-  int selectable = 0;
-#pragma unroll
-  for (int r = 0; r < C; ++r) selectable += *Cluster::peer(&s.selectable, r);
-
-  if (selectable <= k) {  // cluster-uniform: every non-NaN key, then -1
-    uint32_t live = 0;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) live += j * T < m && key[j] != 0u;
-    int slot = static_cast<int>(cluster_exclusive_scan<T, C>(s, live, rank));
-    Cluster::arrive();
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      if (j * T >= m) break;
-      if (key[j] != 0u) out_row[slot++] = value(j);
-    }
-    for (int i = selectable + rank * T + t; i < k; i += C * T) out_row[i] = -1;
-    Cluster::wait();  // no CTA leaves while a peer may still read its shared memory
-    return;
-  }
-  find_threshold_of<T>(s, over_cluster(0), k, kBins);
-  const uint32_t b1 = s.bin;
-  int need = k - s.above;
-
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    if (j * T >= m) break;
-    if (key[j] != 0u && (key[j] >> 21) == b1) atomicAdd(&s.hist[1][(key[j] >> 10) & 0x7FF], 1);
-  }
-  Cluster::sync();
-  find_threshold_of<T>(s, over_cluster(1), need, kBins);
-  const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
-  need -= s.above;
-
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    if (j * T >= m) break;
-    if ((key[j] >> 10) == (prefix >> 10)) atomicAdd(&s.hist[2][key[j] & 0x3FF], 1);
-  }
-  Cluster::sync();
-  find_threshold_of<T>(s, over_cluster(2), need, kLastBins);
-  const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
-  need -= s.above;  // keys equal to the threshold still needed, >= 1
-
-  const uint32_t before = cluster_exclusive_scan<T, C>(s, above_and_equal(key, m, T, threshold), rank);
-  Cluster::arrive();
-  write_selected(key, m, T, threshold, before, need, k, out_row, value);
-  Cluster::wait();
-#endif
-}
-
 using Kernel = void (*)(Params);
 
 template <int T, class C, bool kHasPages>
@@ -884,39 +644,6 @@ Kernel pick_kernel(bool has_pages, int bytes) {
   return has_pages ? kernel_with_smem<T, C, true>(bytes) : kernel_with_smem<T, C, false>(bytes);
 }
 
-template <int C>
-void launch_split_of(const Params& p, bool has_pages, int64_t rows) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(rows * C));
-  config.blockDim = dim3(1024);
-  config.dynamicSmemBytes = sizeof(SplitShared);
-  config.stream = c10::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = C;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  const Kernel kernel = has_pages ? radix_topk_split_kernel<1024, C, true> : radix_topk_split_kernel<1024, C, false>;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-}
-
-// The split over a cluster: sm_90 and later only (the kernel is empty where it is built for older
-// archs), 1024 threads, a width whose parts fit the CTAs.
-void launch_split(const Params& p, bool has_pages, int64_t rows, int cluster, int threads, int device) {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TORCH_CHECK(major >= 9, "radix_topk: the split over a cluster needs sm_90 or later; this GPU is sm_", major, "x");
-  TORCH_CHECK(cluster == 2 || cluster == 4, "radix_topk: cluster must be 1, 2 or 4, got ", cluster);
-  TORCH_CHECK(threads == 1024, "radix_topk: the split over a cluster has 1024 threads, got ", threads);
-  TORCH_CHECK(p.width <= cluster * kSplitKeys, "radix_topk: a split over ", cluster, " CTAs holds rows of at most ",
-              cluster * kSplitKeys, " keys; the logits are ", p.width, " wide");
-  if (cluster == 2) launch_split_of<2>(p, has_pages, rows);
-  else launch_split_of<4>(p, has_pages, rows);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 }  // namespace
 
 // The most keys a row may stage on this device (the opt-in shared memory less the larger fixed part).
@@ -931,7 +658,7 @@ int64_t max_stage(int64_t device) {
 void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
                 const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
                 int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t threads, bool short_list,
-                int64_t cluster, torch::Tensor& out) {
+                torch::Tensor& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   if (rows == 0) return;
@@ -954,14 +681,9 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
   p.table_pages = page_table ? static_cast<int>(page_table->size(1)) : 0;
   p.block_size = static_cast<int>(block_size);
   p.filtered = filtered ? 1 : 0;
-  const bool has_pages = page_table.has_value();
-  if (cluster > 1) {
-    launch_split(p, has_pages, rows, static_cast<int>(cluster), static_cast<int>(threads), logits.device().index());
-    return;
-  }
-  TORCH_CHECK(cluster == 1, "radix_topk: cluster must be 1, 2 or 4, got ", cluster);
   const int fixed = static_cast<int>(short_list ? sizeof(Shared<ShortList>) : sizeof(Shared<Wide>));
   const int bytes = fixed + static_cast<int>(4 * (stage_cap + 4));
+  const bool has_pages = page_table.has_value();
   TORCH_CHECK(threads == 512 || threads == 1024, "radix_topk: threads must be 512 or 1024, got ", threads);
   TORCH_CHECK(!short_list || threads == 512, "radix_topk: the short-list instance has 512 threads, got ", threads);
   const Kernel kernel = short_list      ? pick_kernel<512, ShortList>(has_pages, bytes)

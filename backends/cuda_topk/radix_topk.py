@@ -24,49 +24,40 @@ def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: t
 
 
 def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True,
-           threads=None, short_list=None, cluster=1):
+           threads=None, short_list=None):
     """The launch of checked inputs. filtered: short rows selected in registers, longer ones by the
     sampled cut and one filtered pass first (the served path); False: the full select only. stage: keys
     of a row the full select stages in shared memory (a multiple of 4, at most max_stage). Served with
     0: the full select runs only where the filtered pass cannot serve a row. threads: a CTA's threads,
-    512 or 1024, short_list: the kernel's short-list instance (512 threads only), cluster: CTAs a row is
-    split over (2 or 4: sm_90 and later, 1024 threads, logits at most cluster * SPLIT_KEYS wide);
-    threads None: instance()'s choice for these rows and this width."""
+    512 or 1024, and short_list: the kernel's short-list instance (512 threads only); threads None:
+    instance()'s choice for these rows and this width."""
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     if stage % 4 or not 0 <= stage <= max_stage(device):
         raise ValueError(f"stage {stage} must be a multiple of 4 in [0, {max_stage(device)}]")
     rows = logits.shape[0]
     if threads is None:
-        threads, short_list, cluster = instance(rows, logits.shape[1], multiprocessors(device), clusters(device))
+        threads, short_list = instance(rows, logits.shape[1], multiprocessors(device))
     short_list = bool(short_list)
-    if (threads, short_list, cluster) not in INSTANCES:
-        raise ValueError(f"(threads, short_list, cluster) ({threads}, {short_list}, {cluster}) must be one of {INSTANCES}")
-    if cluster > 1 and not clusters(device):
-        raise ValueError(f"a row split over {cluster} CTAs needs thread-block clusters (sm_90 or later); "
-                         f"GPU {device} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}")
-    if cluster > 1 and (logits.shape[1] > cluster * SPLIT_KEYS or not filtered):
-        raise ValueError(f"a row split over {cluster} CTAs holds rows of at most {cluster * SPLIT_KEYS} keys on the "
-                         f"filtered path; got logits {logits.shape[1]} wide, filtered={filtered}")
+    if (threads, short_list) not in INSTANCES:
+        raise ValueError(f"threads {threads} with short_list {short_list} must be one of {INSTANCES}")
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
     fuse_pages = page_table is not None and not sorted
     extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
                            page_rows if fuse_pages else None, k, block_size, stage, filtered, threads, short_list,
-                           cluster, out)
+                           out)
     if sorted:
         return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                       sorted=True, starts=starts)
     return out
 
 
-# (threads, short_list, cluster): radix_select.cu's instances, the last two a row split over a cluster
-INSTANCES = ((512, False, 1), (1024, False, 1), (512, True, 1), (1024, False, 2), (1024, False, 4))
+INSTANCES = ((512, False), (1024, False), (512, True))  # (threads, short_list): radix_select.cu's three
 SHORT_LIST_WIDTH = 3 * 8192  # the widest rows the short-list instance serves (its 22-bit cut's list fits)
-SPLIT_KEYS = 8192  # keys a CTA of the split holds (radix_select.cu's kSplitKeys)
 
 
-def instance(rows: int, width: int, sms: int, clusters: bool = False) -> tuple[int, bool, int]:
+def instance(rows: int, width: int, sms: int) -> tuple[int, bool]:
     """(threads, short_list) for `rows` rows of at most `width` keys on a GPU of `sms` multiprocessors:
     the short-list instance (three 512-thread CTAs an SM, a 4096-entry list) for many short rows (more
     rows than SMs, width <= SHORT_LIST_WIDTH), else block_threads's CTA size with the 8192-entry list.
@@ -75,11 +66,8 @@ def instance(rows: int, width: int, sms: int, clusters: bool = False) -> tuple[i
     the short list 146.4 us against 167.1 in extend (4096 rows to 16K keys), 38.8 against 39.5 at
     512 x 24.5K; 72.1 against 52.7 at 512 x 49K and 130.1 against 44.7 at 256 x 98K, where it is not
     served; between 24.5K and 49K keys not measured."""
-    for cluster in (2, 4):
-        if clusters and rows * cluster <= sms and width <= cluster * SPLIT_KEYS:
-            return 1024, False, cluster
     threads = block_threads(rows, sms)
-    return threads, threads == 512 and width <= SHORT_LIST_WIDTH, 1
+    return threads, threads == 512 and width <= SHORT_LIST_WIDTH
 
 
 def block_threads(rows: int, sms: int) -> int:
@@ -94,12 +82,6 @@ def block_threads(rows: int, sms: int) -> int:
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def clusters(device: int) -> bool:
-    """Whether `device` runs thread-block clusters (sm_90 and later): the split instances."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,9 +4,8 @@ cannot run where it cannot and its registration (the probe, the build and its ca
 
 The GPU tests compile backends/cuda_topk/radix_select.cu on first use (cached per user); `stage`
 below forces the kernel to stage only part of each row in shared memory, so the re-read of a row's
-tail runs at small widths too; `cta` runs each of the kernel's instances (512 and 1024 threads, the
-short-list one at 512, and a row split over a cluster of 2 or 4 CTAs where its parts fit) whatever the
-host would pick.
+tail runs at small widths too; `cta` runs each of the kernel's instances (512 and 1024 threads, and the
+short-list one at 512) whatever the host would pick.
 """
 
 from __future__ import annotations
@@ -26,27 +25,18 @@ gpu = pytest.mark.gpu
 
 def radix(*args, stage=None, filtered=True, cta=None, **kwargs):
     """The served call, or (stage or cta given) the launch with that staging, path and kernel instance
-    (cta: (threads, short_list, cluster), one of radix_topk.INSTANCES)."""
+    (cta: (threads, short_list), one of radix_topk.INSTANCES)."""
     from backends.cuda_topk.radix_topk import launch, radix_topk
 
     if stage is None and cta is None:
         return radix_topk(*args, **kwargs)
     options = {"starts": None, "page_table": None, "page_rows": None, "block_size": 64, "sorted": False, **kwargs}
-    threads, short_list, cluster = cta or (None, None, 1)
-    return launch(*args, stage=stage or 0, filtered=filtered, threads=threads, short_list=short_list, cluster=cluster,
-                  **options)
+    threads, short_list = cta or (None, None)
+    return launch(*args, stage=stage or 0, filtered=filtered, threads=threads, short_list=short_list, **options)
 
 
-INSTANCES = [(512, False, 1), (1024, False, 1), (512, True, 1), (1024, False, 2), (1024, False, 4)]
-IDS = ["t512", "t1024", "t512-short-list", "split2", "split4"]
-CTAS = pytest.mark.parametrize("cta", INSTANCES, ids=IDS)
-
-
-def outside_the_split(cta, width, filtered=True):
-    """Skip a split instance where the host never serves it: logits wider than its parts hold, or the
-    full select alone (filtered=False), which the split does not have."""
-    if cta is not None and cta[2] > 1 and (width > cta[2] * 8192 or not filtered):
-        pytest.skip(f"the split over {cta[2]} CTAs holds rows to {cta[2] * 8192} keys, on the filtered path only")
+INSTANCES = [(512, False), (1024, False), (512, True)]
+CTAS = pytest.mark.parametrize("cta", INSTANCES, ids=["t512", "t1024", "t512-short-list"])
 
 
 # ---- on a GPU: exactness ----
@@ -56,9 +46,8 @@ def outside_the_split(cta, width, filtered=True):
     (12, 300, 16, 0), (37, 3000, 2048, 1), (64, 12215, 2048, 2), (9, 5000, 100, 3), (5, 70001, 2048, 4),
     (3, 100000, 4096, 5), (130, 49081, 2048, 6), (2, 2500, 1, 7), (7, 8192, 2048, 8), (6, 8193, 2048, 9),
 ])
-@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", *IDS])
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
 def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, cta):
-    outside_the_split(cta, width)
     gen = torch.Generator().manual_seed(seed)
     logits = random_logits(rows, width, gen)
     lengths = ragged_lengths(rows, width, k, gen)
@@ -74,7 +63,6 @@ def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, cta):
 @pytest.mark.parametrize("width", [5000, 10000])  # short rows in registers; sampled cuts
 @CTAS
 def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width, cta):
-    outside_the_split(cta, width, filtered)
     gen = torch.Generator().manual_seed(stage + width)
     logits = random_logits(11, width, gen, row_stride=row_stride)
     lengths = ragged_lengths(11, width, 2048, gen)
@@ -87,7 +75,6 @@ def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stri
 @pytest.mark.parametrize("width", [9000, 5000])
 @CTAS
 def test_ties_inf_and_nan_rows(stage, filtered, width, cta):
-    outside_the_split(cta, width, filtered)
     gen = torch.Generator().manual_seed(9)
     k = 2048
     logits = random_logits(10, width, gen).clone()
@@ -144,14 +131,13 @@ def test_rows_read_inside_their_window_only(cta):
     # Every key outside a row's window is +inf: any read of one would select it.
     gen = torch.Generator().manual_seed(5)
     width, k = 20000, 2048
-    outside_the_split(cta, width)
     logits = torch.full((6, width), INF)
     starts = torch.tensor([0, 1, 3, 777, 15000, 19999], dtype=torch.int32)
     lengths = torch.tensor([2047, 5000, 10003, 12000, 5000, 1], dtype=torch.int32)
     for r in range(6):
         s, n = int(starts[r]), int(lengths[r])
         logits[r, s:s + n] = torch.randn(n, generator=gen)
-    for stage, filtered in ((None, True), (1000, False))[: 1 if cta[2] > 1 else 2]:  # the split: filtered only
+    for stage, filtered in ((None, True), (1000, False)):
         out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage, filtered=filtered,
                     cta=cta)
         check(logits, lengths, k, out, starts=starts)
@@ -251,36 +237,19 @@ def test_the_cta_size_is_512_once_the_rows_fill_the_multiprocessors():
 
     assert [block_threads(rows, 132) for rows in (1, 8, 64, 128, 132)] == [1024] * 5
     assert [block_threads(rows, 132) for rows in (133, 256, 512, 4096)] == [512] * 4
-    assert block_threads(100, 78) == 512 and {threads for threads, _, _ in INSTANCES} == {512, 1024}
+    assert block_threads(100, 78) == 512 and {threads for threads, _ in INSTANCES} == {512, 1024}
 
 
 def test_the_short_list_instance_serves_many_rows_of_at_most_24k_keys():
     from backends.cuda_topk.radix_topk import INSTANCES, SHORT_LIST_WIDTH, instance
 
     assert SHORT_LIST_WIDTH == 24576
-    assert instance(4096, 20480, 132) == (512, True, 1)  # extend: 4096 query rows, windows to 16K
-    assert instance(512, 24576, 132) == (512, True, 1)
-    assert instance(512, 24577, 132) == (512, False, 1) and instance(512, 49152, 132) == (512, False, 1)
-    assert instance(128, 12000, 132) == (1024, False, 1)  # a row an SM: the whole SM, the wide list
-    assert instance(1, 10, 132) == (1024, False, 1)  # no clusters on this GPU
-    widths = (1, 10000, 30000, 70000)
-    assert {instance(rows, width, 132, clusters) for rows in (1, 30, 66, 200, 4096) for width in widths
-            for clusters in (False, True)} <= set(INSTANCES)
-
-
-def test_few_rows_are_split_over_a_cluster_where_the_parts_fit_and_the_ctas_fit_the_sms():
-    from backends.cuda_topk.radix_topk import SPLIT_KEYS, instance
-
-    assert SPLIT_KEYS == 8192
-    assert instance(64, 11856, 132, True) == (1024, False, 2)  # 64 x 12K: 128 CTAs on 132 SMs
-    assert instance(66, 16384, 132, True) == (1024, False, 2)
-    assert instance(67, 12000, 132, True) == (1024, False, 1)  # 134 CTAs: more than the SMs
-    assert instance(32, 10000, 132, True) == (1024, False, 2)
-    assert instance(32, 20000, 132, True) == (1024, False, 4)  # wider than two parts hold
-    assert instance(33, 32768, 132, True) == (1024, False, 4) and instance(33, 32769, 132, True) == (1024, False, 1)
-    assert instance(34, 20000, 132, True) == (1024, False, 1)
-    assert instance(1, 2417, 132, True) == (1024, False, 2)
-    assert instance(64, 11856, 132, False) == (1024, False, 1)  # before sm_90: no clusters
+    assert instance(4096, 20480, 132) == (512, True)  # extend: 4096 query rows, windows to 16K
+    assert instance(512, 24576, 132) == (512, True)
+    assert instance(512, 24577, 132) == (512, False) and instance(512, 49152, 132) == (512, False)
+    assert instance(128, 12000, 132) == (1024, False)  # a row an SM: the whole SM, the wide list
+    assert instance(1, 10, 132) == (1024, False)
+    assert {instance(rows, width, 132) for rows in (1, 200, 4096) for width in (1, 30000)} <= set(INSTANCES)
 
 
 def test_cpu_tensors_are_a_layout_error_naming_the_tensor():
