@@ -7,7 +7,7 @@
 // - short rows (n <= kCandCap): the row read once into registers (kCandCap / T keys a thread, scalar
 //   coalesced loads, so any start or stride), then the exact radix select over those registers.
 // - longer rows, the filtered pass: a sample of kSample keys (four adjacent keys at each of kSpots
-//   spots spread over the row) gives a cut at the lower edge of the top-11-bit bin (ShortList: 22-bit)
+//   spots spread over the row) gives a cut at the lower edge of the top-11-bit bin
 //   holding the sample's r-th largest (r a few standard deviations past what the sample expects above
 //   the k-th largest key); the row streamed once from HBM with 16-byte loads (the next ones in flight while
 //   the current ones are filed), every key at or above the cut appended to a shared-memory list (a
@@ -50,16 +50,16 @@ constexpr int kLastBins = 1024;   // the last round's: 10 bits
 struct Wide {
   static constexpr int kCandCap = 8192;  // candidates kept as a list; rows to this length sit in registers
   static constexpr int kUnroll = 4;      // 16-byte loads each thread has in flight in the load passes
-  static constexpr bool kFineCut = false;
   static constexpr int blocks(int threads) { return 1024 / threads; }
 };
 // Many short rows: a 4096-entry list, three 512-thread CTAs an SM (<= 40 registers a thread), the
-// cut refined to 22 bits so that a row to ~24K keys fits the list. Occupancy pays only there (many
-// rows, short ones): on the H200 at 512 x 49K the same list lost 2x to the wide instance (round 4).
+// same 11-bit cut (a list that overflows sends its row to the full select). Occupancy pays only there
+// (many rows, short ones): on the H200 at 512 x 49K the same list lost 2x to the wide instance
+// (round 4). The cut refined to 22 bits (a second histogram of the sample) was 3-6% slower in extend
+// and at 512 x 24.5K (round 6, benchmark-history): its second round cost more than the overflows it saved.
 struct ShortList {
   static constexpr int kCandCap = 4096;
   static constexpr int kUnroll = 2;
-  static constexpr bool kFineCut = true;
   static constexpr int blocks(int) { return 3; }
 };
 
@@ -258,33 +258,17 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const S& s,
 // lanes read one 32-byte sector: a quarter of the DRAM accesses of kSample scattered keys, whose
 // loads held 9% of the stall samples at 512 x 49K on the H200). The cut is the lower edge of the
 // top-11-bit bin holding the sample's r-th largest, r a few standard deviations past the
-// k * kSample / n the sample expects above the k-th largest key; with kFineCut, the lower edge of its
-// 22-bit bin (a second histogram over the same sample keys, held in registers), so that the list is
-// about r / kSample of the row, not up to a bin's width more. 0: no cut (the sample holds too few
-// numbers), so the row takes the full select. Leaves s.hist[0] cleared (s.hist[1] is cleared where it is next used).
+// k * kSample / n the sample expects above the k-th largest key. 0: no cut (the sample holds too few
+// numbers), so the row takes the full select. Leaves s.hist[0] cleared.
 template <int T, class S>
 __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
   constexpr int kAt = kSample / kSpots;
-  constexpr int kMine = (kSample + T - 1) / T;
-  const int t = threadIdx.x;
   const int step = v.n / kSpots;  // >= kCandCap / kSpots > kAt: the spots never overlap
-  uint32_t sample[kMine];  // kept for the fine cut's second round only
-  if constexpr (S::Config::kFineCut) {
 #pragma unroll
-    for (int m = 0; m < kMine; ++m) {
-      const int j = t + m * T;
-      const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
-      sample[m] = j < kSample ? ordered_key(v.src[i]) : 0u;
-      if (j < kSample) atomicAdd(&s.hist[0][sample[m] >> 21], 1);
-    }
-  } else {
-#pragma unroll
-    for (int j = t; j < kSample; j += T) {
-      const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
-      atomicAdd(&s.hist[0][ordered_key(v.src[i]) >> 21], 1);
-    }
+  for (int j = threadIdx.x; j < kSample; j += T) {
+    const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
+    atomicAdd(&s.hist[0][ordered_key(v.src[i]) >> 21], 1);
   }
-  if constexpr (S::Config::kFineCut) clear_bins<T>(s.hist[1], kBins);
   __syncthreads();
   const int numbers = kSample - s.hist[0][0];
   const float expect = static_cast<float>(k) * kSample / v.n;
@@ -292,17 +276,7 @@ __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
   uint32_t cut = 0u;
   if (numbers >= rank) {  // block-uniform: every thread read the same counts
     find_threshold<T>(s, s.hist[0], rank, kBins);
-    const uint32_t b = s.bin;
-    cut = b << 21;
-    if constexpr (S::Config::kFineCut) {
-      const int rank2 = rank - s.above;
-#pragma unroll
-      for (int m = 0; m < kMine; ++m)
-        if (t + m * T < kSample && (sample[m] >> 21) == b) atomicAdd(&s.hist[1][(sample[m] >> 10) & 0x7FF], 1);
-      __syncthreads();
-      find_threshold<T>(s, s.hist[1], rank2, kBins);
-      cut |= static_cast<uint32_t>(s.bin) << 10;
-    }
+    cut = static_cast<uint32_t>(s.bin) << 21;
   }
   __syncthreads();
   clear_bins<T>(s.hist[0], kBins);

@@ -54,7 +54,7 @@ def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sor
 
 
 INSTANCES = ((512, False), (1024, False), (512, True))  # (threads, short_list): radix_select.cu's three
-SHORT_LIST_WIDTH = 3 * 8192  # the widest rows the short-list instance serves (its 22-bit cut's list fits)
+SHORT_LIST_WIDTH = 3 * 8192  # the widest rows the short-list instance serves (measured to 24.5K: faster there)
 
 
 def instance(rows: int, width: int, sms: int) -> tuple[int, bool]:
@@ -62,10 +62,12 @@ def instance(rows: int, width: int, sms: int) -> tuple[int, bool]:
     the short-list instance (three 512-thread CTAs an SM, a 4096-entry list) for many short rows (more
     rows than SMs, width <= SHORT_LIST_WIDTH), else block_threads's CTA size with the 8192-entry list.
     Both are exact whatever the data (a row the short list cannot hold takes the full select); this
-    picks the faster one from the host's ints alone (no sync). H200, 2026-12-01 19:57 UTC (132 SMs):
-    the short list 146.4 us against 167.1 in extend (4096 rows to 16K keys), 38.8 against 39.5 at
-    512 x 24.5K; 72.1 against 52.7 at 512 x 49K and 130.1 against 44.7 at 256 x 98K, where it is not
-    served; between 24.5K and 49K keys not measured."""
+    picks the faster one from the host's ints alone (no sync). H200, 2026-12-01 21:52 UTC (132 SMs),
+    the short list with the 11-bit cut (in a build with round 6's output scan, since reverted: it cost
+    the short list 0-2.5 us in the harness): 141.2 us against 169.6 for the wide list in extend (4096 rows
+    to 16K keys), 37.9 against 40.1 at 512 x 24.5K; 111.8 against 53.1 at 512 x 49K and 136.8 against
+    45.0 at 256 x 98K, where it is not served; between 24.5K and 49K keys not measured. Few rows of
+    8-12K keys split over a cluster of 2 CTAs (round 6, not kept) ran within 0.7 us of one CTA a row."""
     threads = block_threads(rows, sms)
     return threads, threads == 512 and width <= SHORT_LIST_WIDTH
 
