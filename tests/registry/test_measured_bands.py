@@ -103,3 +103,18 @@ def test_each_batch_size_is_served_by_its_band_and_the_last_serves_larger_ones(b
 def test_band_labels_say_which_batches_each_serves():
     assert [band_label((8, 32, 128), i) for i in range(3)] == ["B <= 8", "8 < B <= 32", "B > 32"]
     assert [band_label((2, 16), i) for i in range(2)] == ["B <= 2", "B > 2"]
+
+
+def test_validate_checks_an_overlays_bands(tmp_path, capsys):
+    from dispatch.cli.commands import main
+    from tests.support.banded import write_banded
+
+    registry = write_banded(tmp_path)
+    assert main(["validate", str(registry)]) == 0
+    assert "1 measured overlay" in capsys.readouterr().out
+    write_banded(tmp_path, OVERLAY.replace("batch_size_up_to: 16", "batch_size_up_to: 20"))
+    assert main(["validate", str(registry)]) == 2
+    overlay = tmp_path / "measured" / "banded.yaml"
+    line = _line(OVERLAY.replace("batch_size_up_to: 16", "batch_size_up_to: 20"), "batch_size_up_to: 20")
+    assert (f"{overlay}:{line}: ops.paged_mqa_logits.preferences[0].bands[1].batch_size_up_to: 20 is not a measured "
+            "batch size") in capsys.readouterr().err
