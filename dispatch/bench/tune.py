@@ -26,7 +26,7 @@ from dispatch.bench.arguments import positive_int
 from dispatch.bench.overlay_file import check_writable, write_atomically
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.registry.reading import END_MARKER
-from dispatch.bench.tune_bands import band_orders, measured_order
+from dispatch.bench.ordering import band_orders, measured_order
 from dispatch.registry.measured import geometric_mean
 from dispatch.registry.models import Workload
 from dispatch.contract.version import dispatch_version

@@ -464,6 +464,6 @@ def test_the_default_workload_covers_serving_extend():
     ],
 )
 def test_measured_ties_keep_the_registry_order(order, means, rule_order, expected):
-    from dispatch.bench.tune_bands import measured_order
+    from dispatch.bench.ordering import measured_order
 
     assert measured_order(order, dict(zip(order, means)).__getitem__, rule_order) == expected

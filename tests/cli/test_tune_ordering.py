@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dispatch.bench.tune import Tuner
-from dispatch.bench.tune_bands import band_orders
+from dispatch.bench.ordering import band_orders
 from dispatch.contract.key import DispatchKey, ForwardMode, Op
 from dispatch.deciding.runtime import DEFAULT_REGISTRY
 from dispatch.registry.document import load_registry
