@@ -73,7 +73,15 @@ class Dispatcher:
         """The decision for `key`, for a batch of `batch_size` requests when the caller declares it
         (None: the key's own measured order); computed once per (op, key, band), then cached."""
         op = op if type(op) is Op else Op(op)  # every plan asks: an Op is taken as it is
-        band = None if batch_size is None else self._band_of(op, key, batch_size)
+        band = None
+        if batch_size is not None:
+            # Checked without a call (a plan asks per op and batch): a host int, bool refused.
+            if batch_size.__class__ is not int or batch_size < 1:
+                raise InvalidBatchError(f"decide: `batch_size` is {batch_size!r}; expected a host int >= 1, "
+                                        "the batch's declared request count")
+            if self._bounds:  # (no lookup at all where the overlay has no bands)
+                bounds = self._bounds.get((op, key))
+                band = None if bounds is None else band_index(bounds, batch_size)
         cached = self._cache.get((op, key, band))
         if cached is not None:
             return cached
@@ -90,14 +98,6 @@ class Dispatcher:
         """The measured batch sizes whose bands order (op, key), ascending; empty when the overlay has
         one order for the key. Deciding at each covers every decision the key can have."""
         return self._bounds.get((Op(op), key), ())
-
-    def _band_of(self, op: Op, key: DispatchKey, batch_size: int) -> int | None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InvalidBatchError(
-                f"decide: `batch_size` is {batch_size!r}; expected a host int >= 1, the batch's declared request count"
-            )
-        bounds = self._bounds.get((op, key))
-        return None if bounds is None else band_index(bounds, batch_size)
 
     def _band_bounds(self) -> dict[tuple[Op, DispatchKey], tuple[int, ...]]:
         if self._measured is None:
