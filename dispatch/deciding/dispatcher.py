@@ -5,14 +5,16 @@ Order of consideration: the cluster's `prefer` list, then the cluster's measured
 then the first rule whose `when` matches the key (its `use` list in order), then the op's fallback
 chain. Where the overlay measured the key at several batch sizes and the caller declares the batch's
 size (`decide(op, key, batch_size=B)`, as a plan does), the measured order is that batch size's band
-(dispatch/registry/measured_bands.py); the prefer list, disabled backends and pinning are unchanged. A candidate is eligible when it is not disabled, supports the key and (when checked) is
-available on this machine. The first eligible candidate wins; every other registered backend of the
+(dispatch/registry/measured_bands.py); the prefer list, disabled backends and pinning are unchanged.
+A candidate is eligible when it is not disabled, supports the key and (when checked) is available on
+this machine. The first eligible candidate wins; every other registered backend of the
 op is listed with the reason it lost (a measured one: "measured slower: 202.6 us vs 161.9 us", or
 in a band "measured slower at B=8: 17.1 us vs 12.2 us").
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -248,7 +250,7 @@ class Dispatcher:
             order, shapes, mean = preference.order, preference.shapes, preference.mean_us
         else:
             order, shapes = preference.bands[band].order, preference.band_shapes(band)
-            mean = lambda name: preference.band_mean_us(band, name)  # noqa: E731
+            mean = functools.partial(preference.band_mean_us, band)
         return Evidence(
             machine=overlay.machine,
             date=overlay.date.isoformat(),
@@ -264,7 +266,7 @@ class Dispatcher:
             count, mean, at = len(preference.shapes), preference.mean_us, ""
         else:
             count, at = len(preference.band_shapes(band)), f" at B={preference.bands[band].batch_size_up_to}"
-            mean = lambda name: preference.band_mean_us(band, name)  # noqa: E731
+            mean = functools.partial(preference.band_mean_us, band)
         over = "" if count == 1 else f", geometric mean over {count} shapes"
         return f"measured slower{at}: {mean(backend):.1f} us vs {mean(chosen):.1f} us ({chosen}{over})"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import platform
 import shutil
@@ -250,7 +251,7 @@ def _band_problems(preference: Preference):
             yield at, (f"lists {_ticks(band.order)}; a band orders exactly the key's backends "
                        f"({_ticks(preference.order)}), each once")
         elif band.batch_size_up_to in measured and not missing:
-            problem = out_of_order(band.order, lambda name, i=index: preference.band_mean_us(i, name))
+            problem = out_of_order(band.order, functools.partial(preference.band_mean_us, index))
             if problem:
                 yield at, f"{problem} at B={band.batch_size_up_to}"
 
