@@ -26,7 +26,8 @@ from dispatch.bench.arguments import positive_int
 from dispatch.bench.overlay_file import check_writable, write_atomically
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.registry.reading import END_MARKER
-from dispatch.registry.measured import MEASURED_TIE as TIE, geometric_mean
+from dispatch.bench.ordering import band_orders, measured_order
+from dispatch.registry.measured import geometric_mean
 from dispatch.registry.models import Workload
 from dispatch.contract.version import dispatch_version
 
@@ -262,12 +263,14 @@ class Tuner:
             self.say(f"check failed, never preferred: {failed}")
         if unserved:
             self.say(f"cannot serve every shape of the key, never preferred: {unserved}")
-        order = sorted({r.backend for r in rows} - set(failed) - set(unserved), key=lambda name: (_geomean(times, name), name))
-        order = _ties_in_rule_order(order, [_geomean(times, name) for name in order], rule_order)
+        names = {r.backend for r in rows} - set(failed) - set(unserved)
+        order = measured_order(names, lambda name: _geomean(times, name), rule_order)
         if not order:
             return None
         shapes = [{"shape": shape, "median_us": {name: by[name] for name in order}} for shape, by in times.items()]
-        return {"order": order, "shapes": shapes, **({"failed": failed} if failed else {})}
+        bands = band_orders(shapes, order, rule_order)  # where one backend does not win every batch size
+        return {"order": order, **({"bands": bands} if bands else {}), "shapes": shapes,
+                **({"failed": failed} if failed else {})}
 
     def free(self) -> None:
         if self.device == "cuda":
@@ -279,22 +282,6 @@ class Tuner:
         print(f"[{time.perf_counter() - self.started:6.1f} s] {text}", file=sys.stderr, flush=True)
 
 
-def _ties_in_rule_order(order: list[str], means: list[float], rule_order: list[str]) -> list[str]:
-    """`order` (fastest first, with its geometric means) where, at each place, the backend earliest in
-    `rule_order` among those within TIE of the fastest still unplaced goes first. The band is against
-    that fastest, never a neighbour, so ties do not chain (what the loader checks)."""
-    rank = {name: i for i, name in enumerate(rule_order)}
-    left = list(zip(order, means))
-    placed = []
-    while left:
-        fastest = min(mean for _, mean in left)
-        tied = [pair for pair in left if pair[1] <= fastest * (1 + TIE)]
-        first = min(tied, key=lambda pair: (rank.get(pair[0], len(rank)), pair[1]))
-        placed.append(first[0])
-        left.remove(first)
-    return placed
-
-
 def _geomean(times: dict[str, dict[str, float]], name: str) -> float:
     return geometric_mean([by[name] for by in times.values()])
 
@@ -304,8 +291,9 @@ def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:
     return (
         f"# Measured by `python -m dispatch tune{f' --cluster {cluster}' if cluster else ''}` on {overlay['machine']}, "
         f"{overlay['date']}.\n"
-        "# Per op and key: the backends fastest first (geometric mean of median times over the shapes), each\n"
-        "# shape's times, and the backends that failed the check against the reference (never preferred).\n"
+        "# Per op and key: the backends fastest first (geometric mean of median times over the shapes), where\n"
+        "# one backend does not win every batch size the same per batch-size band (`bands`), each shape's\n"
+        "# times, and the backends that failed the check against the reference (never preferred).\n"
         f"# A cluster includes it with {include}; re-run tune rather than edit it.\n"
     )
 

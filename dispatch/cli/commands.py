@@ -140,6 +140,10 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                          help="explain a paged batch's plan (decode, target_verify, draft_extend): each request's "
                               "total length L, drafts included, each at least next-n (e.g. 130,64,7); at most "
                               f"{MAX_CLI_BATCH} requests of at most {MAX_CLI_SEQ_LEN} tokens")
+    explain.add_argument("--batch-size", type=_batch_size, default=None, metavar="B",
+                         help="the batch's request count, which picks the cluster's measured batch-size band where "
+                              "its overlay has bands (default: the count of --seq-lens or --extend-lens; without any, "
+                              f"the key's own measured order, each band's choice listed); 1 to {MAX_CLI_BATCH}")
     explain.add_argument("--extend-lens", type=_extend_lens, metavar="E,E,...",
                          help="explain an extend batch's plan, --forward-mode extend implied: each "
                               "request's new tokens E, scored after its --prefix-lens cached keys (e.g. 100,3,700)")
@@ -198,6 +202,10 @@ def _bounded(text: str, what: str, high: int, low: int | None = 1) -> int:
         shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
         raise argparse.ArgumentTypeError(f"{what} is {shown}; it must be from 1 to {high}")
     return value
+
+
+def _batch_size(text: str) -> int:
+    return _bounded(text, "--batch-size", MAX_CLI_BATCH)
 
 
 def _next_n(text: str) -> int:
@@ -274,6 +282,7 @@ def _explain(args: argparse.Namespace) -> int:
     gpu = find_gpu(args.gpu) if args.gpu else None
     arch = gpu.arch if gpu else Arch(args.arch) if args.arch else detect_arch()
     mode = _explained_mode(args)
+    batch_size = _explained_batch_size(args)
     single = mode in (ForwardMode.DECODE, ForwardMode.EXTEND)
     next_n = args.next_n if args.next_n is not None else (1 if single else 2)
     fp8 = Fp8Dtype(args.fp8_dtype) if args.fp8_dtype else gpu.fp8_dtype if gpu else platform_fp8_dtype(arch)
@@ -285,7 +294,7 @@ def _explain(args: argparse.Namespace) -> int:
     if args.op is None:
         args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
-    explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens)
+    explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens, batch_size=batch_size)
     engine = _engine_report(args.engine, key, ops) if args.engine else None
     if args.json:
         print(json.dumps({**explanation.as_dict(), **({"engine": engine[0]} if engine else {})}, indent=2))
@@ -322,6 +331,17 @@ def _explained_mode(args: argparse.Namespace) -> ForwardMode:
     if (args.prefix_lens is not None or args.logits_budget is not None) and not args.extend_lens:
         raise InvalidKeyError("--prefix-lens and --logits-budget go with --extend-lens (an extend batch)")
     return mode
+
+
+def _explained_batch_size(args: argparse.Namespace) -> int | None:
+    """--batch-size, or the count of the lengths given; both must then say the same."""
+    lengths, option = (args.seq_lens, "--seq-lens") if args.seq_lens else (args.extend_lens, "--extend-lens")
+    if not lengths:
+        return args.batch_size
+    if args.batch_size is not None and args.batch_size != len(lengths):
+        raise InvalidKeyError(f"--batch-size {args.batch_size} but {option} lists {len(lengths)} requests; "
+                              f"{option} gives the batch's size (leave --batch-size out)")
+    return len(lengths)
 
 
 def _engine_report(engine: str, key, ops) -> tuple[list[dict], str]:

@@ -2,6 +2,7 @@
 
     from dispatch.cli.explain import explain
     explanation = explain(load_dispatcher(arch="sm90"), DispatchKey("sm90", "target_verify", 4, "e4m3fn"))
+    explain(dispatcher, key, batch_size=32)  # the measured band of a batch of 32 requests, where there are bands
     print(explanation.text())          # what `python -m dispatch explain` prints
     explanation.as_dict()              # what `python -m dispatch explain --json` prints
 """
@@ -14,28 +15,55 @@ from typing import TYPE_CHECKING, Any
 
 from dispatch.contract.backend import Backend
 from dispatch.contract.decision import Decision
+from dispatch.contract.errors import InvalidBatchError
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.key import DispatchKey, Op
+from dispatch.registry.measured_bands import band_label
 
 if TYPE_CHECKING:
     from dispatch.step.paged_plan import PagedPlan
 
 
 @dataclass(frozen=True)
+class BandChoice:
+    """What one measured batch-size band of a key decides, listed when no batch size was given."""
+
+    batch_size_up_to: int
+    serves: str  # "B <= 8", "8 < B <= 32", "B > 32"
+    decision: Decision
+
+    def as_dict(self) -> dict[str, Any]:
+        d = self.decision
+        return {"batch_size_up_to": self.batch_size_up_to, "serves": self.serves, "backend": d.backend,
+                "layout": d.layout.value, "rule": d.rule, "source": d.source}
+
+    def text(self) -> str:
+        return f"{self.serves}: {self.decision.backend}"
+
+
+@dataclass(frozen=True)
 class Explanation:
-    """The decisions for a key, and with seq_lens the plan an engine would build for that batch."""
+    """The decisions for a key, and with seq_lens the plan an engine would build for that batch; without
+    a batch size, each op's measured bands' choices (by op), where its overlay has bands."""
 
     dispatcher: Dispatcher
     decisions: tuple[Decision, ...]
     plan: "PagedPlan | None" = None
+    bands: tuple[tuple[Op, tuple[BandChoice, ...]], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """{"decisions": [decision, ...], "plan": {...} or null}: one shape for one op, all ops, or a batch."""
+        """{"decisions": [decision, ...], "plan": {...} or null}: one shape for one op, all ops, or a batch.
+        A decision whose key has measured bands, explained without a batch size, also lists `bands`."""
         plan = None
         if self.plan is not None:
             plan = {key: value for key, value in self.plan.as_dict().items() if key != "decisions"}
             plan |= {"context_lens": self.plan.context_lens.tolist(), "block_table": self.plan.block_table.tolist()}
-        return {"decisions": [decision.as_dict() for decision in self.decisions], "plan": plan}
+        bands = dict(self.bands)
+        decisions = [
+            decision.as_dict() | ({"bands": [b.as_dict() for b in bands[decision.op]]} if decision.op in bands else {})
+            for decision in self.decisions
+        ]
+        return {"decisions": decisions, "plan": plan}
 
     def text(self) -> str:
         parts = []
@@ -46,7 +74,8 @@ class Explanation:
                 f"  context_lens {list(plan.context_lens.shape)} ({plan.layout.value}): {plan.context_lens.tolist()}\n"
                 f"  block_table {list(plan.block_table.shape)}: {plan.block_table.tolist()}"
             )
-        parts += [decision_text(decision, self.dispatcher) for decision in self.decisions]
+        bands = dict(self.bands)
+        parts += [decision_text(decision, self.dispatcher, bands.get(decision.op, ())) for decision in self.decisions]
         return "\n\n".join(parts)
 
 
@@ -56,13 +85,22 @@ def explain(
     *,
     ops: Iterable[Op | str] = tuple(Op),
     seq_lens: Sequence[int] | None = None,
+    batch_size: int | None = None,
 ) -> Explanation:
     """Decide `ops` for `key`, or with `seq_lens` (each request's total length) build the whole plan for
-    that batch on the CPU. Backends are never run: a per-batch `prepare` is skipped, so a what-if for
-    another machine needs none of its vendor libraries. Raises InvalidBatchError for lengths that
-    cannot occur, NoBackendError when no backend fits."""
+    that batch on the CPU. `batch_size` (the batch's request count; with seq_lens, their count) picks
+    each op's measured batch-size band; without one the key's own order decides and every band's choice
+    is listed. Backends are never run: a per-batch `prepare` is skipped, so a what-if for another
+    machine needs none of its vendor libraries. Raises InvalidBatchError for lengths that cannot occur
+    or a batch size that cannot, NoBackendError when no backend fits."""
     if seq_lens is None:
-        return Explanation(dispatcher, tuple(dispatcher.decide(Op(op), key) for op in ops))
+        decisions = tuple(dispatcher.decide(Op(op), key, batch_size=batch_size) for op in ops)
+        if batch_size is not None:
+            return Explanation(dispatcher, decisions)
+        bands = tuple((d.op, choices) for d in decisions if (choices := band_choices(dispatcher, d.op, key)))
+        return Explanation(dispatcher, decisions, bands=bands)
+    if batch_size is not None and batch_size != len(seq_lens):
+        raise InvalidBatchError(f"batch_size {batch_size} with {len(seq_lens)} seq_lens: the lengths give the batch's size")
     from dispatch.step.paged_plan import build_plan
 
     plan = build_plan(dispatcher, example_batch(seq_lens, key), kv_fp8_dtype=key.fp8_dtype, arch=key.arch, prepare=False)
@@ -81,7 +119,17 @@ def example_batch(seq_lens: Sequence[int], key: DispatchKey):
     return PagedBatch(torch.tensor(lengths, dtype=torch.int32), table, max(lengths, default=0), key.forward_mode, key.next_n)
 
 
-def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
+def band_choices(dispatcher: Dispatcher, op: Op, key: DispatchKey) -> tuple[BandChoice, ...]:
+    """Each measured band's decision for (op, key), ascending; empty where the overlay has none (at most
+    16: an overlay's bands are bounded like a workload's batch sizes)."""
+    sizes = dispatcher.band_sizes(op, key)
+    return tuple(
+        BandChoice(size, band_label(sizes, index), dispatcher.decide(op, key, batch_size=size))
+        for index, size in enumerate(sizes)
+    )
+
+
+def decision_text(decision: Decision, dispatcher: Dispatcher, bands: Sequence[BandChoice] = ()) -> str:
     document = dispatcher.document
     lines = [f"{decision.op.value} for {decision.key}"]
     if not decision.availability_checked:
@@ -91,6 +139,7 @@ def decision_text(decision: Decision, dispatcher: Dispatcher) -> str:
         f"  chosen:   {decision.backend}",
         f"  layout:   {decision.layout.value}: {decision.layout.describe()}",
         f"  by:       {decision.chosen_by}{where}",
+        *([f"  by batch: {'; '.join(b.text() for b in bands)} (--batch-size B explains one)"] if bands else []),
         f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution} "
         f"{decision.impl.plugin_version or '-'}; library version {decision.impl.version or '-'})",
         f"  cluster:  {decision.cluster or 'none'}",

@@ -1,6 +1,7 @@
 """What runs on each GPU: `python -m dispatch gpus` decides, for every GPU dispatch knows by name, each
 op of the indexer step in each forward mode, as that machine would with every optional library
-installed, and says how each decided backend was verified there (its plugin's declaration). Nothing
+installed (with, where a measured overlay has batch-size bands, each band that decides otherwise than
+the key's own order), and says how each decided backend was verified there (its plugin's declaration). Nothing
 here is a table of backends: change the registry or a plugin and the output follows."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dispatch.contract.errors import NoBackendError
 from dispatch.deciding.gpus import GPUS, Gpu, gpus_of
 from dispatch.contract.key import Arch, DispatchKey, ForwardMode, Op
 from dispatch.registry.document import RegistryDocument
+from dispatch.registry.measured_bands import band_label
 
 # The steps the table shows: (column, forward mode, next_n, the logits op of that step).
 STEPS = (
@@ -63,10 +65,15 @@ def _row(gpu: Gpu, dispatcher: Dispatcher) -> GpuRow:
     def decided(column: str, op: Op, key: DispatchKey) -> str:
         try:
             decision = dispatcher.decide(op, key)
+            sizes = dispatcher.band_sizes(op, key)
+            bands = [dispatcher.decide(op, key, batch_size=size) for size in sizes]
         except NoBackendError:
             return NONE
-        verified.append((column, decision.backend, decision.impl.verified_on(gpu.arch).value))
-        return decision.backend
+        for chosen in [decision, *bands]:
+            verified.append((column, chosen.backend, chosen.impl.verified_on(gpu.arch).value))
+        # The measured batch-size bands that decide otherwise than the key's own order, so none is hidden.
+        other = [f"{band_label(sizes, i)}: {band.backend}" for i, band in enumerate(bands) if band.backend != decision.backend]
+        return decision.backend + (f" ({'; '.join(other)})" if other else "")
 
     keys = [DispatchKey(gpu.arch, mode, next_n, gpu.fp8_dtype) for _, mode, next_n, _ in STEPS]
     cells = [decided(label, op, key) for key, (label, _, _, op) in zip(keys, STEPS)]

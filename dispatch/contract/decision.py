@@ -74,16 +74,20 @@ class Decision:
     availability_checked: bool = True
     rule_at: str = ""  # "registry.yaml:LINE" of the rule, prefer or fallback entry that chose it ("" if pinned)
     evidence: Evidence | None = None  # the measurements behind a measured choice (source "measured")
+    # The batch sizes whose measured band chose it ("B <= 8", "8 < B <= 32", "B > 32"); "" for the key's
+    # own order or any other source (dispatch/registry/measured_bands.py).
+    band: str = ""
     # The resolved implementation; not part of the value's identity or its JSON.
     impl: Backend = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
 
     @property
     def chosen_by(self) -> str:
-        """How people name what chose it: "rule `x`", "cluster `c` prefer[0]", "fallback[1]", "pinned"."""
+        """How people name what chose it: "rule `x`", "cluster `c` prefer[0]", "cluster `c` measured[0]
+        for B <= 8", "fallback[1]", "pinned"."""
         if self.source == "rule":
             return f"rule `{self.rule}`"
         if self.source in ("cluster-prefer", "measured"):
-            return f"cluster `{self.cluster}` {self.rule}"
+            return f"cluster `{self.cluster}` {self.rule}" + (f" for {self.band}" if self.band else "")
         return self.rule
 
     def as_dict(self) -> dict[str, Any]:
@@ -101,4 +105,5 @@ class Decision:
             "availability_checked": self.availability_checked,
             "rule_at": self.rule_at,
             "evidence": self.evidence.as_dict() if self.evidence else None,
+            "band": self.band or None,
         }

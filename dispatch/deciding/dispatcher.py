@@ -3,13 +3,18 @@
 Order of consideration: the cluster's `prefer` list, then the cluster's measured order for the key
 (the overlay `python -m dispatch tune` wrote, fastest first, only backends that passed the check),
 then the first rule whose `when` matches the key (its `use` list in order), then the op's fallback
-chain. A candidate is eligible when it is not disabled, supports the key and (when checked) is
-available on this machine. The first eligible candidate wins; every other registered backend of the
-op is listed with the reason it lost (a measured one: "measured slower: 202.6 us vs 161.9 us").
+chain. Where the overlay measured the key at several batch sizes and the caller declares the batch's
+size (`decide(op, key, batch_size=B)`, as a plan does), the measured order is that batch size's band
+(dispatch/registry/measured_bands.py); the prefer list, disabled backends and pinning are unchanged.
+A candidate is eligible when it is not disabled, supports the key and (when checked) is available on
+this machine. The first eligible candidate wins; every other registered backend of the
+op is listed with the reason it lost (a measured one: "measured slower: 202.6 us vs 161.9 us", or
+in a band "measured slower at B=8: 17.1 us vs 12.2 us").
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -18,9 +23,10 @@ from dataclasses import dataclass
 from dispatch.contract.backend import Backend
 from dispatch.contract.catalog import Catalog
 from dispatch.contract.decision import Decision, Evidence, Rejection
-from dispatch.contract.errors import NoBackendError
+from dispatch.contract.errors import InvalidBatchError, NoBackendError
 from dispatch.contract.key import Arch, DispatchKey, Op
 from dispatch.registry.document import RegistryDocument
+from dispatch.registry.measured_bands import band_index, band_label
 
 logger = logging.getLogger("dispatch")
 # The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
@@ -57,27 +63,53 @@ class Dispatcher:
         self.check_availability = check_availability
         self._disabled = self._disabled_backends()
         self._measured = document.measured.get(cluster) if cluster is not None else None
-        self._cache: dict[tuple[Op, DispatchKey], Decision] = {}
+        self._bounds = self._band_bounds()
+        self._cache: dict[tuple[Op, DispatchKey, int | None], Decision] = {}
         self._lock = threading.Lock()
 
     @property
     def fingerprint(self) -> str:
         return self.document.fingerprint
 
-    def decide(self, op: Op | str, key: DispatchKey) -> Decision:
-        """The decision for `key`; computed once per (op, key), then served from the cache."""
+    def decide(self, op: Op | str, key: DispatchKey, *, batch_size: int | None = None) -> Decision:
+        """The decision for `key`, for a batch of `batch_size` requests when the caller declares it
+        (None: the key's own measured order); computed once per (op, key, band), then cached."""
         op = op if type(op) is Op else Op(op)  # every plan asks: an Op is taken as it is
-        cached = self._cache.get((op, key))
+        band = None
+        if batch_size is not None:
+            # Checked without a call (a plan asks per op and batch): a host int, bool refused.
+            if batch_size.__class__ is not int or batch_size < 1:
+                raise InvalidBatchError(f"decide: `batch_size` is {batch_size!r}; expected a host int >= 1, "
+                                        "the batch's declared request count")
+            if self._bounds:  # (no lookup at all where the overlay has no bands)
+                bounds = self._bounds.get((op, key))
+                band = None if bounds is None else band_index(bounds, batch_size)
+        cached = self._cache.get((op, key, band))
         if cached is not None:
             return cached
         with self._lock:
-            cached = self._cache.get((op, key))
+            cached = self._cache.get((op, key, band))
             if cached is None:
-                cached = self._decide(op, key)
-                self._cache[(op, key)] = cached
+                cached = self._decide(op, key, band)
+                self._cache[(op, key, band)] = cached
                 self._log(cached)
                 self._warn_if_reference_on_a_gpu(cached)
         return cached
+
+    def band_sizes(self, op: Op | str, key: DispatchKey) -> tuple[int, ...]:
+        """The measured batch sizes whose bands order (op, key), ascending; empty when the overlay has
+        one order for the key. Deciding at each covers every decision the key can have."""
+        return self._bounds.get((Op(op), key), ())
+
+    def _band_bounds(self) -> dict[tuple[Op, DispatchKey], tuple[int, ...]]:
+        if self._measured is None:
+            return {}
+        preferences = self._measured.overlay.ops
+        return {
+            (op, key): preferences[op].preferences[position].bounds
+            for (op, key), position in self._measured.index.items()
+            if preferences[op].preferences[position].bands
+        }
 
     def can_decide(self, op: Op, key: DispatchKey) -> bool:
         """Whether `decide` would find a backend, without caching or logging a decision (a reload's
@@ -91,8 +123,8 @@ class Dispatcher:
         )
 
     def decided_keys(self) -> list[tuple[Op, DispatchKey]]:
-        """The (op, key) pairs decided so far, from the cache."""
-        return list(self._cache)
+        """The (op, key) pairs decided so far (for any batch size), from the cache."""
+        return list(dict.fromkeys((op, key) for op, key, _ in self._cache))
 
     def pin(self, op: Op | str, key: DispatchKey, backend: str, *, allow_disabled: bool = False) -> Decision:
         """A decision naming `backend` outright (a benchmark, or an engine flag forcing a path). It is
@@ -105,7 +137,7 @@ class Dispatcher:
         reason = self._why_ineligible(impl, key, respect_disabled=not allow_disabled)
         if reason:
             raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
-        return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), ())
+        return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), (), None)
 
     def eligible(self, op: Op | str, key: DispatchKey, *, respect_disabled: bool = True) -> list[Backend]:
         """Every registered backend of `op` that could serve `key` here (what a benchmark compares),
@@ -115,10 +147,10 @@ class Dispatcher:
             b for b in self.catalog.for_op(op) if not self._why_ineligible(b, key, respect_disabled=respect_disabled)
         ]
 
-    def _decide(self, op: Op, key: DispatchKey) -> Decision:
+    def _decide(self, op: Op, key: DispatchKey, band: int | None) -> Decision:
         candidates = self.catalog.for_op(op)
         ineligible = {b.name: reason for b in candidates if (reason := self._why_ineligible(b, key))}
-        steps = self._steps(op, key)
+        steps = self._steps(op, key, band)
         chosen = next((s for s in steps if s.backend not in ineligible), None)
         named_at = {}
         for step in steps:
@@ -142,20 +174,21 @@ class Dispatcher:
             elif backend.name in failed:
                 reason = f"failed the check against the reference when measured: {failed[backend.name]}"
             elif backend.name in named_at and chosen.source == named_at[backend.name].source == "measured":
-                reason = self._measured_slower(measured[1], backend.name, chosen.backend)
+                reason = self._measured_slower(measured[1], band, backend.name, chosen.backend)
             elif backend.name in named_at:
                 reason = self._lost_to(chosen, named_at[backend.name])
             else:
                 reason = unnamed
             rejected.append(Rejection(backend.name, reason))
         impl = self.catalog.get(op, chosen.backend)
-        return self._decision(op, key, impl, chosen, tuple(rejected))
+        return self._decision(op, key, impl, chosen, tuple(rejected), band)
 
     def _decision(
-        self, op: Op, key: DispatchKey, impl: Backend, step: _Step, rejected: tuple[Rejection, ...]
+        self, op: Op, key: DispatchKey, impl: Backend, step: _Step, rejected: tuple[Rejection, ...], band: int | None
     ) -> Decision:
         line = self.document.line_of(step.location) if step.location else None
         measured = self._measured_preference(op, key) if step.source == "measured" else None
+        band = band if measured else None  # a band names the measured order only, not what came before it
         return Decision(
             op=op,
             key=key,
@@ -164,7 +197,8 @@ class Dispatcher:
             rule=step.rule,
             source=step.source,
             rule_at=step.where or (self.document.where_of(step.location) if line else ""),
-            evidence=self._evidence(op, *measured) if measured else None,
+            evidence=self._evidence(op, *measured, band) if measured else None,
+            band=band_label(measured[1].bounds, band) if band is not None else "",
             cluster=self.cluster,
             plugin=impl.plugin,
             rejected=rejected,
@@ -173,7 +207,7 @@ class Dispatcher:
             impl=impl,
         )
 
-    def _steps(self, op: Op, key: DispatchKey) -> list[_Step]:
+    def _steps(self, op: Op, key: DispatchKey, band: int | None = None) -> list[_Step]:
         steps = []
         if self.cluster is not None:
             for index, name in enumerate(self.document.registry.clusters[self.cluster].prefer):
@@ -183,9 +217,13 @@ class Dispatcher:
         measured = self._measured_preference(op, key)
         if measured is not None:
             position, preference = measured
-            for index, name in enumerate(preference.order):
-                where = self._measured.where(("ops", op.value, "preferences", position, "order", index))
-                label = f"cluster `{self.cluster}` measured"
+            at = ("ops", op.value, "preferences", position) + (("bands", band) if band is not None else ())
+            order = preference.order if band is None else preference.bands[band].order
+            label = f"cluster `{self.cluster}` measured"
+            if band is not None:
+                label += f" for {band_label(preference.bounds, band)}"
+            for index, name in enumerate(order):
+                where = self._measured.where(at + ("order", index))
                 steps.append(_Step(name, f"measured[{index}]", "measured", label, (), where))
         table = self.document.registry.table(op)
         index = table.first_match(key)
@@ -204,23 +242,33 @@ class Dispatcher:
         """(position, Preference) the cluster's measured overlay holds for (op, key), or None."""
         return self._measured.find(op, key) if self._measured is not None else None
 
-    def _evidence(self, op: Op, position: int, preference) -> Evidence:
+    def _evidence(self, op: Op, position: int, preference, band: int | None) -> Evidence:
+        """The times the order rests on: the key's shapes, or in a band that batch size's shapes."""
         overlay = self._measured.overlay
-        order = preference.order
+        at = ("ops", op.value, "preferences", position) + (("bands", band) if band is not None else ())
+        if band is None:
+            order, shapes, mean = preference.order, preference.shapes, preference.mean_us
+        else:
+            order, shapes = preference.bands[band].order, preference.band_shapes(band)
+            mean = functools.partial(preference.band_mean_us, band)
         return Evidence(
             machine=overlay.machine,
             date=overlay.date.isoformat(),
-            at=self._measured.where(("ops", op.value, "preferences", position)),
-            means=tuple((name, round(preference.mean_us(name), 3)) for name in order),
-            shapes=tuple((s.shape, tuple((name, s.median_us[name]) for name in order)) for s in preference.shapes),
+            at=self._measured.where(at),
+            means=tuple((name, round(mean(name), 3)) for name in order),
+            shapes=tuple((s.shape, tuple((name, s.median_us[name]) for name in order)) for s in shapes),
             failed=tuple(sorted(preference.failed.items())),
         )
 
     @staticmethod
-    def _measured_slower(preference, backend: str, chosen: str) -> str:
-        over = "" if len(preference.shapes) == 1 else f", geometric mean over {len(preference.shapes)} shapes"
-        slower, faster = preference.mean_us(backend), preference.mean_us(chosen)
-        return f"measured slower: {slower:.1f} us vs {faster:.1f} us ({chosen}{over})"
+    def _measured_slower(preference, band: int | None, backend: str, chosen: str) -> str:
+        if band is None:
+            count, mean, at = len(preference.shapes), preference.mean_us, ""
+        else:
+            count, at = len(preference.band_shapes(band)), f" at B={preference.bands[band].batch_size_up_to}"
+            mean = functools.partial(preference.band_mean_us, band)
+        over = "" if count == 1 else f", geometric mean over {count} shapes"
+        return f"measured slower{at}: {mean(backend):.1f} us vs {mean(chosen):.1f} us ({chosen}{over})"
 
     def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:
         if respect_disabled and backend.name in self._disabled:

@@ -14,13 +14,23 @@ from dispatch.step.paged_plan import ops_for
 
 def summary(dispatcher: Dispatcher, keys: Iterable[DispatchKey]) -> dict[str, str]:
     """What must agree, as flat fields: the registry fingerprint and the choice for each key of every op
-    its step runs (dispatch.step.paged_plan.ops_for: extend keys the ragged step, the others the paged one)."""
+    its step runs (dispatch.step.paged_plan.ops_for: extend keys the ragged step, the others the paged one),
+    and the choice of each measured batch-size band of the key: ranks of one group may hold batches of
+    different sizes in one step, so every band must agree, not only the key's own order."""
     fields = {"registry_fingerprint": dispatcher.fingerprint, "cluster": str(dispatcher.cluster)}
     for key in keys:
         for op in ops_for(key.forward_mode):
             decision = dispatcher.decide(op, key)
-            fields[f"{op.value} @ {key}"] = f"{decision.backend} ({decision.layout.value}, {decision.rule})"
+            fields[f"{op.value} @ {key}"] = _choice(decision)
+            for size in dispatcher.band_sizes(op, key):
+                banded = dispatcher.decide(op, key, batch_size=size)
+                fields[f"{op.value} @ {key} B={size}"] = _choice(banded)
     return fields
+
+
+def _choice(decision) -> str:
+    band = f" for {decision.band}" if decision.band else ""
+    return f"{decision.backend} ({decision.layout.value}, {decision.rule}{band})"
 
 
 # The field a rank sends in place of its summary when it could not build one.

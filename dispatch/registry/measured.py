@@ -6,13 +6,15 @@ with the registry's own loader, so its errors name file, line and key in the sam
 The order is fastest first (ties within MEASURED_TIE in the registry's order) by the geometric mean of
 each backend's median times over the key's shapes: every shape weighs the same whatever its size, and
 it orders backends exactly as the geometric mean of their time ratios to the fastest at each shape
-would.
+would. Where the shapes name several batch sizes, a preference may also carry `bands`: the same rule
+over each batch size's shapes alone (dispatch/registry/measured_bands.py says which batches each serves).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import platform
 import shutil
@@ -37,6 +39,7 @@ from dispatch.registry.reading import (
     safe_load_with_lines,
     validation_problems,
 )
+from dispatch.registry.measured_bands import Band, batch_size_of
 from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
 from dispatch.contract.version import dispatch_version, release_of
 
@@ -74,6 +77,8 @@ class ShapeTimes(Strict):
 class Preference(Strict):
     key: MeasuredKey
     order: NameList  # fastest first; only backends that passed the check
+    # One order per measured batch size, ascending (checked with the file's lines in _band_problems).
+    bands: Annotated[tuple[Band, ...], Field(max_length=16)] = ()
     shapes: tuple[ShapeTimes, ...]
     failed: dict[BackendName, str] = {}  # backend -> why its output differed from the reference
 
@@ -92,21 +97,44 @@ class Preference(Strict):
         both = sorted(set(self.failed) & set(self.order))
         if both:
             raise ValueError(f"{_ticks(both)} failed the check and cannot be in `order`")
-        # The tie band is against the fastest of those that follow, not the neighbour: each backend may
-        # come before a faster one only within MEASURED_TIE of it, so ties cannot chain (1% + 1% + ...).
-        for index, ahead in enumerate(self.order[:-1]):
-            fastest = min(self.order[index + 1:], key=self.mean_us)
-            if self.mean_us(ahead) > self.mean_us(fastest) * (1 + MEASURED_TIE):
-                raise ValueError(
-                    f"`order` puts `{ahead}` ({self.mean_us(ahead):.1f} us) before `{fastest}` "
-                    f"({self.mean_us(fastest):.1f} us); the measured order is fastest first, ties within "
-                    f"{MEASURED_TIE:.0%} of the fastest (to override a measurement, use the cluster's `prefer`)"
-                )
+        problem = out_of_order(self.order, self.mean_us)
+        if problem:
+            raise ValueError(f"`order` {problem}")
         return self
 
     def mean_us(self, backend: str) -> float:
         """Geometric mean of `backend`'s median times over this key's shapes."""
         return geometric_mean([shape.median_us[backend] for shape in self.shapes])
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """The bands' `batch_size_up_to`, ascending (empty without bands)."""
+        return tuple(band.batch_size_up_to for band in self.bands)
+
+    def band_shapes(self, index: int) -> tuple[ShapeTimes, ...]:
+        """The shapes measured at band `index`'s batch size, which its order is by."""
+        size = self.bands[index].batch_size_up_to
+        return tuple(shape for shape in self.shapes if batch_size_of(shape.shape) == size)
+
+    def band_mean_us(self, index: int, backend: str) -> float:
+        """Geometric mean of `backend`'s median times over band `index`'s shapes."""
+        return geometric_mean([shape.median_us[backend] for shape in self.band_shapes(index)])
+
+
+def out_of_order(order, mean_us) -> str | None:
+    """What breaks the measured rule in `order` (fastest first by `mean_us`, ties within MEASURED_TIE
+    of the fastest), or None. The tie band is against the fastest of those that follow, not the
+    neighbour: each backend may come before a faster one only within MEASURED_TIE of it, so ties cannot
+    chain (1% + 1% + ...)."""
+    for index, ahead in enumerate(order[:-1]):
+        fastest = min(order[index + 1:], key=mean_us)
+        if mean_us(ahead) > mean_us(fastest) * (1 + MEASURED_TIE):
+            return (
+                f"puts `{ahead}` ({mean_us(ahead):.1f} us) before `{fastest}` ({mean_us(fastest):.1f} us); the "
+                f"measured order is fastest first, ties within {MEASURED_TIE:.0%} of the fastest (to override a "
+                "measurement, use the cluster's `prefer`)"
+            )
+    return None
 
 
 def geometric_mean(values: list[float]) -> float:
@@ -191,6 +219,41 @@ def _across_preferences(overlay: MeasuredOverlay):
             for name in sorted((set(preference.order) | set(preference.failed)) - set(table.versions)):
                 where = ("order", preference.order.index(name)) if name in preference.order else ("failed", name)
                 yield here + where, f"`{name}` has no entry in ops.{op.value}.versions"
+            for where, message in _band_problems(preference):
+                yield here + where, message
+
+
+def _band_problems(preference: Preference):
+    """Bands that cannot serve: each one per batch size the shapes name, ascending, its order the key's
+    backends in the measured rule over that batch size's shapes (dispatch/registry/measured_bands.py)."""
+    if not preference.bands:
+        return
+    measured = sorted({size for shape in preference.shapes if (size := batch_size_of(shape.shape)) is not None})
+    if len(measured) < 2 or len(measured) != len({batch_size_of(shape.shape) for shape in preference.shapes}):
+        yield ("bands",), (
+            "bands need shapes that each name a batch size (`B=<n>` or `R=<n>`), at least two of them; these "
+            f"shapes name {', '.join(map(str, measured)) or 'none'}"
+        )
+        return
+    bounds = preference.bounds
+    for index, bound in enumerate(bounds):
+        at = ("bands", index, "batch_size_up_to")
+        if index and bound <= bounds[index - 1]:
+            yield at, f"{bound} after {bounds[index - 1]}: bands are ascending, one per measured batch size"
+        elif bound not in measured:
+            yield at, f"{bound} is not a measured batch size (the shapes measure {', '.join(map(str, measured))})"
+    missing = [size for size in measured if size not in bounds]
+    if missing:
+        yield ("bands",), f"no band for the measured batch size {', '.join(map(str, missing))}: one band per batch size"
+    for index, band in enumerate(preference.bands):
+        at = ("bands", index, "order")
+        if sorted(band.order) != sorted(preference.order):
+            yield at, (f"lists {_ticks(band.order)}; a band orders exactly the key's backends "
+                       f"({_ticks(preference.order)}), each once")
+        elif band.batch_size_up_to in measured and not missing:
+            problem = out_of_order(band.order, functools.partial(preference.band_mean_us, index))
+            if problem:
+                yield at, f"{problem} at B={band.batch_size_up_to}"
 
 
 def load_measured(path: str | Path) -> MeasuredDocument:

@@ -47,7 +47,9 @@ def build_extend_plan(
     `kv_fp8_dtype` is the K cache's fp8 dtype and becomes the key's, as in build_plan; `pinned` and
     `allow_disabled` as there; `prepare=False` skips the backends' per-batch state (a what-if)."""
     key = dispatch_key(arch or dispatcher.target_arch, ForwardMode.EXTEND, 1, key_fp8_dtype(kv_fp8_dtype))
-    decide = decider(dispatcher, key, pinned, allow_disabled)
+    # The declared request count picks a measured band (shapes `R=<n>`), as B does in build_plan; a batch
+    # of no requests has no size to choose by.
+    decide = decider(dispatcher, key, pinned, allow_disabled, batch.num_requests or None)
     decisions = {op: decide(op) for op in EXTEND_STEP_OPS}
     metadata = build_ragged_metadata(batch)
     plan = ExtendPlan(

@@ -123,14 +123,16 @@ def ops_for(mode: ForwardMode | str) -> tuple[Op, ...]:
     return EXTEND_STEP_OPS if ForwardMode(mode) is ForwardMode.EXTEND else PAGED_STEP_OPS
 
 
-def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | None, allow_disabled: bool):
-    """decide(op) -> Decision for `key`: the pinned backend where `pinned` names one, else the rules'."""
+def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | None, allow_disabled: bool,
+            batch_size: int | None = None):
+    """decide(op) -> Decision for `key` and a batch of `batch_size` requests: the pinned backend where
+    `pinned` names one, else the rules' (with the measured band of that batch size, where there is one)."""
     pinned = pinned or {}
 
     def decide(op: Op) -> Decision:
         if op in pinned:
             return dispatcher.pin(op, key, pinned[op], allow_disabled=allow_disabled)
-        return dispatcher.decide(op, key)
+        return dispatcher.decide(op, key, batch_size=batch_size)
 
     return decide
 
@@ -195,10 +197,13 @@ def build_plan(
             "dispatch.step.extend_plan.build_extend_plan: its keys are gathered and scored ragged, not paged"
         )
     key = dispatch_key(arch or dispatcher.target_arch, batch.forward_mode, batch.next_n, key_fp8_dtype(kv_fp8_dtype))
-    decide = decider(dispatcher, key, pinned, allow_disabled)
+    # The batch's declared size picks the measured band: seq_lens.shape[0] is the request count the
+    # engine hands over (a host int, fixed per captured graph), not a path inferred from tensor values,
+    # so deciding by it costs no sync and two batches of one size always decide alike.
+    batch_size = batch.seq_lens.shape[0]
+    decide = decider(dispatcher, key, pinned, allow_disabled, batch_size)
     decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
     logits = decisions[Op.PAGED_MQA_LOGITS]
-    batch_size = batch.seq_lens.shape[0]
     context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
     plan = PagedPlan(
         key=key,

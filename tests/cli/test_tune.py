@@ -464,6 +464,6 @@ def test_the_default_workload_covers_serving_extend():
     ],
 )
 def test_measured_ties_keep_the_registry_order(order, means, rule_order, expected):
-    from dispatch.bench.tune import _ties_in_rule_order
+    from dispatch.bench.ordering import measured_order
 
-    assert _ties_in_rule_order(order, means, rule_order) == expected
+    assert measured_order(order, dict(zip(order, means)).__getitem__, rule_order) == expected

@@ -429,6 +429,7 @@ def test_decision_as_dict():
         "availability_checked": True,
         "rule_at": f"{registry(ORDER).path}:{registry(ORDER).line_of(('ops', 'paged_mqa_logits', 'rules', 0))}",
         "evidence": None,
+        "band": None,
     }
     assert [r["backend"] for r in decision.as_dict()["rejected"]] == ["b", "c", "d"]
 

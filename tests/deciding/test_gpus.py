@@ -92,6 +92,11 @@ def test_gpus_decides_each_gpu_from_the_registry(capsys):
     assert (h200["arch"], h200["cluster"]) == ("sm90", "h200-mtp")
     assert h200["decided"]["decode"] == "deepgemm.sm90" and h200["decided"]["MTP next_n 4"] == "deepgemm.sm90.n4"
     assert h200["verified"] == "measured on an H200"
+    # The H200 overlay's top-k bands that decide otherwise than each key's own order are named beside it.
+    assert h200["decided"]["top-k"] == (
+        "decode: sglang.topk_v2 (B > 32: cuda.radix), MTP next_n 2: cuda.radix (8 < B <= 32: sglang.topk_v2), "
+        "MTP next_n 4: cuda.radix (B <= 8: triton), extend: cuda.radix"
+    )
     assert rows["B200"]["decided"]["decode"] == "deepgemm.sm100"
     assert "deepgemm.sm100: argument contract only" in rows["B200"]["verified"]
     assert rows["MI300X"]["fp8_dtype"] == "e4m3fnuz" and "rocm.fnuz: exact emulation" in rows["MI300X"]["verified"]

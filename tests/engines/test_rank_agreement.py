@@ -130,3 +130,26 @@ def test_a_rank_that_cannot_decide_makes_every_rank_raise_instead_of_hanging(tmp
         message = json.loads((tmp_path / f"rank{rank}.json").read_text())["outcome"]
         assert message.startswith("1 of 2 ranks could not decide: rank 1: NoBackendError: "), message
         assert "topk" in message
+
+
+def test_ranks_whose_overlays_differ_in_one_band_disagree_on_that_band(tmp_path):
+    """Ranks of one group may hold batches of different sizes: a band's decision must agree too."""
+    from dispatch.deciding.runtime import load_dispatcher
+    from dispatch.engines.agreement import summary
+    from tests.support.banded import FLATTEN, NATIVE, OVERLAY, VERIFY, write_banded
+
+    # The other rank measured native faster at B=2 as well: its key's order is the same, one band differs.
+    other = OVERLAY.replace("median_us: {torch.reference: 20.0, torch.reference.flatten: 10.0}",
+                            "median_us: {torch.reference: 5.0, torch.reference.flatten: 10.0}").replace(
+        "median_us: {torch.reference: 22.0, torch.reference.flatten: 12.0}",
+        "median_us: {torch.reference: 6.0, torch.reference.flatten: 12.0}").replace(
+        f"order: [{FLATTEN}, {NATIVE}]", f"order: [{NATIVE}, {FLATTEN}]")
+    ranks = [load_dispatcher(write_banded(tmp_path / name, overlay), cluster="banded", arch="cpu")
+             for name, overlay in (("a", OVERLAY), ("b", other))]
+    summaries = [summary(dispatcher, [VERIFY]) for dispatcher in ranks]
+    assert summaries[0]["paged_mqa_logits @ " + str(VERIFY)] == summaries[1]["paged_mqa_logits @ " + str(VERIFY)]
+    found = differences(summaries)
+    assert f"paged_mqa_logits @ {VERIFY} B=2: ranks [0] -> {FLATTEN} (flatten, measured[0] for B <= 2); " \
+           f"ranks [1] -> {NATIVE} (native, measured[0] for B <= 2)" in found
+    assert not any(line.startswith(f"paged_mqa_logits @ {VERIFY} B=16") for line in found)  # that band agrees
+    assert differences([summaries[0], summary(ranks[0], [VERIFY])]) == []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dispatch.bench.overlay_file import check_writable, write_atomically
-from dispatch.bench.tune import _ties_in_rule_order
+from dispatch.bench.ordering import measured_order
 from dispatch.contract.errors import OptionError, RegistryError
 from dispatch.registry.document import load_registry
 from dispatch.registry.reading import END_MARKER, is_sealed
@@ -73,7 +73,7 @@ def test_tune_writes_atomically_and_checks_the_path_first(tmp_path):
     ],
 )
 def test_the_tie_band_is_against_the_fastest(order, means, rule_order, expected):
-    placed = _ties_in_rule_order(order, means, rule_order)
+    placed = measured_order(order, dict(zip(order, means)).__getitem__, rule_order)
     assert placed == expected
     by_name = dict(zip(order, means))
     for index, name in enumerate(placed):  # what the loader checks

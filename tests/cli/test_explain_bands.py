@@ -1,0 +1,96 @@
+"""`explain --batch-size B` on the shipped H200 overlay's top-k bands: the band's choice and why; without
+a batch size the key's choice with every band's listed; --seq-lens gives B; a batch size that cannot
+occur is a located usage error (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.cli_session import clean_environment, run  # noqa: F401 (clean_environment: an autouse fixture)
+
+H200_VERIFY = ("--gpu", "h200", "--forward-mode", "target_verify", "--next-n", "2")
+
+
+def _block(out: str, op: str) -> str:
+    start = out.index(f"\n{op} for ") + 1  # after the what-if note
+    return out[start:].split("\n\n")[0]
+
+
+def _rejected(block: str) -> dict[str, str]:
+    lines = block.split("  rejected:\n")[1].splitlines()
+    return {line.split()[0]: line.split(None, 1)[1] for line in lines}
+
+
+def test_a_batch_size_shows_its_bands_choice_and_why(capsys):
+    code, out, err = run(capsys, "explain", *H200_VERIFY, "--op", "topk", "--batch-size", "32")
+    assert code == 0, err
+    block = _block(out, "topk")
+    assert "  chosen:   sglang.topk_v2\n" in block
+    assert "  by:       cluster `h200-mtp` measured[0] for 8 < B <= 32 (" in block
+    assert "by batch:" not in block  # the batch size was given: one band, no listing
+    assert "(geometric mean over 2 shapes)" in block and "at B=32 N=2 L~32K" in block and "B=8 N=2" not in block
+    assert _rejected(block)["cuda.radix"] == (
+        "measured slower at B=32: 17.0 us vs 15.3 us (sglang.topk_v2, geometric mean over 2 shapes)"
+    )
+
+
+@pytest.mark.parametrize("batch_size, backend, serves", [("1", "cuda.radix", "B <= 8"), ("8", "cuda.radix", "B <= 8"),
+                                                         ("9", "sglang.topk_v2", "8 < B <= 32"),
+                                                         ("1024", "cuda.radix", "B > 32")])
+def test_each_batch_size_gets_its_bands_choice(capsys, batch_size, backend, serves):
+    code, out, err = run(capsys, "explain", "--json", *H200_VERIFY, "--op", "topk", "--batch-size", batch_size)
+    assert code == 0, err
+    (decision,) = json.loads(out)["decisions"]
+    assert (decision["backend"], decision["band"], decision["source"]) == (backend, serves, "measured")
+    assert "bands" not in decision
+
+
+def test_without_a_batch_size_the_keys_choice_and_every_bands_are_listed(capsys):
+    code, out, err = run(capsys, "explain", *H200_VERIFY, "--op", "topk")
+    assert code == 0, err
+    block = _block(out, "topk")
+    assert "  chosen:   cuda.radix\n" in block and "  by:       cluster `h200-mtp` measured[0] (" in block
+    assert ("  by batch: B <= 8: cuda.radix; 8 < B <= 32: sglang.topk_v2; B > 32: cuda.radix "
+            "(--batch-size B explains one)\n") in block
+    code, out, err = run(capsys, "explain", "--json", *H200_VERIFY, "--op", "topk")
+    (decision,) = json.loads(out)["decisions"]
+    assert decision["band"] is None
+    assert [(b["batch_size_up_to"], b["serves"], b["backend"]) for b in decision["bands"]] == [
+        (8, "B <= 8", "cuda.radix"), (32, "8 < B <= 32", "sglang.topk_v2"), (128, "B > 32", "cuda.radix")]
+
+
+def test_a_key_without_bands_lists_none(capsys):
+    code, out, err = run(capsys, "explain", *H200_VERIFY, "--op", "paged_mqa_logits")
+    assert code == 0, err
+    assert "by batch:" not in out
+
+
+@pytest.mark.parametrize("lengths, backend", [("30,40,50,60", "cuda.radix"), (",".join(["40"] * 20), "sglang.topk_v2")])
+def test_seq_lens_give_the_batch_size(capsys, lengths, backend):
+    code, out, err = run(capsys, "explain", "--json", *H200_VERIFY, "--seq-lens", lengths)
+    assert code == 0, err
+    payload = json.loads(out)
+    topk = next(d for d in payload["decisions"] if d["op"] == "topk")
+    assert payload["plan"]["batch_size"] == len(lengths.split(",")) and topk["backend"] == backend
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "argument --batch-size: --batch-size is 0; it must be from 1 to 1024"),
+    ("-4", "argument --batch-size: --batch-size is -4; it must be from 1 to 1024"),
+    ("1025", "argument --batch-size: --batch-size is 1025; it must be from 1 to 1024"),
+    ("eight", "argument --batch-size: --batch-size 'eight' is not an integer"),
+    ("2.5", "argument --batch-size: --batch-size '2.5' is not an integer"),
+])
+def test_a_batch_size_that_cannot_occur_is_a_usage_error(capsys, value, message):
+    code, out, err = run(capsys, "explain", *H200_VERIFY, f"--batch-size={value}")
+    assert code == 2 and out == "" and message in err and "Traceback" not in err
+
+
+def test_a_batch_size_that_contradicts_the_lengths_is_refused(capsys):
+    code, out, err = run(capsys, "explain", *H200_VERIFY, "--seq-lens", "30,40", "--batch-size", "3")
+    assert code == 2 and out == ""
+    assert "--batch-size 3 but --seq-lens lists 2 requests" in err
+    code, out, err = run(capsys, "explain", *H200_VERIFY, "--seq-lens", "30,40", "--batch-size", "2")
+    assert code == 0, err

@@ -1,0 +1,92 @@
+"""tune's bands: one order per measured batch size by the key's own rule (geometric mean over that
+batch size's shapes, ties within 1% in the registry's order), written only where they differ from the
+key's order; and the shipped H200 overlay's bands are exactly what that rule gives its recorded times."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from dispatch.bench.tune import Tuner
+from dispatch.bench.ordering import band_orders
+from dispatch.contract.key import DispatchKey, ForwardMode, Op
+from dispatch.deciding.runtime import DEFAULT_REGISTRY
+from dispatch.registry.document import load_registry
+from dispatch.registry.measured import load_measured
+
+
+def _shapes(times: dict[str, dict[str, float]]) -> list[dict]:
+    return [{"shape": shape, "median_us": medians} for shape, medians in times.items()]
+
+
+def test_each_batch_size_gets_its_own_order_ascending():
+    shapes = _shapes({
+        "B=32 N=2 L~8K": {"a": 17.1, "b": 12.2}, "B=32 N=2 L~32K": {"a": 16.9, "b": 19.3},
+        "B=8 N=2 L~8K": {"a": 13.2, "b": 16.5}, "B=8 N=2 L~32K": {"a": 19.1, "b": 18.7},
+    })
+    # b at B=32: sqrt(12.2 * 19.3) = 15.3 against a's 17.0; at B=8 a 15.9 against b 17.6.
+    assert band_orders(shapes, ["a", "b"], ["a", "b"]) == [
+        {"batch_size_up_to": 8, "order": ["a", "b"]},  # equal to the key's order, written all the same:
+        {"batch_size_up_to": 32, "order": ["b", "a"]},  # without it, B=8 would be served by this band
+    ]
+
+
+def test_a_tie_within_one_percent_keeps_the_registry_order():
+    shapes = _shapes({"B=8 L~8K": {"a": 10.05, "b": 10.0}, "B=32 L~8K": {"a": 30.0, "b": 20.0}})
+    assert band_orders(shapes, ["b", "a"], ["a", "b"]) == [
+        {"batch_size_up_to": 8, "order": ["a", "b"]},  # b is 0.5% faster: a tie, the rule's order
+        {"batch_size_up_to": 32, "order": ["b", "a"]},
+    ]
+    past = _shapes({"B=8 L~8K": {"a": 10.2, "b": 10.0}, "B=32 L~8K": {"a": 30.0, "b": 20.0}})
+    assert band_orders(past, ["b", "a"], ["a", "b"]) == []  # b 2% faster at B=8 too: every band is the key's
+
+
+@pytest.mark.parametrize("times", [
+    {"B=8 L~8K": {"a": 10.0, "b": 20.0}, "B=8 L~32K": {"a": 30.0, "b": 20.0}},  # one batch size
+    {"T=64 H=64": {"a": 10.0, "b": 20.0}, "T=512 H=64": {"a": 30.0, "b": 20.0}},  # Q quant: no batch size
+    {"B=8 L~8K": {"a": 10.0, "b": 20.0}, "T=512 H=64": {"a": 30.0, "b": 20.0}},  # one shape names none
+], ids=["one-batch-size", "token-counts", "partly-named"])
+def test_no_bands_where_the_shapes_do_not_name_several_batch_sizes(times):
+    assert band_orders(_shapes(times), ["b", "a"], []) == []
+
+
+def test_no_bands_where_every_band_is_the_keys_order():
+    shapes = _shapes({"B=8 L~8K": {"a": 10.0, "b": 20.0}, "B=32 L~8K": {"a": 11.0, "b": 25.0},
+                      "B=128 L~8K": {"a": 12.0, "b": 30.0}})
+    assert band_orders(shapes, ["a", "b"], []) == []
+
+
+def _row(backend: str, shape: str, us: float):
+    return SimpleNamespace(backend=backend, shape=shape, check="ok", seconds=us / 1e6)
+
+
+def test_the_tuners_preference_carries_the_bands_between_order_and_shapes():
+    tuner = object.__new__(Tuner)
+    tuner.failures, tuner.say = 0, lambda text: None
+    rows = [_row("a", "B=8 N=1 L~8K", 10.0), _row("b", "B=8 N=1 L~8K", 20.0),
+            _row("a", "B=128 N=1 L~8K", 60.0), _row("b", "B=128 N=1 L~8K", 25.0)]
+    preference = tuner._preference(rows, ["a", "b"])
+    assert list(preference) == ["order", "bands", "shapes"]
+    assert preference["order"] == ["b", "a"]  # sqrt(20 * 25) = 22.4 against sqrt(10 * 60) = 24.5
+    assert preference["bands"] == [{"batch_size_up_to": 8, "order": ["a", "b"]},
+                                   {"batch_size_up_to": 128, "order": ["b", "a"]}]
+
+
+def test_the_shipped_h200_bands_are_what_tune_derives_from_its_recorded_times():
+    document = load_registry(DEFAULT_REGISTRY)
+    overlay = load_measured(DEFAULT_REGISTRY.parent / "measured" / "h200-mtp.yaml").overlay
+    banded = 0
+    for op, table in overlay.ops.items():
+        for preference in table.preferences:
+            key = DispatchKey(preference.key.arch, preference.key.forward_mode[0], preference.key.next_n,
+                              preference.key.fp8_dtype)
+            shapes = [{"shape": s.shape, "median_us": dict(s.median_us)} for s in preference.shapes]
+            rule_order = list(document.registry.table(op).named_for(key))
+            derived = band_orders(shapes, list(preference.order), rule_order)
+            stored = [{"batch_size_up_to": b.batch_size_up_to, "order": list(b.order)} for b in preference.bands]
+            assert stored == derived, (op.value, key)
+            banded += bool(stored)
+    assert banded == 3  # top-k at next_n 1, 2 and 4: no single backend wins every batch size there
+    topk = {p.key.next_n: p for p in overlay.ops[Op.TOPK].preferences if ForwardMode.EXTEND not in p.key.forward_mode}
+    assert [b.order[0] for b in topk[2].bands] == ["cuda.radix", "sglang.topk_v2", "cuda.radix"]
