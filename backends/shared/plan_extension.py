@@ -47,7 +47,7 @@ def loaded() -> ModuleType | None:
 
 
 def why_not_loaded() -> str | None:
-    """None where loaded() has the module, else why not, in words (`bench --host-time` prints it)."""
+    """None where loaded() has the module, else why not, in words."""
     return None if loaded() is not None else _Loaded.why_not
 
 

@@ -83,10 +83,8 @@ def _paged_path(dispatcher: Dispatcher, batch, fp8_dtype) -> str:
         return f"logits `{logits.backend}`"
     if logits_plan_tensors(logits, batch) is not None:
         return f"logits `{logits.backend}`, one C++ launch"
-    from backends.shared.plan_extension import why_not_loaded
-
-    why = why_not_loaded() or "the one launch does not take this batch"
-    return f"logits `{logits.backend}`, Triton launches: {why}"
+    # Why not (not built here, or this batch not taken) is the backend's to say: `backends --warm` prints it.
+    return f"logits `{logits.backend}`, Triton launches (its one launch is not built here or does not take this batch)"
 
 
 def _extend(dispatcher: Dispatcher, device: str, fp8_dtype, prefix: int) -> HostTime:
