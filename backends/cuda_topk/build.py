@@ -188,19 +188,21 @@ def extension() -> ModuleType:
     return load_library(slot.name, library)
 
 
-def compile_into(folder: Path, *, facts: MachineFacts, name: str) -> Path:
-    """One build in a child process (compile_child.py), bounded: the library's path inside `folder`."""
+def compile_into(folder: Path, *, facts: MachineFacts, name: str, source: Path = SOURCE,
+                 label: str = "top-k backend `cuda.radix`") -> Path:
+    """One build of `source` in a child process (compile_child.py), bounded: the library's path inside
+    `folder`. `label` names what is built in its errors (backends/shared/plan_extension.py builds too)."""
     major, minor = facts.capability
     env = {**os.environ, "TORCH_CUDA_ARCH_LIST": f"{major}.{minor}", "CUDA_HOME": str(Path(facts.nvcc).parent.parent)}
     try:
-        done = subprocess.run([sys.executable, str(CHILD), str(SOURCE), str(folder), name], env=env,
+        done = subprocess.run([sys.executable, str(CHILD), str(source), str(folder), name], env=env,
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as error:
-        raise BackendError(f"top-k backend `cuda.radix`: its build ran past {BUILD_TIMEOUT_S:.0f} s and was stopped "
+        raise BackendError(f"{label}: its build ran past {BUILD_TIMEOUT_S:.0f} s and was stopped "
                            "(nothing cached; the next warm-up builds again)") from error
     output = f"{done.stdout}\n{done.stderr}"
     if done.returncode < 0:  # stopped by a signal: not the compiler's verdict, so nothing is cached
-        raise BackendError(f"top-k backend `cuda.radix`: its build was stopped by signal {-done.returncode}")
+        raise BackendError(f"{label}: its build was stopped by signal {-done.returncode}")
     if done.returncode != 0:
         raise CompileFailed(f"{compile_summary(output)}\n\n{output[-1500:]}")
     library = folder / f"{name}.so"

@@ -250,6 +250,12 @@ class DeepGemmPagedLogits:
             return DeepGemmState(schedule.schedule, guard)
         return DeepGemmState(build_schedule(module, lens, slots), prepare_page_guard(plan))
 
+    def plan_tensors(self, **batch):
+        """The plan's lengths, flags and this state in one launch, where it can (backends/deepgemm/plan_tensors.py)."""
+        from backends.deepgemm.plan_tensors import deepgemm_plan_tensors
+
+        return deepgemm_plan_tensors(self, **batch)
+
     def schedule_slots(self, module: ModuleType, device: torch.device) -> int:
         """The scheduler tasks the kernel launches: one per SM, or per cluster of kv_multicast SMs."""
         sms = num_sms(module, device)

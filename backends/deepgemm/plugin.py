@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from backends.shared.plan_extension import logits_warm_up
 from dispatch.contract import (
     PAGED_MODES,
     Arch,
@@ -91,6 +92,9 @@ class _OnFirstUse:
 
     def prepare(self, plan):
         return self._built().prepare(plan)
+
+    def plan_tensors(self, **batch):
+        return self._built().plan_tensors(**batch)
 
     @staticmethod
     def refresh_state(captured, fresh) -> None:
@@ -236,6 +240,9 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
             next_n_min=next_n_min, next_n_max=next_n_max,
         )
         missing = missing_sm90_next_n4 if row.sm90_next_n4 else missing_paged_symbols
+        probe = probe_for(row.arch, load, missing)
+        # The SM90 native ones make their plan in one launch where backends/shared/plan_prepare.cu is built.
+        one_launch = row.layout is Layout.NATIVE and row.arch is Arch.SM90
         backends.append(
             Backend(
                 name=row.name,
@@ -243,9 +250,11 @@ def deepgemm_backends(load: Callable[[], ModuleType] = import_deep_gemm) -> list
                 layout=row.layout,
                 supports=support,
                 run=impl.run,
-                probe=probe_for(row.arch, load, missing),
+                probe=probe,
                 prepare=impl.prepare,
                 refresh_state=impl.refresh_state,
+                plan_tensors=impl.plan_tensors if one_launch else None,
+                warm=logits_warm_up(probe) if one_launch else None,
                 version=library_version(),
                 description=row.description,
                 verified={row.arch: VERIFIED[row.arch]},

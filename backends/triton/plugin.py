@@ -12,6 +12,7 @@ from backends.triton.availability import (
     probe_for,
     triton_version,
 )
+from backends.shared.plan_extension import logits_warm_up
 from dispatch.contract import PAGED_MODES, Arch, Backend, Fp8Dtype, Layout, Op, Support, Verified, hookimpl
 
 if TYPE_CHECKING:  # fp8_mode and the input checks import torch; registering must not (`validate` runs without it)
@@ -68,6 +69,13 @@ def prepare_logits(plan):
     return prepare_triton_paged(plan)
 
 
+def logits_plan_tensors(**batch):
+    """The plan's lengths, flags and this state in one launch, where it can (backends/triton/plan_tensors.py)."""
+    from backends.triton.plan_tensors import triton_plan_tensors
+
+    return triton_plan_tensors(**batch)
+
+
 def refresh_logits(captured, fresh) -> None:
     """Under CUDA graphs: guard and schedule the new batch into the captured plan's tensors, in place."""
     from backends.triton.paged_state import refresh_triton_paged
@@ -90,7 +98,9 @@ def logits_backends() -> list[Backend]:
             run=logits_runner(Layout.NATIVE),
             prepare=prepare_logits,
             refresh_state=refresh_logits,
+            plan_tensors=logits_plan_tensors,
             probe=probe_for(TRITON_ARCHS),
+            warm=logits_warm_up(probe_for(TRITON_ARCHS)),
             verified=TRITON_VERIFIED,
             version=version,
             description="Triton fp8 dot, native layout: each KV page read once for all next_n tokens",

@@ -163,7 +163,9 @@ def _host_time(dispatcher, device: str, fp8: Fp8Dtype, *, json_out: bool) -> int
     """`bench --host-time`: each plan's median host time against its target (exit 0 either way: a
     measurement, not a check; the report says which are over)."""
     from dispatch.bench.host_time import plan_host_times
+    from dispatch.deciding.warming import warm_for
 
+    warm_for(dispatcher)  # as an engine does before serving: builds what plans use (the one-launch prepare)
     _progress("timing the host cost of building plans (medians of many calls)")
     times = plan_host_times(dispatcher, device=device, fp8_dtype=fp8)
     report = {**_provenance(device, fp8), "host_time": [t.as_dict() for t in times]}

@@ -32,6 +32,7 @@ class HostTime:
     median_us: float
     target_us: float
     repeats: int
+    path: str = ""  # how the plans were made (the paged ones: the logits backend, one launch or Triton's)
 
     @property
     def within(self) -> bool:
@@ -39,12 +40,13 @@ class HostTime:
 
     def as_dict(self) -> dict:
         return {"plan": self.plan, "median_us": self.median_us, "target_us": self.target_us,
-                "repeats": self.repeats, "within": self.within}
+                "repeats": self.repeats, "within": self.within, "path": self.path}
 
     def line(self) -> str:
         verdict = "within" if self.within else "OVER"
+        made = f" [{self.path}]" if self.path else ""
         return (f"{self.plan}: median {self.median_us:.1f} us of {self.repeats} calls, target {self.target_us:.0f} us "
-                f"({verdict})")
+                f"({verdict}){made}")
 
 
 def plan_host_times(dispatcher: Dispatcher, *, device: str, fp8_dtype) -> list[HostTime]:
@@ -68,7 +70,21 @@ def _paged(dispatcher: Dispatcher, device: str, fp8_dtype, pool: int | None) -> 
     )
     seconds = time_host(lambda: build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype), repeats=PAGED_REPEATS, warmup=20)
     told = "pool given" if pool is not None else "pool deferred to the first layer"
-    return HostTime(f"build_plan B={_PAGED_BATCH} N={_NEXT_N} ({told})", seconds * 1e6, PAGED_TARGET_US, PAGED_REPEATS)
+    return HostTime(f"build_plan B={_PAGED_BATCH} N={_NEXT_N} ({told})", seconds * 1e6, PAGED_TARGET_US, PAGED_REPEATS,
+                    _paged_path(dispatcher, batch, fp8_dtype))
+
+
+def _paged_path(dispatcher: Dispatcher, batch, fp8_dtype) -> str:
+    """How the timed plans were made: the decided logits backend, and its one launch or the Triton ones."""
+    from dispatch.step.paged_plan import build_plan, logits_plan_tensors
+
+    logits = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, prepare=False).logits
+    if logits.impl.plan_tensors is None:
+        return f"logits `{logits.backend}`"
+    if logits_plan_tensors(logits, batch) is not None:
+        return f"logits `{logits.backend}`, one C++ launch"
+    # Why not (not built here, or this batch not taken) is the backend's to say: `backends --warm` prints it.
+    return f"logits `{logits.backend}`, Triton launches (its one launch is not built here or does not take this batch)"
 
 
 def _extend(dispatcher: Dispatcher, device: str, fp8_dtype, prefix: int) -> HostTime:

@@ -473,8 +473,8 @@ def _warm_backends(catalog) -> list[str]:
             print(f"warm: {backend.name}: FAILED", file=sys.stderr)
             failures.append(str(error))
             continue
-        state = f"ready ({warmed.seconds:.1f} s)" if warmed.availability.ok else \
-            f"nothing to build here: {warmed.availability.reason}"
+        ready = f"ready ({warmed.seconds:.1f} s)" + (f"; {warmed.availability.reason}" if warmed.availability.reason else "")
+        state = ready if warmed.availability.ok else f"nothing to build here: {warmed.availability.reason}"
         print(f"warm: {backend.name}: {state}", file=sys.stderr)
     return failures
 

@@ -93,6 +93,7 @@ _LAZY = {
     "pages_of": "dispatch.contract.paged_cache",
     # The plan types a backend reads, defined here; dispatch/step/ builds them.
     "PagedPlan": "dispatch.contract.plan",
+    "PlanTensors": "dispatch.contract.plan",
     "ExtendPlan": "dispatch.contract.extend_plan",
     "ChunkTensors": "dispatch.contract.extend_plan",
     "Chunk": "dispatch.contract.extend_plan",

@@ -94,6 +94,10 @@ class Backend:
     the plan keeps it per op (plan.state_of(op)).
     `refresh_state(captured, fresh)`, required with `prepare` for CUDA graphs, writes a fresh batch's
     state into the captured one in place (a graph replays the captured tensors' addresses).
+    `plan_tensors(seq_lens=, page_table=, next_n=, max_context_len=, num_kv_blocks=)`, optional for a
+    native paged logits backend with a `prepare`: the plan's lengths and error flags and that backend's
+    state in one host call (dispatch.contract.plan.PlanTensors), or None where it cannot here (the plan
+    then computes the lengths and calls `prepare`). Whichever way, the tensors must be the same.
     """
 
     name: str
@@ -105,6 +109,7 @@ class Backend:
     warm: Callable[[], Availability] | None = None
     prepare: Callable[..., Any] | None = None
     refresh_state: Callable[[Any, Any], None] | None = None
+    plan_tensors: Callable[..., Any] | None = None
     version: str = ""
     description: str = ""
     # How it was verified on each arch (`python -m dispatch gpus` prints it); archs left out: UNDECLARED.

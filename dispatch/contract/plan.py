@@ -66,6 +66,18 @@ class DecidedPlan:
         return self.key.fp8_dtype
 
 
+@dataclass(frozen=True)
+class PlanTensors:
+    """What a paged logits backend's `plan_tensors` makes in one host call (one launch): the plan's
+    visible lengths (native [B, N]), its zeroed error flags and the backend's per-batch state, the same
+    tensors its `prepare` and the plan's own torch ops would make. One call instead of about ten,
+    because a GPU host pays 3-30 us for each torch op and each Triton launch, every batch."""
+
+    context_lens: torch.Tensor
+    error_flags: torch.Tensor
+    state: Any
+
+
 @dataclass(frozen=True, eq=False)
 class PagedPlan(DecidedPlan):
     """Decisions plus layout tensors. Backends read only this; nothing re-derives the path."""

@@ -204,7 +204,13 @@ def build_plan(
     decide = decider(dispatcher, key, pinned, allow_disabled, batch_size)
     decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
     logits = decisions[Op.PAGED_MQA_LOGITS]
-    context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
+    made = logits_plan_tensors(logits, batch) if prepare else None
+    if made is None:
+        context_lens, block_table = layout_tensors(logits.layout, batch.seq_lens, batch.page_table, batch.next_n)
+        error_flags, states = None, {}
+    else:  # the lengths, the flags and the logits backend's state came from its one host call
+        context_lens, block_table, error_flags = made.context_lens, batch.page_table, made.error_flags
+        states = {Op.PAGED_MQA_LOGITS: made.state}
     plan = PagedPlan(
         key=key,
         decisions=decisions,
@@ -215,11 +221,23 @@ def build_plan(
         max_context_len=batch.max_seq_len,
         num_kv_blocks=batch.num_kv_blocks,
         page_rows=page_rows(logits.layout, batch_size, batch.next_n, batch.seq_lens.device),
+        states=states,
+        error_flags=error_flags,
     )
     if not prepare:
         return plan
-    states = prepare_states(decisions, plan)
-    return dataclasses.replace(plan, states=states) if states else plan
+    others = {op: decision for op, decision in decisions.items() if op not in states}
+    more = prepare_states(others, plan)
+    return dataclasses.replace(plan, states={**states, **more}) if more else plan
+
+
+def logits_plan_tensors(logits: Decision, batch: PagedBatch):
+    """The decided logits backend's plan_tensors for this batch (PlanTensors), or None where it has none
+    or cannot make them here; its own failures name it, as its prepare's do."""
+    if logits.impl.plan_tensors is None or logits.layout is not Layout.NATIVE:
+        return None
+    return call_backend(logits, entry=logits.impl.plan_tensors, seq_lens=batch.seq_lens, page_table=batch.page_table,
+                        next_n=batch.next_n, max_context_len=batch.max_seq_len, num_kv_blocks=batch.num_kv_blocks)
 
 
 def dispatch_key(arch: Arch | str, forward_mode: ForwardMode | str, next_n: int, fp8_dtype: Fp8Dtype | str) -> DispatchKey:

@@ -1,0 +1,120 @@
+"""build_plan through a logits backend's `plan_tensors` (the plan's lengths, flags and that backend's state
+in one host call), on the CPU with recording fakes: the plan takes exactly what it returns, the
+backend's `prepare` is not called, the other ops' prepares still are and see those tensors; None sends
+the plan down the usual path; a flatten decision never asks; a failure names the backend; prepare=False
+asks nothing. The one-launch kernel itself, against the Triton launches, is tests/backends/test_plan_prepare.py
+(GPU); here, that the extension says why it is not there and the backends' warm-ups keep them available."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from backends.shared import plan_extension
+from dispatch.contract import BackendError, PlanTensors
+from dispatch.contract.backend import Availability
+from dispatch.contract.key import Arch, ForwardMode, Op
+from dispatch.contract.layout import Layout
+from dispatch.step.paged_plan import PagedBatch, build_plan, visible_lengths
+from tests.support.fakes import catalog_of, dispatcher, fake_backend
+
+SEQ_LENS = torch.tensor([5, 9, 3], dtype=torch.int32)
+PAGES = torch.tensor([[10, 11], [20, 21], [30, 31]], dtype=torch.int32)
+REGISTRY = """\
+version: 1
+ops:
+  paged_mqa_logits:
+    rules:
+      - id: verify
+        when: {forward_mode: draft_extend}
+        use: [fused.flatten]
+    fallback: [fused]
+  indexer_q_quant:
+    fallback: [quant]
+  topk:
+    fallback: [topk]
+  ragged_mqa_logits:
+    fallback: [topk]
+"""
+
+
+def _batch(mode=ForwardMode.TARGET_VERIFY, pool=64) -> PagedBatch:
+    return PagedBatch(seq_lens=SEQ_LENS, page_table=PAGES, max_seq_len=9, forward_mode=mode, next_n=2, num_kv_blocks=pool)
+
+
+class Recorder:
+    def __init__(self, answer="tensors"):
+        self.answer, self.asked, self.prepared, self.topk_saw = answer, [], [], []
+
+    def plan_tensors(self, **batch):
+        self.asked.append(batch)
+        if self.answer is None:
+            return None
+        if self.answer == "raise":
+            raise RuntimeError("the launch failed")
+        lens = visible_lengths(batch["seq_lens"], batch["next_n"]) + 0  # a fresh tensor the plan must carry
+        return PlanTensors(lens, torch.full((1,), 7, dtype=torch.int32), {"made": "in one call"})
+
+    def prepare(self, plan):
+        self.prepared.append(plan)
+        return {"made": "by prepare"}
+
+    def topk_prepare(self, plan):
+        self.topk_saw.append(plan.context_lens)
+        return "topk state"
+
+    def chooser(self):
+        fused = dataclasses.replace(fake_backend("fused", prepare=self.prepare), plan_tensors=self.plan_tensors)
+        flatten = dataclasses.replace(fake_backend("fused.flatten", layout=Layout.FLATTEN, prepare=self.prepare),
+                                      plan_tensors=self.plan_tensors)
+        catalog = catalog_of(fused, flatten, fake_backend("quant", Op.INDEXER_Q_QUANT),
+                             fake_backend("topk", Op.TOPK, prepare=self.topk_prepare),
+                             fake_backend("topk", Op.RAGGED_MQA_LOGITS))
+        return dispatcher(REGISTRY, catalog, arch=Arch.CPU)
+
+
+def test_the_plan_carries_what_plan_tensors_made_and_skips_that_prepare():
+    recorder = Recorder()
+    plan = build_plan(recorder.chooser(), _batch(), kv_fp8_dtype="e4m3fn")
+    assert recorder.asked == [dict(seq_lens=SEQ_LENS, page_table=PAGES, next_n=2, max_context_len=9, num_kv_blocks=64)]
+    assert recorder.prepared == []
+    assert plan.state == {"made": "in one call"} and plan.state_of(Op.TOPK) == "topk state"
+    assert int(plan.error_flags) == 7 and plan.block_table is PAGES
+    assert torch.equal(plan.context_lens, visible_lengths(SEQ_LENS, 2))
+    assert recorder.topk_saw == [plan.context_lens]  # the other ops prepare on the very tensors
+
+
+def test_none_takes_the_usual_path():
+    recorder = Recorder(answer=None)
+    plan = build_plan(recorder.chooser(), _batch(pool=None), kv_fp8_dtype="e4m3fn")
+    assert len(recorder.asked) == 1 and recorder.asked[0]["num_kv_blocks"] is None
+    assert len(recorder.prepared) == 1 and recorder.prepared[0].context_lens is plan.context_lens
+    assert plan.state == {"made": "by prepare"} and int(plan.error_flags) == 0
+
+
+def test_a_flatten_decision_and_a_what_if_never_ask():
+    recorder = Recorder()
+    flatten = build_plan(recorder.chooser(), _batch(ForwardMode.DRAFT_EXTEND), kv_fp8_dtype="e4m3fn")
+    assert flatten.layout is Layout.FLATTEN and recorder.asked == [] and len(recorder.prepared) == 1
+    described = build_plan(recorder.chooser(), _batch(), kv_fp8_dtype="e4m3fn", prepare=False)
+    assert recorder.asked == [] and described.states == {}
+
+
+def test_a_failing_plan_tensors_names_the_backend():
+    with pytest.raises(BackendError, match=r"backend `fused`.*RuntimeError preparing a batch for paged_mqa_logits"):
+        build_plan(Recorder(answer="raise").chooser(), _batch(), kv_fp8_dtype="e4m3fn")
+
+
+def test_without_a_gpu_the_extension_says_why_and_warm_ups_keep_backends_available(monkeypatch):
+    monkeypatch.setattr(plan_extension._Loaded, "why_not", None)
+    monkeypatch.setattr(plan_extension._Loaded, "module", None)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the GPU tests cover the built extension")
+    assert plan_extension.loaded() is None
+    assert plan_extension.why_not_loaded() == "no CUDA device visible to torch"
+    warm_up = plan_extension.logits_warm_up(Availability.yes)
+    assert warm_up() == Availability(True, "plans take the Triton launches: no CUDA device visible to torch")
+    ruled_out = plan_extension.logits_warm_up(lambda: Availability.no("deep_gemm is not installed"))
+    assert ruled_out() == Availability.no("deep_gemm is not installed")
