@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from backends.shared.plan_extension import loaded, page_guard, servable
 from dispatch.contract import BAD_PAGE, BLOCK_KV, LENGTH_PAST_BOUND, Layout, PlanTensors
 
+VECTOR_BYTES = 16  # the widest load DeepGEMM's SM90 kernels make from the lengths, the table, the schedule
+
 if TYPE_CHECKING:
     from backends.deepgemm.adapter import DeepGemmPagedLogits
 
@@ -34,6 +36,10 @@ def deepgemm_plan_tensors(impl: "DeepGemmPagedLogits", *, seq_lens, page_table, 
     context_lens, flags, safe_table, lens, fill, _prefix, schedule = extension.deepgemm_prepare(
         seq_lens, page_table, next_n, pool, max_context_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, slots,
         rule.clamp_request)
+    if (context_lens.data_ptr() | safe_table.data_ptr() | schedule.data_ptr()) % VECTOR_BYTES:
+        # Never by construction (plan_prepare.cu aligns every output): a check that costs ~1 us, beside a
+        # misaligned vector load in DeepGEMM's kernel, which ends the process.
+        return None
     guard = page_guard(context_lens, page_table, max_context_len, flags, safe_table, lens, fill, num_kv_blocks)
     return PlanTensors(context_lens, flags, DeepGemmState(schedule, guard))
 

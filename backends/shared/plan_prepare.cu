@@ -266,13 +266,25 @@ __global__ void __launch_bounds__(kThreads) triton_plan_kernel(
   }
 }
 
-// One int32 allocation, cut into the outputs in order; int64 and fp32 outputs are views of it.
+// One int32 allocation, cut into the outputs in order; int64 and fp32 outputs are views of it. Every
+// output starts on a kAlignWords boundary, as a tensor of its own from torch's caching allocator would
+// (512 bytes): the kernels that read them load vectors (DeepGEMM reads a schedule row as one uint2), and
+// an output at an odd word crashes them with a misaligned address (seen on the H200 at B = 1).
+constexpr int64_t kAlignWords = 128;
+
+int64_t aligned(int64_t words) { return (words + kAlignWords - 1) / kAlignWords * kAlignWords; }
+
 struct Carver {
   torch::Tensor buffer;
   int64_t at = 0;
+  static Carver of(std::initializer_list<int64_t> pieces, const torch::TensorOptions& options) {
+    int64_t words = 0;
+    for (int64_t piece : pieces) words += aligned(piece);
+    return Carver{torch::empty({words}, options)};
+  }
   torch::Tensor take(int64_t words) {
     auto view = buffer.narrow(0, at, words);
-    at += words;
+    at += aligned(words);
     return view;
   }
 };
@@ -324,8 +336,8 @@ std::vector<torch::Tensor> deepgemm_prepare(torch::Tensor seq_lens, torch::Tenso
   check_inputs(seq_lens, table, next_n, pages);
   TORCH_CHECK(slots >= 1, "plan_prepare: the schedule needs at least one slot");
   const c10::cuda::CUDAGuard device_guard(seq_lens.device());
-  const int64_t words = rows * next_n + 1 + rows * pages + 2 * rows * next_n + (rows + 1) + (slots + 1) * 2;
-  Carver carve{torch::empty({words}, table.options())};
+  Carver carve = Carver::of({rows * next_n, 1, rows * pages, rows * next_n, rows * next_n, rows + 1, (slots + 1) * 2},
+                            table.options());
   std::vector<torch::Tensor> out;
   auto context_lens = carve.take(rows * next_n).view({rows, next_n});
   auto flags = carve.take(1);
@@ -369,10 +381,8 @@ std::vector<torch::Tensor> triton_prepare(torch::Tensor seq_lens, torch::Tensor 
   TORCH_CHECK(programs >= 1 && tokens >= 1, "plan_prepare: the schedule needs programs and tokens >= 1");
   const c10::cuda::CUDAGuard device_guard(seq_lens.device());
   const int64_t groups = (next_n + tokens - 1) / tokens, work_rows = rows * groups;
-  // The int64 scratch first, at an even word, so its view is 8-byte aligned.
-  const int64_t words = 2 * work_rows + rows * next_n + 1 + rows * pages + 2 * rows * next_n + work_rows +
-                        (programs + 1) * 2;
-  Carver carve{torch::empty({words}, table.options())};
+  Carver carve = Carver::of({2 * work_rows, rows * next_n, 1, rows * pages, rows * next_n, rows * next_n, work_rows,
+                             (programs + 1) * 2}, table.options());
   auto cost_prefix = carve.take(2 * work_rows).view(torch::kInt64);
   std::vector<torch::Tensor> out;
   auto context_lens = carve.take(rows * next_n).view({rows, next_n});

@@ -119,6 +119,19 @@ def test_deepgemm_plan_launch_equals_the_triton_launch(extension, rule, batch, n
         assert torch.equal(schedule, theirs.schedule) and torch.equal(prefix, theirs.prefix)
 
 
+@pytest.mark.parametrize("batch,next_n", [(1, 1), (3, 1), (1, 4), (5, 2)])
+def test_every_output_starts_where_a_tensor_of_its_own_would(extension, batch, next_n):
+    """512-byte boundaries, whatever the sizes before it: DeepGEMM loads a schedule row as one uint2, and
+    the schedule at an odd word crashed its kernel (misaligned address, H200, B = 1, 2026-12-01)."""
+    for max_len in (2100, 8192, 64):
+        seq, table, _, pool = _batch(batch, next_n, max_len, hostile=False, max_len=max_len)
+        outputs = extension.deepgemm_prepare(seq, table, next_n, pool, max_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND,
+                                             66, True)
+        outputs += extension.triton_prepare(seq, table, next_n, pool, max_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND,
+                                            264, 4, 16, 1)
+        assert [t.data_ptr() % 512 for t in outputs] == [0] * len(outputs)
+
+
 def test_build_plan_through_the_one_launch_equals_build_plan_without_it(extension, monkeypatch):
     """The decided Triton backend's plan, made by its one launch, against the same plan with the
     extension hidden: every tensor the layers read is equal, and the deferred guard guards at the first

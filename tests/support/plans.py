@@ -38,7 +38,10 @@ def plan_for(
     arch: Arch = Arch.CPU,
     max_seq_len: int | None = None,
     num_kv_blocks: int | None = None,
+    one_launch: bool = False,
 ) -> PagedPlan:
+    """A plan deciding `backend` for every op, its state made by its prepare, or (one_launch) its lengths,
+    flags and state made by its plan_tensors, as build_plan takes them (AssertionError where it declines)."""
     mode = forward_mode or (ForwardMode.DECODE if next_n == 1 else ForwardMode.TARGET_VERIFY)
     key = DispatchKey(arch=arch, forward_mode=mode, next_n=next_n, fp8_dtype=fp8_dtype)
     decision = decision_for(backend, key)
@@ -54,6 +57,12 @@ def plan_for(
         page_rows=page_rows(backend.layout, seq_lens.shape[0], next_n, seq_lens.device),
         num_kv_blocks=num_kv_blocks,
     )
+    if one_launch:
+        made = backend.plan_tensors(seq_lens=seq_lens, page_table=page_table, next_n=next_n,
+                                    max_context_len=plan.max_context_len, num_kv_blocks=num_kv_blocks)
+        assert made is not None, f"{backend.name}'s one launch declined this batch"
+        return dataclasses.replace(plan, context_lens=made.context_lens, error_flags=made.error_flags,
+                                   states={backend.op: made.state})
     if backend.prepare is None:
         return plan
     return dataclasses.replace(plan, states={backend.op: backend.prepare(plan)})
