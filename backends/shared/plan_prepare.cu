@@ -277,8 +277,10 @@ int64_t aligned(int64_t words) { return (words + kAlignWords - 1) / kAlignWords 
 struct Carver {
   torch::Tensor buffer;
   int64_t at = 0;
-  static Carver of(std::initializer_list<int64_t> pieces, const torch::TensorOptions& options) {
-    int64_t words = 0;
+  // The plan's shared outputs (lengths, flags, the guard's three) and then a schedule's `pieces`.
+  static Carver of(int64_t rows, int64_t next_n, int64_t pages, std::initializer_list<int64_t> pieces,
+                   const torch::TensorOptions& options) {
+    int64_t words = aligned(rows * next_n) + aligned(1) + aligned(rows * pages) + 2 * aligned(rows * next_n);
     for (int64_t piece : pieces) words += aligned(piece);
     return Carver{torch::empty({words}, options)};
   }
@@ -303,21 +305,23 @@ void check_inputs(const torch::Tensor& seq_lens, const torch::Tensor& table, int
   TORCH_CHECK(seq_lens.size(0) < INT32_MAX / 64, "plan_prepare: too many requests");
 }
 
-GuardArgs guard_args(Carver& carve, const torch::Tensor& table, int64_t rows, int64_t next_n, int64_t num_blocks,
-                     int64_t max_context_len, int64_t pages, int64_t block_kv, int64_t bad_page,
-                     int64_t past_bound, std::vector<torch::Tensor>& out) {
-  auto safe_table = carve.take(rows * pages).view({rows, pages});
-  auto lens = carve.take(rows * next_n).view({rows, next_n});
-  auto fill = carve.take(rows * next_n).view(torch::kFloat32);
-  out.push_back(safe_table);
-  out.push_back(lens);
-  out.push_back(fill);
+// The outputs both schedules share, carved first and in this order into `out`: context_lens [B, N],
+// error_flags [1], safe_table [B, pages], lens [B, N], fill fp32 [B*N]; the guard's arguments over them.
+GuardArgs shared_outputs(Carver& carve, const torch::Tensor& table, int64_t rows, int64_t next_n, int64_t num_blocks,
+                         int64_t max_context_len, int64_t pages, int64_t block_kv, int64_t bad_page,
+                         int64_t past_bound, std::vector<torch::Tensor>& out) {
+  out.push_back(carve.take(rows * next_n).view({rows, next_n}));
+  out.push_back(carve.take(1));
+  out.push_back(carve.take(rows * pages).view({rows, pages}));
+  out.push_back(carve.take(rows * next_n).view({rows, next_n}));
+  out.push_back(carve.take(rows * next_n).view(torch::kFloat32));
   GuardArgs g;
   g.table = table.data_ptr<int32_t>();
   g.stride_table_row = table.stride(0);
-  g.safe_table = safe_table.data_ptr<int32_t>();
-  g.lens = lens.data_ptr<int32_t>();
-  g.fill = fill.data_ptr<float>();
+  g.error_flags = out[1].data_ptr<int32_t>();
+  g.safe_table = out[2].data_ptr<int32_t>();
+  g.lens = out[3].data_ptr<int32_t>();
+  g.fill = out[4].data_ptr<float>();
   g.num_blocks = num_blocks;
   g.max_context_len = static_cast<int32_t>(max_context_len);
   g.pages = static_cast<int32_t>(pages);
@@ -336,16 +340,11 @@ std::vector<torch::Tensor> deepgemm_prepare(torch::Tensor seq_lens, torch::Tenso
   check_inputs(seq_lens, table, next_n, pages);
   TORCH_CHECK(slots >= 1, "plan_prepare: the schedule needs at least one slot");
   const c10::cuda::CUDAGuard device_guard(seq_lens.device());
-  Carver carve = Carver::of({rows * next_n, 1, rows * pages, rows * next_n, rows * next_n, rows + 1, (slots + 1) * 2},
-                            table.options());
+  Carver carve = Carver::of(rows, next_n, pages, {rows + 1, (slots + 1) * 2}, table.options());
   std::vector<torch::Tensor> out;
-  auto context_lens = carve.take(rows * next_n).view({rows, next_n});
-  auto flags = carve.take(1);
-  out.push_back(context_lens);
-  out.push_back(flags);
-  GuardArgs g = guard_args(carve, table, rows, next_n, num_blocks, max_context_len, pages, block_kv, bad_page,
-                           past_bound, out);
-  g.error_flags = flags.data_ptr<int32_t>();
+  const GuardArgs g = shared_outputs(carve, table, rows, next_n, num_blocks, max_context_len, pages, block_kv,
+                                     bad_page, past_bound, out);
+  auto context_lens = out[0];
   auto prefix = carve.take(rows + 1);
   auto schedule = carve.take((slots + 1) * 2).view({slots + 1, 2});
   out.push_back(prefix);
@@ -381,17 +380,12 @@ std::vector<torch::Tensor> triton_prepare(torch::Tensor seq_lens, torch::Tensor 
   TORCH_CHECK(programs >= 1 && tokens >= 1, "plan_prepare: the schedule needs programs and tokens >= 1");
   const c10::cuda::CUDAGuard device_guard(seq_lens.device());
   const int64_t groups = (next_n + tokens - 1) / tokens, work_rows = rows * groups;
-  Carver carve = Carver::of({2 * work_rows, rows * next_n, 1, rows * pages, rows * next_n, rows * next_n, work_rows,
-                             (programs + 1) * 2}, table.options());
-  auto cost_prefix = carve.take(2 * work_rows).view(torch::kInt64);
+  Carver carve = Carver::of(rows, next_n, pages, {2 * work_rows, work_rows, (programs + 1) * 2}, table.options());
   std::vector<torch::Tensor> out;
-  auto context_lens = carve.take(rows * next_n).view({rows, next_n});
-  auto flags = carve.take(1);
-  out.push_back(context_lens);
-  out.push_back(flags);
-  GuardArgs g = guard_args(carve, table, rows, next_n, num_blocks, max_context_len, pages, block_kv, bad_page,
-                           past_bound, out);
-  g.error_flags = flags.data_ptr<int32_t>();
+  const GuardArgs g = shared_outputs(carve, table, rows, next_n, num_blocks, max_context_len, pages, block_kv,
+                                     bad_page, past_bound, out);
+  auto context_lens = out[0];
+  auto cost_prefix = carve.take(2 * work_rows).view(torch::kInt64);  // on its own boundary, so 8-byte aligned
   auto work_pages = carve.take(work_rows);
   auto bounds = carve.take((programs + 1) * 2).view({programs + 1, 2});
   out.push_back(cost_prefix);
