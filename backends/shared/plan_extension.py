@@ -80,7 +80,11 @@ def warm() -> Availability:
     except CompileFailed as failure:
         _Loaded.module, _Loaded.why_not = None, f"its build failed: {str(failure).splitlines()[0]}"
         return Availability.no(_Loaded.why_not)
-    _Loaded.module, _Loaded.why_not = load_library(slot.name, library), ""
+    try:
+        _Loaded.module, _Loaded.why_not = load_library(slot.name, library), ""
+    except (ImportError, OSError) as error:  # a library that does not load is a path not taken, never a crash
+        _Loaded.module, _Loaded.why_not = None, f"its built library did not load: {type(error).__name__}: {error}"
+        return Availability.no(_Loaded.why_not)
     return Availability.yes()
 
 

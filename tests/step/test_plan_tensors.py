@@ -118,3 +118,27 @@ def test_without_a_gpu_the_extension_says_why_and_warm_ups_keep_backends_availab
     assert warm_up() == Availability(True, "plans take the Triton launches: no CUDA device visible to torch")
     ruled_out = plan_extension.logits_warm_up(lambda: Availability.no("deep_gemm is not installed"))
     assert ruled_out() == Availability.no("deep_gemm is not installed")
+
+
+def test_a_built_library_that_does_not_load_leaves_the_triton_launches(monkeypatch, tmp_path):
+    """warm() where the build succeeded but the library cannot be imported: no module, the reason kept,
+    and the backends' warm-up still available (their plans take the Triton launches)."""
+    from backends.cuda_topk import build
+
+    facts = build.MachineFacts(rocm=False, gpu_visible=True, arch=None, capability=(9, 0), nvcc="/usr/bin/nvcc",
+                               nvcc_version="13.0", torch_cuda="13.0", torch_version=torch.__version__)
+    monkeypatch.setattr(plan_extension, "machine_facts", lambda: facts)
+    monkeypatch.setattr(plan_extension, "cuda_topk_availability", lambda facts, cached: Availability.yes())
+    monkeypatch.setenv("DISPATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(plan_extension, "built_library", lambda slot, build, wait_s: tmp_path / "broken.so")
+
+    def refuse(name, path):
+        raise ImportError(f"undefined symbol in {path.name}")
+
+    monkeypatch.setattr(plan_extension, "load_library", refuse)
+    monkeypatch.setattr(plan_extension._Loaded, "module", None)
+    monkeypatch.setattr(plan_extension._Loaded, "why_not", None)
+    assert plan_extension.warm() == Availability.no("its built library did not load: ImportError: undefined symbol in broken.so")
+    assert plan_extension.loaded() is None
+    assert plan_extension.logits_warm_up(Availability.yes)() == Availability(
+        True, "plans take the Triton launches: its built library did not load: ImportError: undefined symbol in broken.so")
