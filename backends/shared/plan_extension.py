@@ -40,7 +40,7 @@ class _Loaded:
 
 def loaded() -> ModuleType | None:
     """The built extension where this process has loaded it or its library is in the cache; None
-    otherwise (status() says why). Never builds; looks at most once per process until warm() runs."""
+    otherwise (why_not_loaded() says why). Never builds; looks at most once per process until warm() runs."""
     if _Loaded.why_not is None:
         _Loaded.module, _Loaded.why_not = _find()
     return _Loaded.module
