@@ -87,6 +87,7 @@ def logits_backends() -> list[Backend]:
     """The paged-logits backends: `triton` (native), `triton.flatten`, and `rocm.fnuz` (native, e4m3fnuz)."""
     version = triton_version()
     e4m3fn = frozenset({Fp8Dtype.E4M3FN})
+    native_probe = probe_for(TRITON_ARCHS)
     return [
         Backend(
             name="triton",
@@ -99,8 +100,8 @@ def logits_backends() -> list[Backend]:
             prepare=prepare_logits,
             refresh_state=refresh_logits,
             plan_tensors=logits_plan_tensors,
-            probe=probe_for(TRITON_ARCHS),
-            warm=logits_warm_up(probe_for(TRITON_ARCHS)),
+            probe=native_probe,
+            warm=logits_warm_up(native_probe),  # the same probe: warm asks it before building
             verified=TRITON_VERIFIED,
             version=version,
             description="Triton fp8 dot, native layout: each KV page read once for all next_n tokens",

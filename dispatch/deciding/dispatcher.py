@@ -14,7 +14,6 @@ in a band "measured slower at B=8: 17.1 us vs 12.2 us").
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -218,7 +217,7 @@ class Dispatcher:
         if measured is not None:
             position, preference = measured
             at = ("ops", op.value, "preferences", position) + (("bands", band) if band is not None else ())
-            order = preference.order if band is None else preference.bands[band].order
+            order = preference.measured_at(band)[0]
             label = f"cluster `{self.cluster}` measured"
             if band is not None:
                 label += f" for {band_label(preference.bounds, band)}"
@@ -246,11 +245,7 @@ class Dispatcher:
         """The times the order rests on: the key's shapes, or in a band that batch size's shapes."""
         overlay = self._measured.overlay
         at = ("ops", op.value, "preferences", position) + (("bands", band) if band is not None else ())
-        if band is None:
-            order, shapes, mean = preference.order, preference.shapes, preference.mean_us
-        else:
-            order, shapes = preference.bands[band].order, preference.band_shapes(band)
-            mean = functools.partial(preference.band_mean_us, band)
+        order, shapes, mean = preference.measured_at(band)
         return Evidence(
             machine=overlay.machine,
             date=overlay.date.isoformat(),
@@ -262,12 +257,9 @@ class Dispatcher:
 
     @staticmethod
     def _measured_slower(preference, band: int | None, backend: str, chosen: str) -> str:
-        if band is None:
-            count, mean, at = len(preference.shapes), preference.mean_us, ""
-        else:
-            count, at = len(preference.band_shapes(band)), f" at B={preference.bands[band].batch_size_up_to}"
-            mean = functools.partial(preference.band_mean_us, band)
-        over = "" if count == 1 else f", geometric mean over {count} shapes"
+        _, shapes, mean = preference.measured_at(band)
+        at = "" if band is None else f" at B={preference.bands[band].batch_size_up_to}"
+        over = "" if len(shapes) == 1 else f", geometric mean over {len(shapes)} shapes"
         return f"measured slower{at}: {mean(backend):.1f} us vs {mean(chosen):.1f} us ({chosen}{over})"
 
     def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:

@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -119,6 +120,12 @@ class Preference(Strict):
     def band_mean_us(self, index: int, backend: str) -> float:
         """Geometric mean of `backend`'s median times over band `index`'s shapes."""
         return geometric_mean([shape.median_us[backend] for shape in self.band_shapes(index)])
+
+    def measured_at(self, band: int | None) -> tuple[tuple[str, ...], tuple[ShapeTimes, ...], Callable[[str], float]]:
+        """(order, shapes, mean_us) a decision rests on: the key's own (band None), or band `band`'s."""
+        if band is None:
+            return tuple(self.order), self.shapes, self.mean_us
+        return tuple(self.bands[band].order), self.band_shapes(band), functools.partial(self.band_mean_us, band)
 
 
 def out_of_order(order, mean_us) -> str | None:
