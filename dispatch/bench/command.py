@@ -266,8 +266,9 @@ def _stage_times(row: dict) -> str:
     """A whole-step row's parts, each timed alone in the same run, and the step over the logits alone."""
     if "x_logits" not in row:
         return ""
+    launches = f"; {row['launches']} launches" if row.get("launches") is not None else ""
     return (f"  (quant {row['quant_us']:.1f} + logits {row['logits_us']:.1f} + topk {row['topk_us']:.1f} us;"
-            f" step = {row['x_logits']:.2f}x logits)")
+            f" step = {row['x_logits']:.2f}x logits{launches})")
 
 
 def _num(value, spec: str) -> str:

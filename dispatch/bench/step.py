@@ -13,6 +13,7 @@ import torch
 from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_topk
 from dispatch.bench.engine_stacks import stack_of
+from dispatch.bench.launches import gpu_launches
 from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_rotating
 from dispatch.bench.workload import (
@@ -46,7 +47,8 @@ def bench_step(
     wanted: set[str] | None,
 ) -> list[Row]:
     """One row per (logits backend, top-k backend): the step's median time, with each stage's own time
-    (`quant_us`, `logits_us`, `topk_us`) and the step over the logits alone (`x_logits`) in the row."""
+    (`quant_us`, `logits_us`, `topk_us`), the step over the logits alone (`x_logits`) and, on a GPU, the
+    device operations one step issues (`launches`) in the row."""
     mode = shape.forward_mode
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
     paged = logits_inputs(shape, fp8_dtype, device, seed=0)
@@ -99,6 +101,8 @@ def bench_step(
         for name, stage in stages.items():
             row.extra[f"{name}_us"] = time_rotating([stage], on_gpu=on_gpu, repeats=repeats)[0] * 1e6
         row.extra["x_logits"] = row.seconds * 1e6 / row.extra["logits_us"]
+        if on_gpu:
+            row.extra["launches"] = gpu_launches(run_step)
     return rows
 
 
