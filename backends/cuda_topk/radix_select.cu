@@ -1,15 +1,11 @@
 // dispatch's own CUDA top-k: one CTA a row, one launch a call, exact whatever the data.
 //
-// Four instances, chosen per call on the host from its ints (rows, width): Wide (an 8192-entry list)
+// Three instances, chosen per call on the host from its ints (rows, width): Wide (an 8192-entry list)
 // at T = 512 or 1024 threads (at <= 64 registers a thread two 512-thread CTAs share an SM, so one
-// row's select overlaps another row's read), ShortList (a 4096-entry list, three 512-thread CTAs
-// an SM) for many rows of at most ~24K keys, and Staged (a 2048-entry list, never sampled) for many
-// rows of at most ~16K keys. Per row:
+// row's select overlaps another row's read), and ShortList (a 4096-entry list, three 512-thread CTAs
+// an SM) for many rows of at most ~24K keys. Per row:
 // - short rows (n <= kCandCap): the row read once into registers (kCandCap / T keys a thread, scalar
-//   coalesced loads, so any start or stride), then the exact radix select over those registers; a row
-//   of at most k keys takes every non-NaN one with no histogram.
-// - rows the stage holds (n <= stage_cap, the host's choice per instance), and every longer row of
-//   Staged: the full select below, the row read once from HBM into the stage.
+//   coalesced loads, so any start or stride), then the exact radix select over those registers.
 // - longer rows, the filtered pass: a sample of kSample keys (four adjacent keys at each of kSpots
 //   spots spread over the row) gives a cut at the lower edge of the top-11-bit bin
 //   holding the sample's r-th largest (r a few standard deviations past what the sample expects above
@@ -38,7 +34,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -55,10 +50,6 @@ constexpr int kLastBins = 1024;   // the last round's: 10 bits
 struct Wide {
   static constexpr int kCandCap = 8192;  // candidates kept as a list; rows to this length sit in registers
   static constexpr int kUnroll = 4;      // 16-byte loads each thread has in flight in the load passes
-  static constexpr bool kSampled = true;  // rows past the stage take the sampled cut and the filtered pass
-  // The full select splits a row held whole in the stage four keys a thread at a time
-  // (collect_staged); off here: the wide instances serve no stage, and the code would cost registers.
-  static constexpr bool kWholeRows = false;
   static constexpr int blocks(int threads) { return 1024 / threads; }
 };
 // Many short rows: a 4096-entry list, three 512-thread CTAs an SM (<= 40 registers a thread), the
@@ -69,20 +60,6 @@ struct Wide {
 struct ShortList {
   static constexpr int kCandCap = 4096;
   static constexpr int kUnroll = 2;
-  static constexpr bool kSampled = true;
-  static constexpr bool kWholeRows = true;
-  static constexpr int blocks(int) { return 3; }
-};
-// Many rows of at most ~16K keys, each read once from HBM into shared memory (the stage) and selected
-// there: no sample and no filtered pass, so one dependent DRAM round trip a row fewer. The list (a
-// 2048-entry one) holds only the round-1 threshold bin's keys (a few hundred at 8-16K randn keys); its
-// small size leaves room for a larger stage at three 512-thread CTAs an SM. Rows past the stage are
-// staged in part, their tail re-read (from L2 mostly, just after the first read); never sampled.
-struct Staged {
-  static constexpr int kCandCap = 2048;
-  static constexpr int kUnroll = 2;
-  static constexpr bool kSampled = false;
-  static constexpr bool kWholeRows = true;
   static constexpr int blocks(int) { return 3; }
 };
 
@@ -396,17 +373,6 @@ template <int T, bool kHasPages, class S, int kPer, typename Pos>
 __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count, int k, int* out_row,
                                     const PageRow& pr, int block_size, Pos pos) {
   const int t = threadIdx.x;
-  if (count <= k) {  // block-uniform: every non-NaN entry is selected, so no histogram and no rounds
-#pragma unroll
-    for (int j = 0; j < kPer && j * T < count; ++j) {
-      const bool take = key[j] != 0u;
-      const int slot = warp_slot(take, &s.out_count);
-      if (take) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
-    }
-    __syncthreads();
-    for (int i = s.out_count + t; i < k; i += T) out_row[i] = -1;
-    return;
-  }
   int mine = 0;
 #pragma unroll
   for (int j = 0; j < kPer && j * T < count; ++j) {
@@ -476,63 +442,6 @@ __device__ void short_row(const RowView& v, S& s, int k, int* out_row, const Pag
   select_in_registers<T, kHasPages>(s, key, v.n, k, out_row, pr, block_size, [](int i) { return i; });
 }
 
-// The full select's split of a row held whole in the stage: the keys of bins above b1 to the output,
-// b1's to the list (slots past kCandCap counted, not written). Four keys a thread an iteration (one
-// 16-byte shared load; the stage's words start pad keys before key 0), and a warp's slots for both
-// taken together: one warp scan of the two counts packed in one int, one shared atomic for each. The
-// key-at-a-time loop claimed two warp slots (two ballots, two atomics) every 32 keys, about 40
-// instructions a warp for 32 keys; this is about as many for 128.
-template <int T, bool kHasPages, class S>
-__device__ void collect_staged(const RowView& v, S& s, uint32_t b1, int* out_row, const PageRow& pr,
-                               int block_size) {
-  const int t = threadIdx.x;
-  const int lane = t & 31;
-  const int n = v.n;
-  const int words = (n + v.pad + 3) / 4;  // <= (stage_cap + 4) / 4: inside the stage
-  const uint4* stage = reinterpret_cast<const uint4*>(v.stage);
-  for (int base = 0; base < words; base += T) {  // warp-uniform: every lane runs every iteration
-    const int q = base + t;
-    const uint4 word = q < words ? stage[q] : make_uint4(0u, 0u, 0u, 0u);
-    const uint32_t keys[4] = {word.x, word.y, word.z, word.w};
-    unsigned above = 0, cand = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int i = 4 * q + c - v.pad;
-      const bool in = q < words && i >= 0 && i < n;
-      const uint32_t digit = keys[c] >> 21;
-      above |= static_cast<unsigned>(in && digit > b1) << c;
-      cand |= static_cast<unsigned>(in && digit == b1) << c;
-    }
-    const int mine = __popc(above) | (__popc(cand) << 16);  // at most 128 a warp: no carry
-    int inclusive = mine;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int other = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
-      if (lane >= d) inclusive += other;
-    }
-    const int total = __shfl_sync(0xFFFFFFFFu, inclusive, 31);
-    int first_above = 0, first_cand = 0;
-    if (lane == 31) {
-      if (total & 0xFFFF) first_above = atomicAdd(&s.out_count, total & 0xFFFF);
-      if (total >> 16) first_cand = atomicAdd(&s.cand_count, total >> 16);
-    }
-    int slot = __shfl_sync(0xFFFFFFFFu, first_above, 31) + ((inclusive - mine) & 0xFFFF);
-    int entry = __shfl_sync(0xFFFFFFFFu, first_cand, 31) + ((inclusive - mine) >> 16);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int i = 4 * q + c - v.pad;
-      if ((above >> c) & 1u) out_row[slot++] = slot_value<kHasPages>(i, pr, block_size);
-      if ((cand >> c) & 1u) {
-        if (entry < S::kCandCap) {
-          s.cand_key[entry] = keys[c];
-          s.cand_pos[entry] = i;
-        }
-        ++entry;
-      }
-    }
-  }
-}
-
 // The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
 // overflowed, too few numbers): a histogram of the whole row, its threshold bin's keys as the list, or
 // the row itself when they overflow it; exact whatever the data. s.hist[0] is clear on entry.
@@ -562,22 +471,18 @@ __device__ void full_select(const RowView& v, uint32_t* stage, S& s, int k, int*
   const uint32_t b1 = s.bin;
   int need = k - s.above;
   // Keys of bins above b1 are selected; b1's are the candidates.
-  if (S::Config::kWholeRows && n <= v.stage_cap) {  // block-uniform
-    collect_staged<T, kHasPages>(v, s, b1, out_row, pr, block_size);
-  } else {
-    for (int base = 0; base < n; base += T) {
-      const int i = base + t;
-      const uint32_t key = i < n ? v.key(i) : 0u;
-      const uint32_t digit = key >> 21;
-      const bool above = i < n && digit > b1;
-      const int slot = warp_slot(above, &s.out_count);
-      if (above) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
-      const bool cand = i < n && digit == b1;
-      const int c = warp_slot(cand, &s.cand_count);
-      if (cand && c < S::kCandCap) {
-        s.cand_key[c] = key;
-        s.cand_pos[c] = i;
-      }
+  for (int base = 0; base < n; base += T) {
+    const int i = base + t;
+    const uint32_t key = i < n ? v.key(i) : 0u;
+    const uint32_t digit = key >> 21;
+    const bool above = i < n && digit > b1;
+    const int slot = warp_slot(above, &s.out_count);
+    if (above) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
+    const bool cand = i < n && digit == b1;
+    const int c = warp_slot(cand, &s.cand_count);
+    if (cand && c < S::kCandCap) {
+      s.cand_key[c] = key;
+      s.cand_pos[c] = i;
     }
   }
   clear_bins<T>(hist, kBins);
@@ -670,11 +575,7 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
     short_row<T, kHasPages>(v, s, k, out_row, pr, p.block_size);
     return;
   }
-  // A row the stage holds goes straight to the full select (read once, into the stage): the sample
-  // would cost a dependent DRAM round trip and the filtered pass a second read. One call site of the
-  // full select (a second one inlined cost the wide instances with pages 16-24 bytes of spills).
-  const bool sampled = p.filtered && C::kSampled && n > p.stage_cap;
-  const uint32_t cut = sampled ? candidate_cut<T>(v, s, k) : 0u;
+  const uint32_t cut = p.filtered ? candidate_cut<T>(v, s, k) : 0u;
   if (cut != 0u) {
     collect_candidates<T>(v, s, cut);
     __syncthreads();
@@ -719,15 +620,6 @@ Kernel pick_kernel(bool has_pages, int bytes) {
 
 }  // namespace
 
-// The kernel's list instances as the host names them (radix_topk.py's LISTS).
-enum List : int64_t { kWideList = 0, kShortList = 1, kStagedList = 2 };
-
-int fixed_smem(int64_t list) {
-  return static_cast<int>(list == kShortList    ? sizeof(Shared<ShortList>)
-                          : list == kStagedList ? sizeof(Shared<Staged>)
-                                                : sizeof(Shared<Wide>));
-}
-
 // The most keys a row may stage on this device (the opt-in shared memory less the larger fixed part).
 int64_t max_stage(int64_t device) {
   int optin = 0;
@@ -736,43 +628,10 @@ int64_t max_stage(int64_t device) {
   return keys / 4 * 4;
 }
 
-// The most keys a row of `list`'s instance may stage with `blocks` CTAs still sharing an SM of this
-// device (its shared memory per SM, less each CTA's reserved part and the instance's fixed part); 0
-// where even the fixed parts do not fit.
-int64_t fit_stage(int64_t device, int64_t list, int64_t blocks) {
-  int per_sm = 0, reserved = 0;
-  const int d = static_cast<int>(device);
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, d));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, d));
-  constexpr int kGranule = 256;  // slack for the allocation's rounding (128 bytes on sm_80 and later)
-  const int64_t bytes = per_sm / blocks - reserved - fixed_smem(list) - kGranule;
-  const int64_t keys = bytes / 4 - 4;  // the kernel's stage is 4 keys longer than its cap (the pad)
-  return keys <= 0 ? 0 : std::min(keys / 4 * 4, max_stage(device));
-}
-
-Kernel instance_kernel(int64_t threads, int64_t list, bool has_pages, int bytes) {
-  TORCH_CHECK(threads == 512 || threads == 1024, "radix_topk: threads must be 512 or 1024, got ", threads);
-  TORCH_CHECK(list >= kWideList && list <= kStagedList, "radix_topk: list must be 0 (wide), 1 (short) or 2 (staged), got ", list);
-  TORCH_CHECK(list == kWideList || threads == 512, "radix_topk: the short and staged instances have 512 threads, got ", threads);
-  return list == kShortList    ? pick_kernel<512, ShortList>(has_pages, bytes)
-         : list == kStagedList ? pick_kernel<512, Staged>(has_pages, bytes)
-         : threads == 512      ? pick_kernel<512, Wide>(has_pages, bytes)
-                               : pick_kernel<1024, Wide>(has_pages, bytes);
-}
-
-// CTAs of an instance an SM of the current device holds at this stage (registers and shared memory).
-int64_t resident_ctas(int64_t threads, int64_t list, int64_t stage_cap, bool has_pages) {
-  const int bytes = fixed_smem(list) + static_cast<int>(4 * (stage_cap + 4));
-  int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, instance_kernel(threads, list, has_pages, bytes), static_cast<int>(threads), bytes));
-  return blocks;
-}
-
 // out int32 [rows, k] (contiguous); the host wrapper (radix_topk.py) has checked every tensor.
 void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
                 const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
-                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t threads, int64_t list,
+                int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t threads, bool short_list,
                 torch::Tensor& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
@@ -796,9 +655,14 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
   p.table_pages = page_table ? static_cast<int>(page_table->size(1)) : 0;
   p.block_size = static_cast<int>(block_size);
   p.filtered = filtered ? 1 : 0;
-  const int bytes = fixed_smem(list) + static_cast<int>(4 * (stage_cap + 4));
+  const int fixed = static_cast<int>(short_list ? sizeof(Shared<ShortList>) : sizeof(Shared<Wide>));
+  const int bytes = fixed + static_cast<int>(4 * (stage_cap + 4));
   const bool has_pages = page_table.has_value();
-  const Kernel kernel = instance_kernel(threads, list, has_pages, bytes);
+  TORCH_CHECK(threads == 512 || threads == 1024, "radix_topk: threads must be 512 or 1024, got ", threads);
+  TORCH_CHECK(!short_list || threads == 512, "radix_topk: the short-list instance has 512 threads, got ", threads);
+  const Kernel kernel = short_list      ? pick_kernel<512, ShortList>(has_pages, bytes)
+                        : threads == 512 ? pick_kernel<512, Wide>(has_pages, bytes)
+                                         : pick_kernel<1024, Wide>(has_pages, bytes);
   kernel<<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -806,6 +670,4 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("radix_topk", &radix_topk, "dispatch's CUDA radix top-k (see radix_select.cu)");
   m.def("max_stage", &max_stage, "keys a row may stage in shared memory on a device");
-  m.def("fit_stage", &fit_stage, "keys a row may stage with `blocks` CTAs of an instance sharing an SM");
-  m.def("resident_ctas", &resident_ctas, "CTAs of an instance an SM holds at a stage (the occupancy API)");
 }

@@ -20,69 +20,58 @@ def radix_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts: t
     past the selectable count; physical KV slots with page_table (dispatch.contract.TopkRun)."""
     _check_cuda(logits, lengths, starts, page_table, page_rows)
     return launch(logits, lengths, k, starts=starts, page_table=page_table, page_rows=page_rows,
-                  block_size=block_size, sorted=sorted, filtered=True)
+                  block_size=block_size, sorted=sorted, stage=0, filtered=True)
 
 
-def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage=None, filtered=True,
-           threads=None, lists=None):
-    """The launch of checked inputs. filtered: short rows selected in registers, rows the stage holds
-    read once into it and selected there, longer ones by the sampled cut and one filtered pass first
-    (the staged instance never samples: its longer rows are staged in part); False: the full select only.
-    stage: keys of a row staged in shared memory (a multiple of 4, at most max_stage); None: served_stage's
-    choice for the instance. threads: a CTA's threads, 512 or 1024, and lists: the kernel's list instance
-    ("wide"; "short" and "staged" at 512 threads only); threads None: instance()'s choice for these rows
-    and this width."""
+def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sorted, stage, filtered=True,
+           threads=None, short_list=None):
+    """The launch of checked inputs. filtered: short rows selected in registers, longer ones by the
+    sampled cut and one filtered pass first (the served path); False: the full select only. stage: keys
+    of a row the full select stages in shared memory (a multiple of 4, at most max_stage). Served with
+    0: the full select runs only where the filtered pass cannot serve a row. threads: a CTA's threads,
+    512 or 1024, and short_list: the kernel's short-list instance (512 threads only); threads None:
+    instance()'s choice for these rows and this width."""
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    rows = logits.shape[0]
-    if threads is None:
-        threads, lists = instance(rows, logits.shape[1], multiprocessors(device))
-    if (threads, lists) not in INSTANCES:
-        raise ValueError(f"threads {threads} with lists {lists!r} must be one of {INSTANCES}")
-    if stage is None:
-        stage = served_stage(device, lists)
     if stage % 4 or not 0 <= stage <= max_stage(device):
         raise ValueError(f"stage {stage} must be a multiple of 4 in [0, {max_stage(device)}]")
+    rows = logits.shape[0]
+    if threads is None:
+        threads, short_list = instance(rows, logits.shape[1], multiprocessors(device))
+    short_list = bool(short_list)
+    if (threads, short_list) not in INSTANCES:
+        raise ValueError(f"threads {threads} with short_list {short_list} must be one of {INSTANCES}")
     out = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
     fuse_pages = page_table is not None and not sorted
     extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
-                           page_rows if fuse_pages else None, k, block_size, stage, filtered, threads,
-                           LISTS.index(lists), out)
+                           page_rows if fuse_pages else None, k, block_size, stage, filtered, threads, short_list,
+                           out)
     if sorted:
         return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                       sorted=True, starts=starts)
     return out
 
 
-LISTS = ("wide", "short", "staged")  # radix_select.cu's List enum, in its order
-INSTANCES = ((512, "wide"), (1024, "wide"), (512, "short"), (512, "staged"))  # (threads, lists)
+INSTANCES = ((512, False), (1024, False), (512, True))  # (threads, short_list): radix_select.cu's three
 SHORT_LIST_WIDTH = 3 * 8192  # the widest rows the short-list instance serves (measured to 24.5K: faster there)
-# CTAs an SM each instance is built for (radix_select.cu's blocks()); the served stage keeps them resident.
-RESIDENT = {"short": 3, "staged": 3}
 
 
-def instance(rows: int, width: int, sms: int) -> tuple[int, str]:
-    """(threads, lists) for `rows` rows of at most `width` keys on a GPU of `sms` multiprocessors:
+def instance(rows: int, width: int, sms: int) -> tuple[int, bool]:
+    """(threads, short_list) for `rows` rows of at most `width` keys on a GPU of `sms` multiprocessors:
     the short-list instance (three 512-thread CTAs an SM, a 4096-entry list) for many short rows (more
     rows than SMs, width <= SHORT_LIST_WIDTH), else block_threads's CTA size with the 8192-entry list.
     Both are exact whatever the data (a row the short list cannot hold takes the full select); this
-    picks the faster one from the host's ints alone (no sync). H200, 2026-12-01 21:52 UTC (132 SMs),
-    the short list with the 11-bit cut (in a build with round 6's output scan, since reverted: it cost
-    the short list 0-2.5 us in the harness): 141.2 us against 169.6 for the wide list in extend (4096 rows
-    to 16K keys), 37.9 against 40.1 at 512 x 24.5K; 111.8 against 53.1 at 512 x 49K and 136.8 against
-    45.0 at 256 x 98K, where it is not served; between 24.5K and 49K keys not measured. Few rows of
-    8-12K keys split over a cluster of 2 CTAs (round 6, not kept) ran within 0.7 us of one CTA a row."""
+    picks the faster one from the host's ints alone (no sync). H200 (132 SMs), this kernel's own build,
+    2026-12-02 01:37 UTC: 138.7 us against 167.6 for the wide list in extend (4096 rows to 16K keys).
+    2026-12-01 21:52 UTC, the short list with the 11-bit cut in a build that also held round 6's output
+    scan (since reverted): 37.9 against 40.1 at 512 x 24.5K; 111.8 against 53.1 at 512 x 49K and 136.8
+    against 45.0 at 256 x 98K, where it is not served; between 24.5K and 49K keys not measured. Few rows
+    of 8-12K keys split over a cluster of 2 CTAs (round 6, not kept) ran within 0.7 us of one CTA a row.
+    Rows read whole into a shared-memory stage and fully selected there, or a never-sampling instance with
+    a 2048-entry list (round 7, not kept), ran 169-182 us in extend at two, three or four CTAs an SM."""
     threads = block_threads(rows, sms)
-    return threads, "short" if threads == 512 and width <= SHORT_LIST_WIDTH else "wide"
-
-
-@functools.lru_cache(maxsize=None)
-def served_stage(device: int, lists: str) -> int:
-    """The stage the served call gives an instance: the most keys that keep RESIDENT[lists] CTAs an SM
-    (0 for the wide instances: their rows past the registers take the sampled cut)."""
-    blocks = RESIDENT.get(lists)
-    return 0 if blocks is None else int(extension().fit_stage(device, LISTS.index(lists), blocks))
+    return threads, threads == 512 and width <= SHORT_LIST_WIDTH
 
 
 def block_threads(rows: int, sms: int) -> int:

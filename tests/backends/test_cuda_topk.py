@@ -25,19 +25,18 @@ gpu = pytest.mark.gpu
 
 def radix(*args, stage=None, filtered=True, cta=None, **kwargs):
     """The served call, or (stage or cta given) the launch with that staging, path and kernel instance
-    (cta: (threads, lists), one of radix_topk.INSTANCES; stage None there: the served stage)."""
+    (cta: (threads, short_list), one of radix_topk.INSTANCES)."""
     from backends.cuda_topk.radix_topk import launch, radix_topk
 
     if stage is None and cta is None:
         return radix_topk(*args, **kwargs)
     options = {"starts": None, "page_table": None, "page_rows": None, "block_size": 64, "sorted": False, **kwargs}
-    threads, lists = cta or (None, None)
-    return launch(*args, stage=stage, filtered=filtered, threads=threads, lists=lists, **options)
+    threads, short_list = cta or (None, None)
+    return launch(*args, stage=stage or 0, filtered=filtered, threads=threads, short_list=short_list, **options)
 
 
-INSTANCES = [(512, "wide"), (1024, "wide"), (512, "short"), (512, "staged")]
-CTA_IDS = ["t512", "t1024", "t512-short-list", "t512-staged"]
-CTAS = pytest.mark.parametrize("cta", INSTANCES, ids=CTA_IDS)
+INSTANCES = [(512, False), (1024, False), (512, True)]
+CTAS = pytest.mark.parametrize("cta", INSTANCES, ids=["t512", "t1024", "t512-short-list"])
 
 
 # ---- on a GPU: exactness ----
@@ -47,7 +46,7 @@ CTAS = pytest.mark.parametrize("cta", INSTANCES, ids=CTA_IDS)
     (12, 300, 16, 0), (37, 3000, 2048, 1), (64, 12215, 2048, 2), (9, 5000, 100, 3), (5, 70001, 2048, 4),
     (3, 100000, 4096, 5), (130, 49081, 2048, 6), (2, 2500, 1, 7), (7, 8192, 2048, 8), (6, 8193, 2048, 9),
 ])
-@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", *CTA_IDS])
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
 def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, cta):
     gen = torch.Generator().manual_seed(seed)
     logits = random_logits(rows, width, gen)
@@ -56,17 +55,15 @@ def test_random_ragged_rows_match_torch_topk(rows, width, k, seed, cta):
 
 
 # filtered=False: the full select (what a row the filtered pass cannot serve gets), its row staged in
-# part (stage keys) or not at all, the rest re-read. filtered=True with a stage: a row the stage holds is
-# read once into it and takes the full select there (6000: some rows do, some are longer; None: the
-# served stage); the staged instance never samples, so its longer rows take the full select staged in part.
+# part (stage keys) or not at all, the rest re-read.
 @gpu
-@pytest.mark.parametrize(("stage", "filtered"), [(0, True), (6000, True), (None, True), (0, False), (4, False),
-                                                 (1000, False), (2048, False), (12000, False)])
+@pytest.mark.parametrize(("stage", "filtered"), [(0, True), (0, False), (4, False), (1000, False), (2048, False),
+                                                 (12000, False)])
 @pytest.mark.parametrize("row_stride", [None, 10003])  # a stride of 10003 floats: rows start off 16-byte boundaries
 @pytest.mark.parametrize("width", [5000, 10000])  # short rows in registers; sampled cuts
 @CTAS
 def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stride, width, cta):
-    gen = torch.Generator().manual_seed((stage or 1) + width)
+    gen = torch.Generator().manual_seed(stage + width)
     logits = random_logits(11, width, gen, row_stride=row_stride)
     lengths = ragged_lengths(11, width, 2048, gen)
     out = radix(logits.cuda(), lengths.cuda(), 2048, stage=stage, filtered=filtered, cta=cta)
@@ -74,7 +71,7 @@ def test_both_paths_staged_in_part_and_misaligned_rows(stage, filtered, row_stri
 
 
 @gpu
-@pytest.mark.parametrize(("stage", "filtered"), [(None, True), (0, True), (8000, True), (1000, False), (0, False)])
+@pytest.mark.parametrize(("stage", "filtered"), [(None, True), (1000, False), (0, False)])
 @pytest.mark.parametrize("width", [9000, 5000])
 @CTAS
 def test_ties_inf_and_nan_rows(stage, filtered, width, cta):
@@ -140,7 +137,7 @@ def test_rows_read_inside_their_window_only(cta):
     for r in range(6):
         s, n = int(starts[r]), int(lengths[r])
         logits[r, s:s + n] = torch.randn(n, generator=gen)
-    for stage, filtered in ((None, True), (0, True), (12000, True), (1000, False)):
+    for stage, filtered in ((None, True), (1000, False)):
         out = radix(logits.cuda(), lengths.cuda(), k, starts=starts.cuda(), stage=stage, filtered=filtered,
                     cta=cta)
         check(logits, lengths, k, out, starts=starts)
@@ -163,20 +160,6 @@ def test_page_transform_gives_the_physical_slots_of_the_selection(cta):
     want = want.clamp(min=-1)  # the unmapped page's slots: page_slots leaves them negative, the contract -1
     want[6:] = -1
     assert torch.equal(paged.sort(dim=1).values, want.sort(dim=1).values)
-
-
-@gpu
-def test_the_served_stage_keeps_the_instances_ctas_resident():
-    from backends.cuda_topk.radix_topk import LISTS, RESIDENT, extension, served_stage
-
-    device = torch.cuda.current_device()
-    assert served_stage(device, "wide") == 0
-    for lists, blocks in RESIDENT.items():
-        stage = served_stage(device, lists)
-        assert stage > 0 and stage % 4 == 0
-        for pages in (False, True):
-            assert extension().resident_ctas(512, LISTS.index(lists), stage, pages) >= blocks, (lists, pages)
-        assert extension().resident_ctas(512, LISTS.index(lists), stage + 2048, False) < blocks, lists
 
 
 @gpu
@@ -261,11 +244,11 @@ def test_the_short_list_instance_serves_many_rows_of_at_most_24k_keys():
     from backends.cuda_topk.radix_topk import INSTANCES, SHORT_LIST_WIDTH, instance
 
     assert SHORT_LIST_WIDTH == 24576
-    assert instance(4096, 20480, 132) == (512, "short")  # extend: 4096 query rows, windows to 16K
-    assert instance(512, 24576, 132) == (512, "short")
-    assert instance(512, 24577, 132) == (512, "wide") and instance(512, 49152, 132) == (512, "wide")
-    assert instance(128, 12000, 132) == (1024, "wide")  # a row an SM: the whole SM, the wide list
-    assert instance(1, 10, 132) == (1024, "wide")
+    assert instance(4096, 20480, 132) == (512, True)  # extend: 4096 query rows, windows to 16K
+    assert instance(512, 24576, 132) == (512, True)
+    assert instance(512, 24577, 132) == (512, False) and instance(512, 49152, 132) == (512, False)
+    assert instance(128, 12000, 132) == (1024, False)  # a row an SM: the whole SM, the wide list
+    assert instance(1, 10, 132) == (1024, False)
     assert {instance(rows, width, 132) for rows in (1, 200, 4096) for width in (1, 30000)} <= set(INSTANCES)
 
 
