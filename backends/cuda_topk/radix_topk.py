@@ -62,12 +62,14 @@ def instance(rows: int, width: int, sms: int) -> tuple[int, bool]:
     the short-list instance (three 512-thread CTAs an SM, a 4096-entry list) for many short rows (more
     rows than SMs, width <= SHORT_LIST_WIDTH), else block_threads's CTA size with the 8192-entry list.
     Both are exact whatever the data (a row the short list cannot hold takes the full select); this
-    picks the faster one from the host's ints alone (no sync). H200, 2026-12-01 21:52 UTC (132 SMs),
-    the short list with the 11-bit cut (in a build with round 6's output scan, since reverted: it cost
-    the short list 0-2.5 us in the harness): 141.2 us against 169.6 for the wide list in extend (4096 rows
-    to 16K keys), 37.9 against 40.1 at 512 x 24.5K; 111.8 against 53.1 at 512 x 49K and 136.8 against
-    45.0 at 256 x 98K, where it is not served; between 24.5K and 49K keys not measured. Few rows of
-    8-12K keys split over a cluster of 2 CTAs (round 6, not kept) ran within 0.7 us of one CTA a row."""
+    picks the faster one from the host's ints alone (no sync). H200 (132 SMs), this kernel's own build,
+    2026-12-02 01:37 UTC: 138.7 us against 167.6 for the wide list in extend (4096 rows to 16K keys).
+    2026-12-01 21:52 UTC, the short list with the 11-bit cut in a build that also held round 6's output
+    scan (since reverted): 37.9 against 40.1 at 512 x 24.5K; 111.8 against 53.1 at 512 x 49K and 136.8
+    against 45.0 at 256 x 98K, where it is not served; between 24.5K and 49K keys not measured. Few rows
+    of 8-12K keys split over a cluster of 2 CTAs (round 6, not kept) ran within 0.7 us of one CTA a row.
+    Rows read whole into a shared-memory stage and fully selected there, or a never-sampling instance with
+    a 2048-entry list (round 7, not kept), ran 169-182 us in extend at two, three or four CTAs an SM."""
     threads = block_threads(rows, sms)
     return threads, threads == 512 and width <= SHORT_LIST_WIDTH
 
