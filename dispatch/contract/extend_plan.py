@@ -131,26 +131,9 @@ class RaggedMetadata:
         return self.ks[chunk.rows] - chunk.key_begin, self.ke[chunk.rows] - chunk.key_begin
 
     def chunks(self, byte_budget: int = DEFAULT_LOGITS_BYTES) -> list[Chunk]:
-        """Consecutive query-row chunks whose [rows, keys] fp32 logits fit `byte_budget` bytes each.
-
-        With host ranges a chunk's keys are exactly [ks of its first row, ke of its last row) (both
-        grow with the row); without them every chunk spans all S keys. LayoutError if one row alone
-        does not fit.
-        """
-        if byte_budget <= 0:
-            raise LayoutError(f"byte_budget must be > 0; got {byte_budget}")
-        rows, keys = self.total_tokens, self.total_keys
-        if rows == 0:
-            return []
-        if self.host_ranges is None:
-            per_chunk = byte_budget // (max(keys, 1) * _FP32)
-            if per_chunk == 0:
-                raise LayoutError(
-                    f"one query row's logits over all {keys} gathered keys take {keys * _FP32} bytes, more than "
-                    f"the budget of {byte_budget}; pass host lengths for tighter chunks or raise the budget"
-                )
-            return [Chunk(begin, min(begin + per_chunk, rows), 0, keys) for begin in range(0, rows, per_chunk)]
-        return _tight_chunks(self.host_ranges, rows, byte_budget)
+        """Consecutive query-row chunks whose [rows, keys] fp32 logits fit `byte_budget` bytes each
+        (row_chunks of this metadata's host ranges and totals)."""
+        return row_chunks(self.host_ranges, self.total_tokens, self.total_keys, byte_budget)
 
     @property
     def host_ks(self) -> tuple[int, ...] | None:
@@ -160,6 +143,29 @@ class RaggedMetadata:
     @property
     def host_ke(self) -> tuple[int, ...] | None:
         return None if self.host_ranges is None else tuple(self.host_ranges.at(r)[1] for r in range(self.total_tokens))
+
+
+def row_chunks(host_ranges: HostRanges | None, rows: int, keys: int,
+               byte_budget: int = DEFAULT_LOGITS_BYTES) -> list[Chunk]:
+    """Consecutive query-row chunks whose [rows, keys] fp32 logits fit `byte_budget` bytes each.
+
+    With host ranges a chunk's keys are exactly [ks of its first row, ke of its last row) (both grow
+    with the row); without them every chunk spans all `keys` keys. LayoutError if one row alone does
+    not fit. (A function of the host facts alone, so the step can chunk before any tensor exists.)
+    """
+    if byte_budget <= 0:
+        raise LayoutError(f"byte_budget must be > 0; got {byte_budget}")
+    if rows == 0:
+        return []
+    if host_ranges is None:
+        per_chunk = byte_budget // (max(keys, 1) * _FP32)
+        if per_chunk == 0:
+            raise LayoutError(
+                f"one query row's logits over all {keys} gathered keys take {keys * _FP32} bytes, more than "
+                f"the budget of {byte_budget}; pass host lengths for tighter chunks or raise the budget"
+            )
+        return [Chunk(begin, min(begin + per_chunk, rows), 0, keys) for begin in range(0, rows, per_chunk)]
+    return _tight_chunks(host_ranges, rows, byte_budget)
 
 
 def _tight_chunks(ranges: HostRanges, rows: int, budget: int) -> list[Chunk]:

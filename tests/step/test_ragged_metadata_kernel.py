@@ -14,6 +14,7 @@ import torch
 
 from dispatch.step.ragged_metadata_kernel import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
 from dispatch.contract.bounds import BAD_LENGTH
+from dispatch.contract.extend_plan import DEFAULT_LOGITS_BYTES
 from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 from tests.support.extend_batch import unchecked_extend_batch
 
@@ -170,12 +171,45 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
             return launch
 
     monkeypatch.setattr(module, "_ragged_metadata_kernel", _Counted())
-    monkeypatch.setattr(dispatch.step.extend_plan, "build_ragged_metadata", ragged_metadata_in_one_launch)
+    monkeypatch.setattr(dispatch.step.extend_plan, "one_launch", lambda batch: module.metadata_in_one_launch)
     dispatcher, batch = load_dispatcher(arch="cpu"), _on_device(_extend_batch(prefix=12288))
-    dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
-    grids.clear()
-    with _Launches() as counted:
-        plan = dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
-    assert len(grids) == 1 and counted.launches <= 4
     expected = build_ragged_metadata(_extend_batch(prefix=12288), host_checked=False)
-    assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)
+    for budget in (1 << 40, DEFAULT_LOGITS_BYTES):  # one chunk; four, three past key 0
+        build_extend_plan = dispatch.step.extend_plan.build_extend_plan
+        build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=budget)
+        grids.clear()
+        with _Launches() as counted:
+            plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=budget)
+        past_key_0 = sum(1 for c in plan.chunks if c.chunk.key_begin)
+        # The buffer and its one split, the plan's K gather none; then one subtraction a chunk past key 0.
+        # (The error flags are the kernel's: no copy of its length flags.)
+        assert len(grids) == 1 and counted.launches <= 1 + past_key_0, dict(counted.ops)
+        views = sum(n for name, n in counted.ops.items() if name not in ("empty", "sub"))
+        assert views <= 2 + (len(plan.chunks) > 1) * 3 + len(plan.chunks), dict(counted.ops)
+        assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)
+        assert plan.error_flags.data_ptr() != plan.metadata.length_flags.data_ptr()
+        for c in plan.chunks:  # the chunks' views equal the torch path's
+            rows = c.chunk.rows
+            assert torch.equal(c.ks.cpu() + c.chunk.key_begin, expected.ks[rows])
+            assert torch.equal(c.ke.cpu() + c.chunk.key_begin, expected.ke[rows])
+            assert torch.equal(c.lengths.cpu(), expected.ke[rows] - expected.ks[rows])
+            assert torch.equal(c.page_rows.cpu(), expected.row_request[rows])
+
+
+def test_a_plan_on_the_kernel_path_starts_its_error_flags_from_the_length_flags_in_a_word_of_its_own(monkeypatch):
+    """The kernel writes the plan's error flags beside the length flags (no copy launched): a hostile
+    batch's plan starts flagged BAD_LENGTH, and what a layer ORs into the plan's word leaves the metadata's."""
+    import dispatch.step.extend_plan
+    import dispatch.step.ragged_metadata_kernel as module
+    from dispatch import load_dispatcher
+
+    monkeypatch.setattr(dispatch.step.extend_plan, "one_launch", lambda batch: module.metadata_in_one_launch)
+    dispatcher = load_dispatcher(arch="cpu")
+    for extend, flagged in (([3, -2], BAD_LENGTH), ([3, 4], 0)):
+        batch = _on_device(unchecked_extend_batch(
+            prefix_lens=torch.tensor([1, 2], dtype=torch.int32), extend_lens=torch.tensor(extend, dtype=torch.int32),
+            page_table=torch.zeros(2, 2, dtype=torch.int32), total_tokens=7, total_keys=10))
+        plan = dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")
+        assert plan.error_flags.item() == plan.metadata.length_flags.item() == flagged
+        plan.error_flags.bitwise_or_(1 << 20)
+        assert plan.metadata.length_flags.item() == flagged
