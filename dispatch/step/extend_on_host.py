@@ -45,25 +45,22 @@ def chunk_views(host: HostRanges, chunks: list[Chunk], rows: int) -> tuple[torch
     """(row_request int32 [M], each chunk's ChunkTensors), all views of one int32 [4, M] array.
 
     A row i of request r in a chunk whose window starts at key b has page row r, ks = key_offsets[r] - b,
-    ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (ke_base[r] = key_offsets[r + 1]
-    - row_offsets[r + 1] + 1), so the four rows are one repeat of per-piece values by the pieces' row
+    ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (HostRanges.ke_base), so the four rows are one repeat of per-piece values by the pieces' row
     counts, plus the row index on the last two."""
-    row_offsets, key_offsets = host.row_offsets, host.key_offsets
-    values, counts, request = ([], [], [], []), [], 0
+    row_offsets, key_offsets, ke_bases = host.row_offsets, host.key_offsets, host.ke_base
+    pieces, counts, request = [], [], 0
     for chunk in chunks:  # pieces: a chunk's rows cut at request boundaries (at most B + chunks of them)
         row, shift = chunk.row_begin, chunk.key_begin
         while row < chunk.row_end:
             while row_offsets[request + 1] <= row:  # (requests of no rows own no piece)
                 request += 1
             end = min(chunk.row_end, row_offsets[request + 1])
-            first, ke_base = key_offsets[request], key_offsets[request + 1] - row_offsets[request + 1] + 1
-            values[0].append(request)
-            values[1].append(first - shift)
-            values[2].append(ke_base - shift)
-            values[3].append(ke_base - first)
+            first, ke_base = key_offsets[request], ke_bases[request]
+            pieces.append((request, first - shift, ke_base - shift, ke_base - first))
             counts.append(end - row)
             row = end
-    per_row = np.array(values, dtype=np.int32).reshape(4, len(counts)).repeat(counts, axis=1)  # [4, M]
+    # [4, M], C-contiguous (repeat's result), from the pieces' [4, pieces]
+    per_row = np.array(pieces, dtype=np.int32).reshape(len(counts), 4).T.repeat(counts, axis=1)
     per_row[2:] += arange_on_host(rows)
     row_request = torch.from_numpy(per_row[0])
     if not chunks:
