@@ -8,6 +8,11 @@ them, entries far outside the pool or whose slots pass int32)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 from tests.support.extend_batch import unchecked_extend_batch
 
 FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "length_flags", "ranges")
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under the interpreter
 
 
@@ -213,3 +219,36 @@ def test_a_plan_on_the_kernel_path_starts_its_error_flags_from_the_length_flags_
         assert plan.error_flags.item() == plan.metadata.length_flags.item() == flagged
         plan.error_flags.bitwise_or_(1 << 20)
         assert plan.metadata.length_flags.item() == flagged
+
+
+# Compiles the kernel for sm_90 with Triton's own compiler (no GPU needed), twice: every integer argument
+# a runtime int32, and every one that can be 1 a constant 1, as Triton's launcher specializes an argument
+# equal to 1 (a batch of one row, key or request): the CPU tests run the interpreter, which does not.
+_COMPILE_FOR_SM90 = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dispatch.step import ragged_metadata_kernel as module
+
+    kernel = module._ragged_metadata_kernel
+    names = kernel.arg_names
+    constexpr = {p.name for p in kernel.params if p.is_constexpr}
+    values = {"BLOCK": module.INDICES_PER_PROGRAM, "REQUESTS_PER_STEP": module.REQUESTS_PER_STEP, "BLOCK_KV": 64,
+              "PAGE_SHIFT": 6, "BAD_LENGTH": module.BAD_LENGTH}
+    assert constexpr == set(values), f"give the sm90 compile test a value for {constexpr - set(values)}"
+    ints = [n for n in names if n not in constexpr and not n.endswith("_ptr")]
+    for ones in ([], [n for n in ints if n != "limit"]):
+        signature = {n: "constexpr" if n in constexpr or n in ones else "*i32" if n.endswith("_ptr") else "i32"
+                     for n in names}
+        given = {(names.index(n),): values.get(n, 1) for n in names if signature[n] == "constexpr"}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=given), target=GPUTarget("cuda", 90, 32))
+        print(len(ones), ".target sm_90" in compiled.asm["ptx"])
+''')
+
+
+def test_the_kernel_compiles_for_sm90_with_arguments_runtime_and_specialized_to_one():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter cannot compile
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["0", "True", "9", "True"]
