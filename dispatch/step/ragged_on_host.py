@@ -16,7 +16,7 @@ come from the host lengths in plain ints and every per-row and per-key array is 
   pass int32, or past the table's width, makes each of its keys -1. Entries are compared against the
   pool as they are read (int32 against a Python int: exact), before any slot is formed.
 - numpy's calls, not torch's: besides their cost, torch splits an op of more than 32K elements over
-  its threads, and on a loaded host (its other cores busy) each such op waited ~10 ms for them.
+  its threads, and on a loaded host (its other cores busy) each such op waited 8-20 ms for them.
 The arrays become tensors without a copy (torch.from_numpy).
 """
 
@@ -113,9 +113,9 @@ def slots_on_host(table: np.ndarray, block_kv: int, limit: int, key_offsets: tup
         page_keys[[f - 1 for f, n in zip(first_page[1:], pages_of) if n]] = [n - block_kv * (p - 1) for n, p in
                                                                              zip(counts, pages_of) if p]
     # numpy, never a torch op: torch splits an op past 32K elements over its threads, and on a loaded
-    # host (its other cores busy) each such op waited ~10 ms for them (docs/benchmarks.md "Host time").
-    slots = np.repeat(value, page_keys)[:keys]
+    # host (its other cores busy) each such op waited 8-20 ms for them (docs/benchmarks.md "Host time").
+    slots = value.repeat(page_keys)[:keys]  # (the method: np.repeat is a Python wrapper of it)
     slots += arange_on_host(keys)
     if not all_inside:  # hostile or stale entries only: their keys are no slot
-        slots[np.repeat(unsigned >= limit, page_keys)[:keys]] = -1
+        slots[(unsigned >= limit).repeat(page_keys)[:keys]] = -1
     return torch.from_numpy(slots)
