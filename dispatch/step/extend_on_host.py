@@ -9,8 +9,8 @@ work is laid out for few calls whatever the chunk count: the chunks come first, 
 alone (row_chunks); then every per-row value the plan carries (the rows' requests, and their ks, ke and
 ke - ks relative to their chunk's window) is one int32 [4, M] array, one `repeat` of per-piece values (a
 piece: a chunk's rows within one request) plus one add of the row index; it becomes a tensor without a
-copy, and every chunk's four tensors are views of it from one split. The slots are
-ragged_on_host's (one repeat or broadcast of per-page values).
+copy, and every chunk's four tensors are views of it from one split. The slots are ragged_on_host's
+(one repeat of per-page values plus the key index).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def chunk_views(host: HostRanges, chunks: list[Chunk], rows: int) -> tuple[torch
     """(row_request int32 [M], each chunk's ChunkTensors), all views of one int32 [4, M] array.
 
     A row i of request r in a chunk whose window starts at key b has page row r, ks = key_offsets[r] - b,
-    ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (HostRanges.ke_base), so the four rows are one repeat of per-piece values by the pieces' row
-    counts, plus the row index on the last two."""
+    ke = ke_base[r] - b + i and ke - ks = ke_base[r] - key_offsets[r] + i (HostRanges.ke_base), so the
+    four rows are one repeat of per-piece values by the pieces' row counts, plus the row index on the
+    last two."""
     row_offsets, key_offsets, ke_bases = host.row_offsets, host.key_offsets, host.ke_base
     pieces, counts, request = [], [], 0
     for chunk in chunks:  # pieces: a chunk's rows cut at request boundaries (at most B + chunks of them)

@@ -85,10 +85,11 @@ def _metadata_and_chunks(batch: ExtendBatch, budget: int):
 def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
     """Every chunk's per-row tensors, as views of per-batch ones. The plan is built every batch on the
     host's critical path: the work must not grow with the chunk count (tests/step/test_plan_host_cost.py).
-    With the metadata on the CPU, the chunks' ranges and lengths are one [3, M] int32 array in a few numpy
-    calls and their page rows views of the metadata's; on a device, the top-k lengths ke - ks once for all
-    rows (a shift does not change them) and the ranges relative to each chunk's window in one subtraction
-    per chunk that starts past key 0 (a chunk at key 0 views the metadata's own): device ops, no sync."""
+    With the metadata on the CPU, the chunks' page rows, ranges and lengths are views of one [4, M] int32
+    array written in a few numpy calls (extend_on_host.chunk_views); on a device, the top-k lengths
+    ke - ks once for all rows (a shift does not change them) and the ranges relative to each chunk's
+    window in one subtraction per chunk that starts past key 0 (a chunk at key 0 views the metadata's
+    own): device ops, no sync."""
     if not chunks:
         return ()
     if metadata.row_request.device.type == "cpu":

@@ -77,7 +77,8 @@ def ragged_fields_on_host(batch, limit: int) -> dict:
     )
 
 
-def slots_on_host(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int, ...], keys: int) -> torch.Tensor:
+def slots_on_host(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int, ...],
+                  keys: int) -> torch.Tensor:
     """int32 [S]: each gathered key's cache slot, -1 where its page entry is no block of the pool.
     `key_offsets`: the requests' offsets [B + 1] on the host; `table`: int32 [B, P]."""
     if keys == 0:

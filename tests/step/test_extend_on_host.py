@@ -85,7 +85,8 @@ def test_edge_batches_match():
 
 @pytest.mark.parametrize("block_kv", [1, 16, 64, 128])
 def test_page_sizes_pools_and_filled_pages_match(block_kv):
-    _assert_same(_batch([70, 0, 33], [5, 40, 0], block_kv=block_kv, extra_pages=3, pool=25, seed=block_kv, low=-2), 1 << 14)
+    batch = _batch([70, 0, 33], [5, 40, 0], block_kv=block_kv, extra_pages=3, pool=25, seed=block_kv, low=-2)
+    _assert_same(batch, 1 << 14)
     # Every request but the last fills its pages (the slots' repeat by block_kv, cut at S).
     _assert_same(_batch([3 * block_kv - 1, block_kv - 1, 0, 5], [1, 1, 0, 7], block_kv=block_kv, pool=9), 1 << 14)
     table = torch.tensor([[0, 2**26 + 1, -1], [2**31 - 1, 3, 1]], dtype=torch.int32)
