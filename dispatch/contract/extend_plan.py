@@ -46,11 +46,17 @@ class HostRanges:
             keys.append(keys[-1] + cached + new)
         return cls(tuple(rows), tuple(keys), tuple(prefix))
 
+    @functools.cached_property
+    def ke_base(self) -> tuple[int, ...]:
+        """Per request q, ke of its row i (i counted over the batch) less i: its keys up to its own
+        position, plus one, i.e. key_offsets[q + 1] - row_offsets[q + 1] + 1."""
+        return tuple(k - r + 1 for k, r in zip(self.key_offsets[1:], self.row_offsets[1:]))
+
     def row_ranges(self, rows: int) -> np.ndarray:
         """int32 [2, M]: every row's ks and ke (M = `rows`, the offsets' last row offset): one repeat of
         the requests' ks and ke less the row index by their new tokens, plus the row index."""
         offsets, keys = self.row_offsets, self.key_offsets
-        ke_base = [k - r + 1 for k, r in zip(keys[1:], offsets[1:])]  # ke of request r's row i is this + i
+        ke_base = self.ke_base
         per_request = np.array([keys[:-1], ke_base], dtype=np.int32).reshape(2, len(ke_base))
         ranges = np.repeat(per_request, [b - a for a, b in zip(offsets, offsets[1:])], axis=1)
         ranges[1] += np.arange(rows, dtype=np.int32)
@@ -131,26 +137,9 @@ class RaggedMetadata:
         return self.ks[chunk.rows] - chunk.key_begin, self.ke[chunk.rows] - chunk.key_begin
 
     def chunks(self, byte_budget: int = DEFAULT_LOGITS_BYTES) -> list[Chunk]:
-        """Consecutive query-row chunks whose [rows, keys] fp32 logits fit `byte_budget` bytes each.
-
-        With host ranges a chunk's keys are exactly [ks of its first row, ke of its last row) (both
-        grow with the row); without them every chunk spans all S keys. LayoutError if one row alone
-        does not fit.
-        """
-        if byte_budget <= 0:
-            raise LayoutError(f"byte_budget must be > 0; got {byte_budget}")
-        rows, keys = self.total_tokens, self.total_keys
-        if rows == 0:
-            return []
-        if self.host_ranges is None:
-            per_chunk = byte_budget // (max(keys, 1) * _FP32)
-            if per_chunk == 0:
-                raise LayoutError(
-                    f"one query row's logits over all {keys} gathered keys take {keys * _FP32} bytes, more than "
-                    f"the budget of {byte_budget}; pass host lengths for tighter chunks or raise the budget"
-                )
-            return [Chunk(begin, min(begin + per_chunk, rows), 0, keys) for begin in range(0, rows, per_chunk)]
-        return _tight_chunks(self.host_ranges, rows, byte_budget)
+        """Consecutive query-row chunks whose [rows, keys] fp32 logits fit `byte_budget` bytes each
+        (row_chunks of this metadata's host ranges and totals)."""
+        return row_chunks(self.host_ranges, self.total_tokens, self.total_keys, byte_budget)
 
     @property
     def host_ks(self) -> tuple[int, ...] | None:
@@ -162,20 +151,44 @@ class RaggedMetadata:
         return None if self.host_ranges is None else tuple(self.host_ranges.at(r)[1] for r in range(self.total_tokens))
 
 
+def row_chunks(host_ranges: HostRanges | None, rows: int, keys: int,
+               byte_budget: int = DEFAULT_LOGITS_BYTES) -> list[Chunk]:
+    """Consecutive query-row chunks whose [rows, keys] fp32 logits fit `byte_budget` bytes each.
+
+    With host ranges a chunk's keys are exactly [ks of its first row, ke of its last row) (both grow
+    with the row); without them every chunk spans all `keys` keys. LayoutError if one row alone does
+    not fit. (A function of the host facts alone, so the step can chunk before any tensor exists.)
+    """
+    if byte_budget <= 0:
+        raise LayoutError(f"byte_budget must be > 0; got {byte_budget}")
+    if rows == 0:
+        return []
+    if host_ranges is None:
+        per_chunk = byte_budget // (max(keys, 1) * _FP32)
+        if per_chunk == 0:
+            raise LayoutError(
+                f"one query row's logits over all {keys} gathered keys take {keys * _FP32} bytes, more than "
+                f"the budget of {byte_budget}; pass host lengths for tighter chunks or raise the budget"
+            )
+        return [Chunk(begin, min(begin + per_chunk, rows), 0, keys) for begin in range(0, rows, per_chunk)]
+    return _tight_chunks(host_ranges, rows, byte_budget)
+
+
 def _tight_chunks(ranges: HostRanges, rows: int, budget: int) -> list[Chunk]:
     """Greedy: each chunk takes as many rows as fit, a chunk's cost being rows x (ke[last] - ks[first]).
     Along one request's rows ke grows by one a row, so the rows a chunk can take while its last row is in
     request q solve n * (n + c) <= budget / 4 (an isqrt); it goes on into the next request only when it
     takes all of q's rows. Host arithmetic over requests and chunks, no search over rows: the plan is
-    built every batch on the engine's critical path."""
+    built every batch on the engine's critical path (so the loop keeps its values in locals)."""
     cells = budget // _FP32  # n * width * 4 <= budget, in whole fp32 cells
-    row_offsets, key_offsets, prefix = ranges.row_offsets, ranges.key_offsets, ranges.prefix
+    row_offsets, key_offsets = ranges.row_offsets, ranges.key_offsets
+    ke_base = ranges.ke_base  # ke of row i of request q is ke_base[q] + i
     chunks, begin, request = [], 0, 0
     while begin < rows:
         while row_offsets[request + 1] <= begin:
             request += 1
         first = key_offsets[request]
-        own = _ke_base(ranges, request) + begin - first  # the keys row `begin` alone sees
+        own = ke_base[request] + begin - first  # the keys row `begin` alone sees
         if own > cells:
             raise LayoutError(
                 f"query row {begin} sees {own} keys: its logits alone take {own * _FP32} bytes, more than the "
@@ -183,26 +196,22 @@ def _tight_chunks(ranges: HostRanges, rows: int, budget: int) -> list[Chunk]:
             )
         end, last_ke, q = begin, 0, request
         while end < rows:
-            if row_offsets[q + 1] == row_offsets[q]:  # no rows: the chunk passes over it
+            q_begin, q_end = row_offsets[q], row_offsets[q + 1]
+            if q_end == q_begin:  # no rows: the chunk passes over it
                 q += 1
                 continue
-            base = _ke_base(ranges, q)  # ke of row i of request q is base + i
+            base = ke_base[q]
             most = _most_rows(base + begin - 1 - first, cells)  # width of n rows ending in q: n + that
-            if most <= max(begin, row_offsets[q]) - begin:  # not even q's first row
+            if most <= max(begin, q_begin) - begin:  # not even q's first row
                 break
-            end = min(begin + most, row_offsets[q + 1])
+            end = min(begin + most, q_end)
             last_ke = base + end - 1
-            if end < row_offsets[q + 1]:
+            if end < q_end:
                 break
             q += 1
         chunks.append(Chunk(begin, end, first, last_ke))
         begin = end
     return chunks
-
-
-def _ke_base(ranges: HostRanges, request: int) -> int:
-    """ke of row i of `request` is this plus i: its request's keys up to its own position, plus one."""
-    return ranges.key_offsets[request] + ranges.prefix[request] - ranges.row_offsets[request] + 1
 
 
 def _most_rows(c: int, cells: int) -> int:

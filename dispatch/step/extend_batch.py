@@ -11,6 +11,8 @@ torch ops below, on any device (the device path's guards, and where Triton is no
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dispatch.contract.bounds import BAD_LENGTH
@@ -42,15 +44,9 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     requests, rows, keys = batch.num_requests, batch.total_tokens, batch.total_keys
     on_host = device.type == "cpu" if host_checked is None else host_checked
     if on_host and device.type == "cpu":  # checked lengths on this host: fewer, cheaper ops (issue 24)
-        return RaggedMetadata(**ragged_fields_on_host(batch, _page_limit(batch)))
-    if not on_host and device.type == "cuda":  # the same values in one launch, not ~35 (issue 24)
-        try:
-            from dispatch.step.ragged_metadata_kernel import ragged_metadata_in_one_launch
-        except ModuleNotFoundError as error:  # triton is optional: the torch ops below compute the same
-            if error.name != "triton":
-                raise
-        else:
-            return ragged_metadata_in_one_launch(batch)
+        return RaggedMetadata(**ragged_fields_on_host(batch, page_limit(batch)))
+    if not on_host and (launch := one_launch(batch)) is not None:  # the same values in one launch, not ~35
+        return launch(batch)[0]
     # [2, B] in 64 bits: each request's new tokens, and its keys (prefix + new); offsets are their sums.
     lengths = torch.stack((batch.extend_lens, batch.prefix_lens)).long()
     if not on_host:
@@ -105,6 +101,24 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
     )
 
 
+def one_launch(batch: ExtendBatch):
+    """For a batch on a CUDA device where Triton is installed, the kernel path's function
+    (ragged_metadata_kernel.metadata_in_one_launch: the metadata and the launch's outputs); else None,
+    and the torch ops of build_ragged_metadata compute the same."""
+    return _kernel_path() if batch.prefix_lens.device.type == "cuda" else None
+
+
+@functools.cache  # looked for once: a failed import searches the path again at every call
+def _kernel_path():
+    try:
+        from dispatch.step.ragged_metadata_kernel import metadata_in_one_launch
+    except ModuleNotFoundError as error:  # triton is optional
+        if error.name != "triton":
+            raise
+        return None
+    return metadata_in_one_launch
+
+
 # A slot base no page has: int32's least, so adding an offset within a page stays negative and clamping
 # at -1 turns every key without a page into slot -1.
 _NO_SLOT = -(2**31)
@@ -121,7 +135,7 @@ def _slot_bases(batch: ExtendBatch, fault: torch.Tensor | None) -> torch.Tensor:
     """int32 [B, P + 1]: each page entry's first cache slot, or _NO_SLOT where the entry is outside the
     pool, its slots would pass int32, or (`fault`, on the device) the batch's lengths cannot be trusted;
     column P, for keys past the table's width, is _NO_SLOT."""
-    limit = _page_limit(batch)
+    limit = page_limit(batch)
     if fault is not None:
         limit = torch.where(fault, 0, limit)
     table = batch.page_table
@@ -130,7 +144,7 @@ def _slot_bases(batch: ExtendBatch, fault: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.pad(bases, (0, 1), value=_NO_SLOT)
 
 
-def _page_limit(batch: ExtendBatch) -> int:
+def page_limit(batch: ExtendBatch) -> int:
     """A page entry must lie in [0, limit): a block of the pool (where its size is known) whose slots
     stay within int32."""
     limit = (2**31 - 1) // batch.block_kv

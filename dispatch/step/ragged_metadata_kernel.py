@@ -20,8 +20,9 @@ flag BAD_LENGTH and make every gather slot -1; a page entry outside [0, limit) (
 int32 room of its slots) or a key past the table's width is slot -1. The kernel reads only the tensors
 it is handed, within their shapes.
 
-    ranges int32 [2, M]: ks, ke;  slots int32 [S];  row_request int32 [M];  key_offsets int32 [B + 1];
-    length_flags int32 [1].  One int32 buffer holds them all (one allocation, views of it).
+    int32 [4, M]: row_request, ks, ke, ke - ks;  then slots [S];  key_offsets [B + 1];  length_flags [1];
+    and the plan's error flags [1], born equal to the length flags.  One int32 buffer holds them all (one
+    allocation, one launch, the views from one split): each torch call costs the GPU host 3-30 us.
 """
 
 from __future__ import annotations
@@ -47,11 +48,7 @@ def _ragged_metadata_kernel(
     prefix_ptr,  # int32 [B]: any values
     extend_ptr,  # int32 [B]: any values
     table_ptr,  # int32 [B, P]
-    ranges_ptr,  # int32 [2, M], contiguous: ks, then ke
-    slots_ptr,  # int32 [S]
-    row_request_ptr,  # int32 [M]
-    key_offsets_ptr,  # int32 [B + 1]
-    length_flags_ptr,  # int32 [1]
+    out_ptr,  # int32 [4 * M + S + B + 3], laid out as the module's docstring says
     requests,  # B
     rows,  # M: the host's total_tokens
     keys,  # S: the host's total_keys
@@ -69,6 +66,13 @@ def _ragged_metadata_kernel(
     BAD_LENGTH: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    # The outputs' places in the buffer, in 64 bits: 4 * M + S passes int32 for S near MAX_KEYS. (tl.cast,
+    # not .to: an argument equal to 1 reaches the kernel as a constant.)
+    rows64 = tl.cast(rows, tl.int64)
+    ranges_ptr = out_ptr + rows64  # ks [M], then ke [M], then ke - ks [M]
+    slots_ptr = out_ptr + 4 * rows64
+    key_offsets_ptr = slots_ptr + keys
+    length_flags_ptr = key_offsets_ptr + requests + 1
     on_rows = pid < row_programs
     first = tl.where(on_rows, pid, pid - row_programs) * BLOCK
     index = first + tl.arange(0, BLOCK)  # rows or keys, by on_rows
@@ -109,13 +113,16 @@ def _ragged_metadata_kernel(
     if pid == 0:
         tl.store(key_offsets_ptr, 0)
         tl.store(length_flags_ptr, tl.where(fault, BAD_LENGTH, 0))
+        tl.store(length_flags_ptr + 1, tl.where(fault, BAD_LENGTH, 0))  # the plan's error flags, from them
     owner = tl.maximum(count - 1, 0)
     if on_rows:
         live_row = index < rows
-        ke = (packed & 0xFFFFFFFF).to(tl.int32) + index
-        tl.store(ranges_ptr + index, tl.minimum(tl.maximum(start, 0), keys), mask=live_row)
-        tl.store(ranges_ptr + rows + index, tl.minimum(tl.maximum(ke, 0), keys), mask=live_row)
-        tl.store(row_request_ptr + index, owner, mask=live_row)
+        ks = tl.minimum(tl.maximum(start, 0), keys)
+        ke = tl.minimum(tl.maximum((packed & 0xFFFFFFFF).to(tl.int32) + index, 0), keys)
+        tl.store(out_ptr + index, owner, mask=live_row)
+        tl.store(ranges_ptr + index, ks, mask=live_row)
+        tl.store(ranges_ptr + rows64 + index, ke, mask=live_row)
+        tl.store(ranges_ptr + 2 * rows64 + index, ke - ks, mask=live_row)
     else:
         live_key = index < keys
         position = index - start  # >= 0: a key's request starts at or before it
@@ -132,11 +139,13 @@ def _ragged_metadata_kernel(
 class DeviceRaggedMetadata:
     """The kernel's outputs: views of one int32 buffer."""
 
-    ranges: torch.Tensor  # int32 [2, M]
+    ranges: torch.Tensor  # int32 [2, M]: ks, ke
+    lengths: torch.Tensor  # int32 [M]: ke - ks, the top-k's visible lengths (a chunk's shift keeps them)
     gather_slots: torch.Tensor  # int32 [S]
     row_request: torch.Tensor  # int32 [M]
     key_offsets: torch.Tensor  # int32 [B + 1]
     length_flags: torch.Tensor  # int32 [1]
+    error_flags: torch.Tensor  # int32 [1]: the plan's, born equal to length_flags (a word of its own)
 
 
 def ragged_metadata_on_device(
@@ -148,28 +157,19 @@ def ragged_metadata_on_device(
     block_kv: int,
     num_kv_blocks: int | None,
 ) -> DeviceRaggedMetadata:
-    """One launch, no sync. The caller has checked shapes, dtypes, devices, block_kv (a power of two)
-    and the totals (host ints, total_keys <= 2^30, total_keys >= total_tokens): ExtendBatch does."""
+    """One allocation, one launch, one split; no sync. The caller has checked shapes, dtypes, devices,
+    block_kv (a power of two) and the totals (host ints, total_keys <= 2^30, total_keys >= total_tokens):
+    ExtendBatch does."""
     requests, pages = page_table.shape
     rows, keys = total_tokens, total_keys
     limit = (2**31 - 1) // block_kv
     if num_kv_blocks is not None:
         limit = min(limit, num_kv_blocks)
-    out = torch.empty(3 * rows + keys + requests + 2, dtype=torch.int32, device=page_table.device)
-    slots_at, request_at, offsets_at = 2 * rows, 2 * rows + keys, 3 * rows + keys
-    flags_at = offsets_at + requests + 1
-    outputs = DeviceRaggedMetadata(
-        ranges=out[:slots_at].view(2, rows),
-        gather_slots=out[slots_at:request_at],
-        row_request=out[request_at:offsets_at],
-        key_offsets=out[offsets_at:flags_at],
-        length_flags=out[flags_at:],
-    )
+    out = torch.empty(4 * rows + keys + requests + 3, dtype=torch.int32, device=page_table.device)
     row_programs = triton.cdiv(rows, INDICES_PER_PROGRAM)
     grid = (max(row_programs + triton.cdiv(keys, INDICES_PER_PROGRAM), 1),)
     _ragged_metadata_kernel[grid](
-        prefix_lens, extend_lens, page_table,
-        outputs.ranges, outputs.gather_slots, outputs.row_request, outputs.key_offsets, outputs.length_flags,
+        prefix_lens, extend_lens, page_table, out,
         requests, rows, keys, pages, limit,
         prefix_lens.stride(0), extend_lens.stride(0), page_table.stride(0), page_table.stride(1),
         row_programs,
@@ -179,12 +179,22 @@ def ragged_metadata_on_device(
         PAGE_SHIFT=block_kv.bit_length() - 1,
         BAD_LENGTH=BAD_LENGTH,
     )
-    return outputs
+    row_request, ranges, lengths, slots, key_offsets, length_flags, error_flags = out.split_with_sizes(
+        (rows, 2 * rows, rows, keys, requests + 1, 1, 1))
+    return DeviceRaggedMetadata(ranges=ranges.view(2, rows), lengths=lengths, gather_slots=slots,
+                                row_request=row_request, key_offsets=key_offsets, length_flags=length_flags,
+                                error_flags=error_flags)
 
 
 def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
     """build_ragged_metadata's device path (lengths the host never read) as one kernel launch: the same
     RaggedMetadata, field for field (tests/step/test_ragged_metadata_kernel.py)."""
+    return metadata_in_one_launch(batch)[0]
+
+
+def metadata_in_one_launch(batch: "ExtendBatch") -> tuple["RaggedMetadata", DeviceRaggedMetadata]:
+    """The RaggedMetadata, and the launch's outputs it views (with the rows' ke - ks and the plan's
+    error flags, which build_extend_plan takes as they are instead of computing them afresh)."""
     from dispatch.contract import HostRanges, RaggedMetadata
 
     out = ragged_metadata_on_device(batch.prefix_lens, batch.extend_lens, batch.page_table, batch.total_tokens,
@@ -192,7 +202,7 @@ def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
     host_ranges = None
     if batch.host_prefix_lens is not None and batch.host_extend_lens is not None:
         host_ranges = HostRanges.of(batch.host_prefix_lens, batch.host_extend_lens)
-    return RaggedMetadata(
+    metadata = RaggedMetadata(
         gather_slots=out.gather_slots,
         row_request=out.row_request,
         key_offsets=out.key_offsets,
@@ -202,3 +212,4 @@ def ragged_metadata_in_one_launch(batch: "ExtendBatch") -> "RaggedMetadata":
         length_flags=out.length_flags,
         row_ranges=out.ranges,
     )
+    return metadata, out

@@ -11,18 +11,17 @@ come from the host lengths in plain ints and every per-row and per-key array is 
   (HostRanges.row_ranges), without, they are one repeat of [2, B] values and one add of the row index;
 - a key's slot is its page's first slot plus its offset in the page, and the batch's keys are its
   requests' pages in order, so every slot is one repeat of a per-page value (page base less the page's
-  first gathered key) by the page's key count, plus the key's index; where every request but the last
-  fills its pages, one broadcast add of the pages' first slots and the offsets in a page, which writes
-  the slots once instead of twice. A page entry outside the pool, or
-  whose slots would pass int32, or past the table's width, gets a value that makes each of its keys
-  negative, clamped to -1. Entries are compared against the pool as they are read (int32 against a
-  Python int: exact); the slots are formed in int64 and narrowed once bounded.
+  first gathered key) by the page's key count, plus the key's index (where every request but the last
+  fills its pages, a repeat by block_kv, cut at S). A page entry outside the pool, or whose slots would
+  pass int32, or past the table's width, makes each of its keys -1. Entries are compared against the
+  pool as they are read (int32 against a Python int: exact), before any slot is formed.
+- numpy's calls, not torch's: besides their cost, torch splits an op of more than 32K elements over
+  its threads, and on a loaded host (its other cores busy) each such op waited 8-20 ms for them.
 The arrays become tensors without a copy (torch.from_numpy).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import numpy as np
@@ -67,7 +66,7 @@ def ragged_fields_on_host(batch, limit: int) -> dict:
     # Without host lengths the rows' ks / ke are built now, by the same rule, from the tensors' lengths.
     row_ranges = None if host_ranges is not None else torch.from_numpy(offsets.row_ranges(rows))
     return dict(
-        gather_slots=_slots(batch.page_table.numpy(), batch.block_kv, limit, key_offsets, keys),
+        gather_slots=slots_on_host(batch.page_table.numpy(), batch.block_kv, limit, key_offsets, keys),
         row_request=row_request,
         key_offsets=torch.from_numpy(np.array(key_offsets, dtype=np.int32)),
         total_tokens=rows,
@@ -78,13 +77,8 @@ def ragged_fields_on_host(batch, limit: int) -> dict:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _offsets_in_page(block_kv: int) -> torch.Tensor:
-    """int32 [block_kv]: 0..block_kv-1 (read only: only ever an operand)."""
-    return torch.arange(block_kv, dtype=torch.int32)
-
-
-def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int, ...], keys: int) -> torch.Tensor:
+def slots_on_host(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int, ...],
+                  keys: int) -> torch.Tensor:
     """int32 [S]: each gathered key's cache slot, -1 where its page entry is no block of the pool.
     `key_offsets`: the requests' offsets [B + 1] on the host; `table`: int32 [B, P]."""
     if keys == 0:
@@ -104,27 +98,25 @@ def _slots(table: np.ndarray, block_kv: int, limit: int, key_offsets: tuple[int,
     entry = table.reshape(-1).take(first_entry.repeat(pages_of) + page_index)
     unsigned = entry.view(np.uint32)  # a negative entry reads as 2^31 or more, past every limit
     all_inside = unsigned.max() < limit  # one reduction; the mask only where some entry is outside
-    if all(n % block_kv == 0 for n in counts[:-1]):
-        # Every request but the last fills its pages: the slots are every page's slots in order, one
-        # broadcast add that writes them once (an entry outside may wrap here: its keys become -1 below).
-        # torch's: numpy's broadcast over a 64-wide inner dimension takes 3x as long on this path.
-        every = torch.from_numpy((entry * block_kv)[:, None]) + _offsets_in_page(block_kv)  # numpy's view: cheaper
-        slots = every.view(-1) if pages * block_kv == keys else every.view(-1)[:keys]
-        if not all_inside:
-            slots.numpy()[np.repeat(unsigned >= limit, block_kv)[:keys]] = -1
-        return slots
-    # The page's first slot less its first key's index (int64: an entry outside may overflow int32; one
-    # inside gives a value in (-2^30, 2^31)), so that adding a key's index gives its slot. Page t of
-    # request r starts at gathered key t * block_kv + key_offsets[r] - block_kv * first_page[r].
-    first_key = np.array([k - block_kv * f for k, f in zip(key_offsets[:-1], first_page)], dtype=np.int64)
+    # The page's first slot less its first key's index, so that adding a key's index gives its slot (an
+    # entry inside gives a value in (-2^31, 2^31); one outside may wrap: its keys become -1 below). Page t
+    # of request r starts at gathered key t * block_kv + key_offsets[r] - block_kv * first_page[r].
     value = entry - page_index
     value *= block_kv
-    value -= np.repeat(first_key, pages_of)
-    page_keys = np.full(pages, block_kv)
-    page_keys[[f - 1 for f, n in zip(first_page[1:], pages_of) if n]] = [n - block_kv * (p - 1) for n, p in
-                                                                         zip(counts, pages_of) if p]
-    slots = np.repeat(value.astype(np.int32), page_keys)
+    if all(n % block_kv == 0 for n in counts[:-1]):
+        # Every request but the last fills its pages: page t starts at key t * block_kv, and every page
+        # holds block_kv keys but the last, cut at S.
+        page_keys = block_kv
+    else:
+        value -= np.array([k - block_kv * f for k, f in zip(key_offsets[:-1], first_page)],
+                          dtype=np.int64).repeat(pages_of)
+        page_keys = np.full(pages, block_kv)
+        page_keys[[f - 1 for f, n in zip(first_page[1:], pages_of) if n]] = [n - block_kv * (p - 1) for n, p in
+                                                                             zip(counts, pages_of) if p]
+    # numpy, never a torch op: torch splits an op past 32K elements over its threads, and on a loaded
+    # host (its other cores busy) each such op waited 8-20 ms for them (docs/benchmarks.md "Host time").
+    slots = value.repeat(page_keys)[:keys]  # (the method: np.repeat is a Python wrapper of it)
     slots += arange_on_host(keys)
     if not all_inside:  # hostile or stale entries only: their keys are no slot
-        slots[np.repeat(unsigned >= limit, page_keys)] = -1
+        slots[(unsigned >= limit).repeat(page_keys)[:keys]] = -1
     return torch.from_numpy(slots)

@@ -8,16 +8,23 @@ them, entries far outside the pool or whose slots pass int32)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from dispatch.step.ragged_metadata_kernel import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
 from dispatch.contract.bounds import BAD_LENGTH
+from dispatch.contract.extend_plan import DEFAULT_LOGITS_BYTES
 from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
 from tests.support.extend_batch import unchecked_extend_batch
 
 FIELDS = ("ks", "ke", "gather_slots", "row_request", "key_offsets", "length_flags", "ranges")
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel under the interpreter
 
 
@@ -170,12 +177,78 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
             return launch
 
     monkeypatch.setattr(module, "_ragged_metadata_kernel", _Counted())
-    monkeypatch.setattr(dispatch.step.extend_plan, "build_ragged_metadata", ragged_metadata_in_one_launch)
+    monkeypatch.setattr(dispatch.step.extend_plan, "one_launch", lambda batch: module.metadata_in_one_launch)
     dispatcher, batch = load_dispatcher(arch="cpu"), _on_device(_extend_batch(prefix=12288))
-    dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
-    grids.clear()
-    with _Launches() as counted:
-        plan = dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=1 << 40)
-    assert len(grids) == 1 and counted.launches <= 4
     expected = build_ragged_metadata(_extend_batch(prefix=12288), host_checked=False)
-    assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)
+    for budget in (1 << 40, DEFAULT_LOGITS_BYTES):  # one chunk; four, three past key 0
+        build_extend_plan = dispatch.step.extend_plan.build_extend_plan
+        build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=budget)
+        grids.clear()
+        with _Launches() as counted:
+            plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=budget)
+        past_key_0 = sum(1 for c in plan.chunks if c.chunk.key_begin)
+        # The buffer and its one split, the plan's K gather none; then one subtraction a chunk past key 0.
+        # (The error flags are the kernel's: no copy of its length flags.)
+        assert len(grids) == 1 and counted.launches <= 1 + past_key_0, dict(counted.ops)
+        views = sum(n for name, n in counted.ops.items() if name not in ("empty", "sub"))
+        assert views <= 2 + (len(plan.chunks) > 1) * 3 + len(plan.chunks), dict(counted.ops)
+        assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)
+        assert plan.error_flags.data_ptr() != plan.metadata.length_flags.data_ptr()
+        for c in plan.chunks:  # the chunks' views equal the torch path's
+            rows = c.chunk.rows
+            assert torch.equal(c.ks.cpu() + c.chunk.key_begin, expected.ks[rows])
+            assert torch.equal(c.ke.cpu() + c.chunk.key_begin, expected.ke[rows])
+            assert torch.equal(c.lengths.cpu(), expected.ke[rows] - expected.ks[rows])
+            assert torch.equal(c.page_rows.cpu(), expected.row_request[rows])
+
+
+def test_a_plan_on_the_kernel_path_starts_its_error_flags_from_the_length_flags_in_a_word_of_its_own(monkeypatch):
+    """The kernel writes the plan's error flags beside the length flags (no copy launched): a hostile
+    batch's plan starts flagged BAD_LENGTH, and what a layer ORs into the plan's word leaves the metadata's."""
+    import dispatch.step.extend_plan
+    import dispatch.step.ragged_metadata_kernel as module
+    from dispatch import load_dispatcher
+
+    monkeypatch.setattr(dispatch.step.extend_plan, "one_launch", lambda batch: module.metadata_in_one_launch)
+    dispatcher = load_dispatcher(arch="cpu")
+    for extend, flagged in (([3, -2], BAD_LENGTH), ([3, 4], 0)):
+        batch = _on_device(unchecked_extend_batch(
+            prefix_lens=torch.tensor([1, 2], dtype=torch.int32), extend_lens=torch.tensor(extend, dtype=torch.int32),
+            page_table=torch.zeros(2, 2, dtype=torch.int32), total_tokens=7, total_keys=10))
+        plan = dispatch.step.extend_plan.build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn")
+        assert plan.error_flags.item() == plan.metadata.length_flags.item() == flagged
+        plan.error_flags.bitwise_or_(1 << 20)
+        assert plan.metadata.length_flags.item() == flagged
+
+
+# Compiles the kernel for sm_90 with Triton's own compiler (no GPU needed), twice: every integer argument
+# a runtime int32, and every one that can be 1 a constant 1, as Triton's launcher specializes an argument
+# equal to 1 (a batch of one row, key or request): the CPU tests run the interpreter, which does not.
+_COMPILE_FOR_SM90 = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dispatch.step import ragged_metadata_kernel as module
+
+    kernel = module._ragged_metadata_kernel
+    names = kernel.arg_names
+    constexpr = {p.name for p in kernel.params if p.is_constexpr}
+    values = {"BLOCK": module.INDICES_PER_PROGRAM, "REQUESTS_PER_STEP": module.REQUESTS_PER_STEP, "BLOCK_KV": 64,
+              "PAGE_SHIFT": 6, "BAD_LENGTH": module.BAD_LENGTH}
+    assert constexpr == set(values), f"give the sm90 compile test a value for {constexpr - set(values)}"
+    ints = [n for n in names if n not in constexpr and not n.endswith("_ptr")]
+    for ones in ([], [n for n in ints if n != "limit"]):
+        signature = {n: "constexpr" if n in constexpr or n in ones else "*i32" if n.endswith("_ptr") else "i32"
+                     for n in names}
+        given = {(names.index(n),): values.get(n, 1) for n in names if signature[n] == "constexpr"}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=given), target=GPUTarget("cuda", 90, 32))
+        print(len(ones), ".target sm_90" in compiled.asm["ptx"])
+''')
+
+
+def test_the_kernel_compiles_for_sm90_with_arguments_runtime_and_specialized_to_one():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter cannot compile
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["0", "True", "9", "True"]
