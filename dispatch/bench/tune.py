@@ -28,7 +28,8 @@ from pathlib import Path
 
 import yaml
 
-from dispatch.bench.arguments import positive_int
+from dispatch.bench.arguments import positive_int, zero_or_positive_int
+from dispatch.contract.limits import MAX_CLI_BATCH
 from dispatch.bench.overlay_file import check_writable, write_atomically
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.registry.reading import END_MARKER
@@ -52,19 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes and next_n <= 2, for a CPU run")
     parser.add_argument("--repeats", type=positive_int(1000), default=20,
                         help="timed calls per backend and shape, at most (1 to 1000)")
-    parser.add_argument("--step-up-to", type=_batch_or_zero, default=STEP_RANKED_UP_TO, metavar="B",
+    parser.add_argument("--step-up-to", type=zero_or_positive_int(MAX_CLI_BATCH), default=STEP_RANKED_UP_TO, metavar="B",
                         help="rank the top-k by the whole step at batches of up to B requests "
                              f"(default {STEP_RANKED_UP_TO}; 0: by the op alone everywhere)")
     parser.add_argument("--on-cpu", action="store_true",
                         help="measure the cluster's whole workload even with no GPU (without it, a CPU run is "
                              "refused unless --quick: the default workload is dozens of shapes of up to 128K keys, "
                              "for the torch reference and the Triton interpreter)")
-
-
-def _batch_or_zero(text: str) -> int:
-    from dispatch.contract.limits import MAX_CLI_BATCH
-
-    return 0 if text.strip() == "0" else positive_int(MAX_CLI_BATCH)(text)
 
 
 def run_tune(args: argparse.Namespace) -> int:
