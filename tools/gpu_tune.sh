@@ -3,7 +3,11 @@
 # overlay, and show explain deciding by it, the paged keys and the extend key alike. The paged keys took
 # 35 s on 2026-11-30; the extend key (4 batches, M 4K-16K, S up to 64K, the reference timed too) is
 # estimated at 1-3 minutes more (the run prints its elapsed time as it goes).
-# Wheels in .whl/gpu (pydantic, sgl-deep-gemm, ...) are installed first if present, as .ci/gpu does.
+# Wheels in .whl/gpu (pydantic, sgl-deep-gemm, ...) are installed first if present, as .ci/gpu does; then
+# .device/peers/env.sh, where present (the git-ignored build of SGLang's and vLLM's top-k kernels from
+# their published sources), is sourced so the engines' kernels are candidates too. Every time is taken
+# in CUDA graphs, and the top-k at B <= 32 is ranked by the whole step (docs/tune.md).
+# Arguments are passed on to tune (`bash tools/gpu_tune.sh --step-up-to 128` ranks every top-k band by the step).
 # The overlay is written to measured/h200-mtp.yaml (and copied to $OUT when set), the path cluster
 # h200-mtp includes; review it and commit it.
 set -euo pipefail
@@ -13,11 +17,16 @@ if compgen -G ".whl/gpu/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
+if [ -f .device/peers/env.sh ]; then
+  set +u; source .device/peers/env.sh; set -u
+  export PYTHONPATH="$PWD:${PYTHONPATH:-}"  # this tree's dispatch first, whatever the peers' environment adds
+  echo "peers: sourced .device/peers/env.sh"
+fi
 overlay=measured/h200-mtp.yaml
 date -u; nvidia-smi -L
 # rc 1: a backend failed its check (the overlay is written, that backend never preferred); 124: out of time
 # (nothing written: the overlay is written once every key is measured).
-rc=0; timeout 540 python3 -m dispatch tune --cluster h200-mtp -o "$overlay" || rc=$?
+rc=0; timeout 540 python3 -m dispatch tune --cluster h200-mtp -o "$overlay" "$@" || rc=$?
 echo "tune rc=$rc"
 [ "$rc" = 0 ] || [ "$rc" = 1 ] || exit "$rc"
 if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/measured" && cp "$overlay" "$OUT/measured/"; fi

@@ -29,6 +29,11 @@ def positive_int(high: int) -> Callable[[str], int]:
     return lambda text: _int(text, 1, high)
 
 
+def zero_or_positive_int(high: int) -> Callable[[str], int]:
+    """An int in 0..high, 0 meaning "none" (tune's --step-up-to)."""
+    return lambda text: _int(text, 0, high)
+
+
 def int_list(high: int) -> Callable[[str], list[int]]:
     """A comma-separated list of at most MAX_LIST ints, each in 1..high."""
 

@@ -28,11 +28,13 @@ def measured_order(names: Iterable[str], mean_us: Callable[[str], float], rule_o
     return placed
 
 
-def band_orders(shapes: list[dict], order: list[str], rule_order: list[str]) -> list[dict]:
+def band_orders(shapes: list[dict], order: list[str], rule_order: list[str], step_shapes: list[dict] = ()) -> list[dict]:
     """The `bands` of a preference whose key's order is `order`, from its shapes as tune writes them
     ([{"shape": "B=8 N=1 ...", "median_us": {backend: us}}]): one band per batch size, ascending, each
-    ordered by the geometric mean over that batch size's shapes. None ([]) unless every shape names a
-    batch size and there are at least two, and none where every band's order is the key's (no noise)."""
+    ordered by the geometric mean over that batch size's shapes. Where `step_shapes` (the whole step's
+    times, same form) time every shape of a batch size, its band is ordered by those instead and says
+    so (`ranked_by: step`). None ([]) unless every shape names a batch size and there are at least two,
+    and none where every band's order is the key's and none is ranked by the step (no noise)."""
     by_size: dict[int, list[dict[str, float]]] = {}
     for shape in shapes:
         size = batch_size_of(shape["shape"])
@@ -41,9 +43,23 @@ def band_orders(shapes: list[dict], order: list[str], rule_order: list[str]) -> 
         by_size.setdefault(size, []).append(shape["median_us"])
     if len(by_size) < 2:
         return []
+    stepped = step_times_by_size(shapes, step_shapes)
     bands = []
     for size in sorted(by_size):
-        times = by_size[size]
+        times = stepped.get(size) or by_size[size]
         banded = measured_order(order, lambda name: geometric_mean([t[name] for t in times]), rule_order)
-        bands.append({"batch_size_up_to": size, "order": banded})
-    return [] if all(band["order"] == list(order) for band in bands) else bands
+        bands.append({"batch_size_up_to": size, "order": banded, **({"ranked_by": "step"} if size in stepped else {})})
+    if all(band["order"] == list(order) and "ranked_by" not in band for band in bands):
+        return []
+    return bands
+
+
+def step_times_by_size(shapes: list[dict], step_shapes: list[dict]) -> dict[int, list[dict[str, float]]]:
+    """{batch size: the step's times at each of its shapes} for the batch sizes whose every shape the
+    step timed."""
+    stepped = {shape["shape"]: shape["median_us"] for shape in step_shapes}
+    sizes: dict[int, list[str]] = {}
+    for shape in shapes:
+        sizes.setdefault(batch_size_of(shape["shape"]), []).append(shape["shape"])
+    return {size: [stepped[label] for label in labels] for size, labels in sizes.items()
+            if size is not None and all(label in stepped for label in labels)}

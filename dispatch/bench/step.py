@@ -1,12 +1,15 @@
 """The whole indexer step as an engine runs it per layer: Q quant -> paged logits -> top-k through
 `IndexerStep.select`, captured in one CUDA graph, for every combination of eligible logits and top-k
 backends (Q quant as decided); the combinations that are SGLang's and vLLM's own stacks on this GPU
-(dispatch/bench/engine_stacks.py) are marked, where their backends are eligible. Each stage is also timed alone on the same plan in the same run, so the
-step reads against its own parts and against the sum of their floors."""
+(dispatch/bench/engine_stacks.py) are marked, where their backends are eligible. Each stage is also
+timed alone on the same plan in the same run, so the step reads against its own parts and against the
+sum of their floors. `tune` ranks the top-k at small batches by the step with each candidate in turn
+(bench_step_topk): at B=8 a top-k's launches cost more inside the step's graph than alone."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +20,7 @@ from dispatch.bench.launches import gpu_launches
 from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_rotating
 from dispatch.bench.workload import (
+    LogitsInputs,
     LogitsShape,
     QuantShape,
     logits_floor_counts,
@@ -35,6 +39,45 @@ from dispatch.contract.rope import RopeSpec
 STEP = "indexer_step"
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One paged batch's inputs for the whole step, made once and shared by every combination timed."""
+
+    paged: LogitsInputs
+    activations: dict
+    settings: dict  # the Q settings IndexerStep takes (rope, softmax and head scales)
+    batch: PagedBatch
+
+
+def step_inputs(shape: LogitsShape, fp8_dtype: Fp8Dtype, device: str) -> StepInputs:
+    paged = logits_inputs(shape, fp8_dtype, device, seed=0)
+    tokens = shape.batch_size * shape.next_n
+    activations = quant_inputs(QuantShape(tokens, shape.heads, shape.head_dim), device, seed=1)
+    settings = dict(rope=RopeSpec.neox_head(), softmax_scale=shape.head_dim**-0.5, head_scale=shape.heads**-0.5)
+    batch = PagedBatch(
+        seq_lens=paged.seq_lens,
+        page_table=paged.page_table,
+        max_seq_len=max(paged.seq_lens_host),
+        forward_mode=shape.forward_mode,
+        next_n=shape.next_n,
+        num_kv_blocks=paged.kv_cache.shape[0],  # as an engine passes its pool: the page guard runs per batch
+    )
+    return StepInputs(paged, activations, settings, batch)
+
+
+def _step_call(dispatcher: Dispatcher, inputs: StepInputs, fp8_dtype: Fp8Dtype, k: int, pinned: dict[Op, str]):
+    """(the plan, a call of the whole step on it) with `pinned` backends, the others as decided."""
+    plan = build_plan(dispatcher, inputs.batch, kv_fp8_dtype=fp8_dtype, allow_disabled=True, pinned=pinned)
+    step = IndexerStep(dispatcher, fp8_dtype, index_topk=k, **inputs.settings)
+    activations, paged = inputs.activations, inputs.paged
+
+    def run_step():
+        return step.select(plan, activations["q"], activations["weights"], activations["positions"],
+                           activations["cos_sin_cache"], paged.kv_cache)
+
+    return plan, run_step
+
+
 def bench_step(
     dispatcher: Dispatcher,
     shape: LogitsShape,
@@ -49,21 +92,10 @@ def bench_step(
     """One row per (logits backend, top-k backend): the step's median time, with each stage's own time
     (`quant_us`, `logits_us`, `topk_us`), the step over the logits alone (`x_logits`) and, on a GPU, the
     device operations one step issues (`launches`) in the row."""
-    mode = shape.forward_mode
-    key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
-    paged = logits_inputs(shape, fp8_dtype, device, seed=0)
+    key = DispatchKey(dispatcher.target_arch, shape.forward_mode, shape.next_n, fp8_dtype)
+    inputs = step_inputs(shape, fp8_dtype, device)
+    paged, activations, step_settings = inputs.paged, inputs.activations, inputs.settings
     tokens = shape.batch_size * shape.next_n
-    activations = quant_inputs(QuantShape(tokens, shape.heads, shape.head_dim), device, seed=1)
-    rope = RopeSpec.neox_head()
-    step_settings = dict(rope=rope, softmax_scale=shape.head_dim**-0.5, head_scale=shape.heads**-0.5)
-    batch = PagedBatch(
-        seq_lens=paged.seq_lens,
-        page_table=paged.page_table,
-        max_seq_len=max(paged.seq_lens_host),
-        forward_mode=mode,
-        next_n=shape.next_n,
-        num_kv_blocks=paged.kv_cache.shape[0],  # as an engine passes its pool: the page guard runs per batch
-    )
     logits_bytes, logits_flops = logits_floor_counts(shape, paged.seq_lens_host)
     bytes_ = quant_floor_bytes(QuantShape(tokens, shape.heads, shape.head_dim)) + logits_bytes
     bytes_ += topk_floor_bytes(paged.seq_lens_host, shape.next_n, k)
@@ -80,15 +112,9 @@ def bench_step(
             row.extra["engine"] = stack
         rows.append(row)
         try:
-            plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, allow_disabled=True,
-                              pinned={Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: topk_backend})
-            step = IndexerStep(dispatcher, fp8_dtype, index_topk=k, **step_settings)
+            plan, run_step = _step_call(dispatcher, inputs, fp8_dtype, k,
+                                        {Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: topk_backend})
             stages, scored = _stages(plan, paged, activations, step_settings, k)
-
-            def run_step(plan=plan, step=step):
-                return step.select(plan, activations["q"], activations["weights"], activations["positions"],
-                                   activations["cos_sin_cache"], paged.kv_cache)
-
             # The step's own logits are the yardstick: the selection must be exact on what it scored.
             row.error, row.check = compare_topk(run_step(), scored, plan.token_lengths, k)
         except Exception as error:  # a benchmark reports a combination that fails; it does not stop the others
@@ -103,6 +129,43 @@ def bench_step(
         row.extra["x_logits"] = row.seconds * 1e6 / row.extra["logits_us"]
         if on_gpu:
             row.extra["launches"] = gpu_launches(run_step)
+    return rows
+
+
+def bench_step_topk(
+    dispatcher: Dispatcher,
+    shape: LogitsShape,
+    fp8_dtype: Fp8Dtype,
+    *,
+    k: int,
+    candidates: list[str],
+    stages: dict[Op, str],
+    device: str,
+    repeats: int,
+    budget_s: float | None = None,
+) -> list[Row]:
+    """The whole step with each top-k candidate in turn, for tune: one row per candidate (op STEP,
+    backend the top-k's name, the op's shape label), Q quant and logits pinned to `stages` for all of
+    them, the same inputs, each step checked exact on the logits it scores, then timed as one captured
+    graph (dispatch.bench.timing.time_rotating; eagerly where it cannot be captured)."""
+    inputs = step_inputs(shape, fp8_dtype, device)
+    label = f"{shape.label()} k={k}"
+    scored = None
+    rows = []
+    for name in candidates:
+        row = Row(STEP, name, "-", label, extra={"stages": {op.value: backend for op, backend in stages.items()}})
+        rows.append(row)
+        try:
+            plan, run_step = _step_call(dispatcher, inputs, fp8_dtype, k, {**stages, Op.TOPK: name})
+            if scored is None:  # the stages before the top-k are the same for every candidate
+                scored = _stages(plan, inputs.paged, inputs.activations, inputs.settings, k)[1]
+            row.error, row.check = compare_topk(run_step(), scored, plan.token_lengths, k)
+        except Exception as error:  # one candidate that fails does not stop the others
+            row.failed(error)
+            continue
+        if row.check == "ok":
+            row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=device != "cpu", repeats=repeats,
+                                                             budget_s=budget_s)
     return rows
 
 

@@ -8,6 +8,12 @@ serves both (a mode whose eligible backends differ is left to the rules). Q quan
 its token count alone, so its measurement at the workload's token counts serves every paged key. The
 `extend` key is measured over the workload's extend batches (dispatch/bench/extend_tune.py). Where only
 one backend is eligible there is nothing to choose and nothing is timed.
+
+Every time is taken in a CUDA graph where the device allows (replays of the captured call, the stream
+held ahead of the host: dispatch.bench.timing.time_graph), eagerly on a CPU or where a backend cannot
+be captured; the overlay says which (`timing`, `timed_eagerly`). The top-k at batches of up to
+`--step-up-to` requests is ranked by the whole step instead of the op alone
+(dispatch/bench/step_tune.py says why, and why only there).
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from pathlib import Path
 
 import yaml
 
-from dispatch.bench.arguments import positive_int
+from dispatch.bench.arguments import positive_int, zero_or_positive_int
+from dispatch.contract.limits import MAX_CLI_BATCH
 from dispatch.bench.overlay_file import check_writable, write_atomically
 from dispatch.contract.key import DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.registry.reading import END_MARKER
-from dispatch.bench.ordering import band_orders, measured_order
+from dispatch.bench.ordering import band_orders, measured_order, step_times_by_size
+from dispatch.bench.step_tune import STEP_RANKED_UP_TO, step_rows, stages_of, timing_of
+from dispatch.registry.measured_bands import batch_size_of
 from dispatch.registry.measured import geometric_mean
 from dispatch.registry.models import Workload
 from dispatch.contract.version import dispatch_version
@@ -44,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes and next_n <= 2, for a CPU run")
     parser.add_argument("--repeats", type=positive_int(1000), default=20,
                         help="timed calls per backend and shape, at most (1 to 1000)")
+    parser.add_argument("--step-up-to", type=zero_or_positive_int(MAX_CLI_BATCH), default=STEP_RANKED_UP_TO, metavar="B",
+                        help="rank the top-k by the whole step at batches of up to B requests "
+                             f"(default {STEP_RANKED_UP_TO}; 0: by the op alone everywhere)")
     parser.add_argument("--on-cpu", action="store_true",
                         help="measure the cluster's whole workload even with no GPU (without it, a CPU run is "
                              "refused unless --quick: the default workload is dozens of shapes of up to 128K keys, "
@@ -71,7 +83,8 @@ def run_tune(args: argparse.Namespace) -> int:
     from dispatch.deciding.warming import warm_for
 
     warm_for(dispatcher)  # builds (cuda.radix's nvcc) before any timing
-    text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output)
+    text, failures = measure_overlay(dispatcher, quick=args.quick, repeats=args.repeats, output=output,
+                                     step_up_to=args.step_up_to)
     if output:
         write_atomically(output, text)
         print(f"tune: wrote {output} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
@@ -97,10 +110,12 @@ def _cpu_refusal(workload: Workload, args: argparse.Namespace) -> str | None:
     )
 
 
-def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, output: str | None = None) -> tuple[str, int]:
+def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, output: str | None = None,
+                    step_up_to: int = STEP_RANKED_UP_TO) -> tuple[str, int]:
     """(the overlay's YAML text, how many keys had a backend fail its check) for the dispatcher's
-    cluster (its workload, else the default), measured on this machine. The text is validated by the
-    loader `validate` uses before it is returned."""
+    cluster (its workload, else the default), measured on this machine, the top-k at batches of up to
+    `step_up_to` requests ranked by the whole step. The text is validated by the loader `validate`
+    uses before it is returned."""
     import torch
 
     from dispatch.bench.extend_tune import measure_extend
@@ -118,7 +133,7 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
         repeats = min(repeats, 3)
     workload = workload.model_copy(update={"fp8_dtype": fp8})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tuner = Tuner(dispatcher, workload, fp8, device, repeats, time.perf_counter())
+    tuner = Tuner(dispatcher, workload, fp8, device, repeats, time.perf_counter(), step_up_to=step_up_to)
     for op in PAGED_STEP_OPS:
         tuner.measure_paged(op)
     measure_extend(tuner)
@@ -144,10 +159,12 @@ def measure_overlay(dispatcher, *, quick: bool = False, repeats: int = 20, outpu
 class Tuner:
     """Measures keys and collects, per op, the measured backends' versions and one preference per key."""
 
-    def __init__(self, dispatcher, workload: Workload, fp8: Fp8Dtype, device: str, repeats: int, started: float):
+    def __init__(self, dispatcher, workload: Workload, fp8: Fp8Dtype, device: str, repeats: int, started: float,
+                 step_up_to: int = STEP_RANKED_UP_TO):
         self.dispatcher, self.workload, self.fp8, self.device = dispatcher, workload, fp8, device
-        self.repeats, self.started = repeats, started
+        self.repeats, self.started, self.step_up_to = repeats, started, step_up_to
         self.failures = 0
+        self.fresh: dict[tuple[Op, int], dict] = {}  # (op, next_n) -> the preference this run measured
         self.common = dict(device=device, ceilings=None, repeats=repeats, budget_s=BUDGET_S)
         self.tolerance = 1e-3 if device == "cuda" else 1e-5  # bench's: fp8 dots on a GPU, exact-ish on a CPU
         self._versions: dict[Op, dict[str, str]] = {op: {} for op in Op}
@@ -171,6 +188,7 @@ class Tuner:
         arch = self.dispatcher.target_arch.value
         key = {"arch": arch, "forward_mode": [m.value for m in modes], "next_n": next_n, "fp8_dtype": self.fp8.value}
         self._preferences[op].append({"key": key, **preference})
+        self.fresh[(op, next_n)] = preference
         for name in names:
             self._versions[op][name] = str(self.dispatcher.catalog.get(op, name).version)
 
@@ -197,6 +215,8 @@ class Tuner:
                     continue  # a backend eligible here was not eligible where Q quant was measured
             else:
                 rows = self._rows(op, next_n, set(names))
+                if op is Op.TOPK:
+                    rows += step_rows(self, next_n, [row.backend for row in rows if row.check == "ok"])
             self.record(op, modes, next_n, names, rows)
 
     def _modes(self, op: Op, next_n: int) -> list[ForwardMode]:
@@ -245,31 +265,49 @@ class Tuner:
     def _preference(self, rows: list, rule_order: list[str]) -> dict | None:
         """Order, per-shape times and failures from one key's rows; None when every backend failed.
         Backends within TIE of each other are measured equal: they keep the registry's order, so noise
-        never swaps two layouts of one kernel (next_n 1's native and flatten are the same launch)."""
+        never swaps two layouts of one kernel (next_n 1's native and flatten are the same launch).
+        Rows of the whole step (op STEP, from step_rows) rank the batch sizes whose every shape they
+        time (`ranked_by: step`); a backend that fails in the step fails for the key."""
         from dispatch.bench.runner import UNSERVED  # imports torch, which the tuner's runs need anyway
+        from dispatch.bench.step import STEP
 
         failed: dict[str, str] = {}
         unserved: dict[str, str] = {}
         times: dict[str, dict[str, float]] = {}
+        step_times: dict[str, dict[str, float]] = {}
         for row in rows:
+            in_step = getattr(row, "op", None) == STEP
+            where = f" at {row.shape}" + (" in the step" if in_step else "")
             if row.check.startswith(UNSERVED):  # it cannot run some shape of the key: never preferred there
-                unserved.setdefault(row.backend, f"{row.check} at {row.shape}")
+                unserved.setdefault(row.backend, row.check + where)
             elif row.check != "ok":
-                failed.setdefault(row.backend, f"{row.check} at {row.shape}")
+                failed.setdefault(row.backend, row.check + where)
             else:
-                times.setdefault(row.shape, {})[row.backend] = round(row.seconds * 1e6, 1) or 0.1
+                (step_times if in_step else times).setdefault(row.shape, {})[row.backend] = round(row.seconds * 1e6, 1) or 0.1
         if failed:
             self.failures += 1
             self.say(f"check failed, never preferred: {failed}")
         if unserved:
             self.say(f"cannot serve every shape of the key, never preferred: {unserved}")
         names = {r.backend for r in rows} - set(failed) - set(unserved)
-        order = measured_order(names, lambda name: _geomean(times, name), rule_order)
+        shapes = [{"shape": shape, "median_us": {name: by[name] for name in sorted(names)}} for shape, by in times.items()]
+        stepped = [{"shape": shape, "median_us": {name: by[name] for name in sorted(names)}, "stages": stages_of(rows, shape)}
+                   for shape, by in step_times.items() if names <= set(by) and shape in times]
+        step_sizes = step_times_by_size(shapes, stepped)
+        stepped = [s for s in stepped if batch_size_of(s["shape"]) in step_sizes]  # only where a whole band is
+        by_step = bool(stepped) and len(stepped) == len(shapes)  # every shape timed in the step: the key too
+        ranking = step_times if by_step else times
+        order = measured_order(names, lambda name: _geomean(ranking, name), rule_order)
         if not order:
             return None
-        shapes = [{"shape": shape, "median_us": {name: by[name] for name in order}} for shape, by in times.items()]
-        bands = band_orders(shapes, order, rule_order)  # where one backend does not win every batch size
-        return {"order": order, **({"bands": bands} if bands else {}), "shapes": shapes,
+        shapes = [{"shape": s["shape"], "median_us": {name: s["median_us"][name] for name in order}} for s in shapes]
+        for s in stepped:
+            s["median_us"] = {name: s["median_us"][name] for name in order}
+        bands = band_orders(shapes, order, rule_order, stepped)  # where one backend does not win every batch size
+        if not bands and not by_step:
+            stepped = []  # a single batch size only partly timed in the step: nothing is ranked by it
+        return {"order": order, **({"ranked_by": "step"} if by_step else {}), **({"bands": bands} if bands else {}),
+                "shapes": shapes, **({"step_shapes": stepped} if stepped else {}), **timing_of(rows, names | set(failed)),
                 **({"failed": failed} if failed else {})}
 
     def free(self) -> None:
@@ -294,6 +332,8 @@ def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:
         "# Per op and key: the backends fastest first (geometric mean of median times over the shapes), where\n"
         "# one backend does not win every batch size the same per batch-size band (`bands`), each shape's\n"
         "# times, and the backends that failed the check against the reference (never preferred).\n"
+        "# `ranked_by: step`: that order is by the whole step's times (`step_shapes`), each candidate in turn;\n"
+        "# `timing`: graph (CUDA-graph replays) or eager, with any backend timed eagerly (`timed_eagerly`).\n"
         f"# A cluster includes it with {include}; re-run tune rather than edit it.\n"
     )
 

@@ -30,21 +30,58 @@ class Evidence:
     means: tuple[tuple[str, float], ...]  # (backend, geometric mean of its median us over the shapes), fastest first
     shapes: tuple[tuple[str, tuple[tuple[str, float], ...]], ...]  # (shape, ((backend, median us), ...))
     failed: tuple[tuple[str, str], ...] = ()  # (backend, why its output differed from the reference)
+    # "step": `shapes` are the whole step's times with each candidate in turn, which the order is by;
+    # `alone` then holds the op's own times at those shapes and `stages` the step's other ops' backends.
+    ranked_by: str = "op"
+    batch_size: int | None = None  # the batch size all the shapes name, where they name one
+    alone: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    stages: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # (shape, ((op, backend), ...))
+    timing: str = ""  # "graph" (CUDA-graph replays), "eager"; "" where the overlay does not say
+    timed_eagerly: tuple[tuple[str, str], ...] = ()  # (backend, where) timed eagerly in a graph-timed key
 
     def summary(self) -> str:
-        """"measured on NVIDIA H200, 2026-11-30: triton 161.9 us, deepgemm.sm90 202.6 us at B=128 ..."."""
+        """"measured on NVIDIA H200, 2026-11-30: triton 161.9 us, deepgemm.sm90 202.6 us at B=128 ...", or
+        for an order ranked by the step "measured in the step on NVIDIA H200, 2026-12-02, B=8:
+        sglang.topk_v2 21.6 us, cuda.radix 23.1 us, triton 29.2 us (geometric mean over 2 shapes)"."""
+        where = f"on {self.machine}, {self.date}"
+        if self.ranked_by == "step":
+            where = f"in the step {where}" + (f", B={self.batch_size}" if self.batch_size is not None else "")
         if len(self.shapes) == 1:
             shape, times = self.shapes[0]
-            return f"measured on {self.machine}, {self.date}: {_times(times)} at {shape}"
-        over = f"geometric mean over {len(self.shapes)} shapes"
-        return f"measured on {self.machine}, {self.date}: {_times(self.means)} ({over})"
+            text = f"measured {where}: {_times(times)} at {shape}"
+        else:
+            text = f"measured {where}: {_times(self.means)} (geometric mean over {len(self.shapes)} shapes)"
+        return text + self._timed()
+
+    def _timed(self) -> str:
+        if self.timing == "eager":
+            return ", timed eagerly"
+        if self.timing != "graph":
+            return ""
+        eager = "".join(f"; {backend} eagerly, {where}" for backend, where in self.timed_eagerly)
+        return ", timed in CUDA graphs" + (f" ({eager[2:]})" if eager else "")
 
     def details(self) -> list[str]:
-        """One line per shape (when there are several), then each backend that failed the check."""
-        lines = [f"{_times(times)} at {shape}" for shape, times in self.shapes] if len(self.shapes) > 1 else []
+        """One line per shape (when there are several; in the step also the step's other ops and the
+        op's own times there), then each backend that failed the check."""
+        if self.ranked_by == "step":
+            stages, alone = dict(self.stages), dict(self.alone)
+            lines = []
+            for shape, times in self.shapes:
+                around = ", ".join(f"{op} {backend}" for op, backend in stages.get(shape, ()))
+                lines.append(f"{_times(times)} at {shape}" + (f" (the step with {around})" if around else ""))
+                if shape in alone:
+                    lines.append(f"  the op alone: {_times(alone[shape])}")
+        else:
+            lines = [f"{_times(times)} at {shape}" for shape, times in self.shapes] if len(self.shapes) > 1 else []
         return lines + [f"{backend} failed the check: {why}" for backend, why in self.failed]
 
     def as_dict(self) -> dict[str, Any]:
+        step = {
+            "batch_size": self.batch_size,
+            "alone": [{"shape": shape, "median_us": dict(times)} for shape, times in self.alone],
+            "stages": {shape: dict(ops) for shape, ops in self.stages},
+        } if self.ranked_by == "step" else {}
         return {
             "machine": self.machine,
             "date": self.date,
@@ -52,6 +89,10 @@ class Evidence:
             "mean_us": dict(self.means),
             "shapes": [{"shape": shape, "median_us": dict(times)} for shape, times in self.shapes],
             "failed": dict(self.failed),
+            "ranked_by": self.ranked_by,
+            **step,
+            "timing": self.timing or None,
+            "timed_eagerly": dict(self.timed_eagerly),
         }
 
 

@@ -25,7 +25,7 @@ from dispatch.contract.decision import Decision, Evidence, Rejection
 from dispatch.contract.errors import InvalidBatchError, NoBackendError
 from dispatch.contract.key import Arch, DispatchKey, Op
 from dispatch.registry.document import RegistryDocument
-from dispatch.registry.measured_bands import band_index, band_label
+from dispatch.registry.measured_bands import band_index, band_label, batch_size_of
 
 logger = logging.getLogger("dispatch")
 # The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
@@ -246,19 +246,35 @@ class Dispatcher:
         overlay = self._measured.overlay
         at = ("ops", op.value, "preferences", position) + (("bands", band) if band is not None else ())
         order, shapes, mean = preference.measured_at(band)
+        ranked_by = preference.ranked_by_at(band)
+
+        def times(shape) -> tuple[tuple[str, float], ...]:
+            return tuple((name, shape.median_us[name]) for name in order)
+
+        step = {}
+        if ranked_by == "step":  # the op's own times and the step's other backends beside the step's times
+            step = dict(alone=tuple((s.shape, times(s)) for s in preference.alone_at(band)),
+                        stages=tuple((s.shape, tuple((op.value, name) for op, name in s.stages.items())) for s in shapes))
+        sizes = {batch_size_of(s.shape) for s in shapes}
         return Evidence(
             machine=overlay.machine,
             date=overlay.date.isoformat(),
             at=self._measured.where(at),
             means=tuple((name, round(mean(name), 3)) for name in order),
-            shapes=tuple((s.shape, tuple((name, s.median_us[name]) for name in order)) for s in shapes),
+            shapes=tuple((s.shape, times(s)) for s in shapes),
             failed=tuple(sorted(preference.failed.items())),
+            ranked_by=ranked_by,
+            batch_size=sizes.pop() if len(sizes) == 1 else None,
+            timing=preference.timing or "",
+            timed_eagerly=tuple(sorted(preference.timed_eagerly.items())),
+            **step,
         )
 
     @staticmethod
     def _measured_slower(preference, band: int | None, backend: str, chosen: str) -> str:
         _, shapes, mean = preference.measured_at(band)
-        at = "" if band is None else f" at B={preference.bands[band].batch_size_up_to}"
+        where = " in the step" if preference.ranked_by_at(band) == "step" else ""
+        at = where + ("" if band is None else f" at B={preference.bands[band].batch_size_up_to}")
         over = "" if len(shapes) == 1 else f", geometric mean over {len(shapes)} shapes"
         return f"measured slower{at}: {mean(backend):.1f} us vs {mean(chosen):.1f} us ({chosen}{over})"
 

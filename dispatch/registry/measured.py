@@ -40,7 +40,7 @@ from dispatch.registry.reading import (
     safe_load_with_lines,
     validation_problems,
 )
-from dispatch.registry.measured_bands import Band, batch_size_of
+from dispatch.registry.measured_bands import Band, RankedBy, batch_size_of
 from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
 from dispatch.contract.version import dispatch_version, release_of
 
@@ -75,12 +75,28 @@ class ShapeTimes(Strict):
     median_us: dict[BackendName, Micros]
 
 
+class StepShapeTimes(ShapeTimes):
+    """The whole step's median time at one of the preference's shapes with each of the op's candidates
+    in turn, the step's other ops fixed to `stages` (what was decided for the key at that batch size)."""
+
+    stages: dict[Op, BackendName] = {}
+
+
+# How the times were taken (dispatch.bench.timing): "graph", replays of a captured CUDA graph (the
+# device's time); "eager", each call launched from Python (the host clock on a CPU).
+Timing = Literal["graph", "eager"]
+
+
 class Preference(Strict):
     key: MeasuredKey
     order: NameList  # fastest first; only backends that passed the check
+    ranked_by: RankedBy = "op"  # "step": `order` is by step_shapes (which then time every shape)
     # One order per measured batch size, ascending (checked with the file's lines in _band_problems).
     bands: Annotated[tuple[Band, ...], Field(max_length=16)] = ()
-    shapes: tuple[ShapeTimes, ...]
+    shapes: tuple[ShapeTimes, ...]  # the op alone
+    step_shapes: tuple[StepShapeTimes, ...] = ()  # the whole step, where an order is ranked by it
+    timing: Timing | None = None  # None: an overlay from before 2026-12-02, which did not say
+    timed_eagerly: dict[BackendName, str] = {}  # with timing graph: a backend no graph could capture, where
     failed: dict[BackendName, str] = {}  # backend -> why its output differed from the reference
 
     @model_validator(mode="after")
@@ -98,14 +114,42 @@ class Preference(Strict):
         both = sorted(set(self.failed) & set(self.order))
         if both:
             raise ValueError(f"{_ticks(both)} failed the check and cannot be in `order`")
+        self._step_shapes_consistent()
+        unknown = sorted(set(self.timed_eagerly) - set(self.order) - set(self.failed))
+        if unknown:
+            raise ValueError(f"`timed_eagerly` names {_ticks(unknown)}, which this key did not measure")
         problem = out_of_order(self.order, self.mean_us)
         if problem:
-            raise ValueError(f"`order` {problem}")
+            raise ValueError(f"`order` {problem}" + (" in the step" if self.ranked_by == "step" else ""))
         return self
 
+    def _step_shapes_consistent(self) -> None:
+        labels = [shape.shape for shape in self.shapes]
+        stepped = [shape.shape for shape in self.step_shapes]
+        for shape in self.step_shapes:
+            if set(shape.median_us) != set(self.order):
+                raise ValueError(
+                    f"step shape `{shape.shape}` times {_ticks(sorted(shape.median_us))} but `order` lists "
+                    f"{_ticks(self.order)}; every ordered backend needs a step time at every step shape"
+                )
+            if shape.shape not in labels:
+                raise ValueError(f"step shape `{shape.shape}` is not one of `shapes`: the step is timed where the op is")
+        if len(set(stepped)) != len(stepped):
+            raise ValueError("`step_shapes` names a shape twice")
+        if self.ranked_by == "step" and set(stepped) != set(labels):
+            raise ValueError("`ranked_by: step` orders the key by the step's times, so `step_shapes` needs every "
+                             f"shape; it lacks {_ticks(sorted(set(labels) - set(stepped)))}")
+        if self.step_shapes and self.ranked_by == "op" and not self.bands:
+            raise ValueError("`step_shapes` without an order ranked by them: `ranked_by: step` on the key or on a band")
+
+    @property
+    def ranking_shapes(self) -> tuple[ShapeTimes, ...]:
+        """The shapes the key's own order is by: the step's where it is ranked by the step."""
+        return self.step_shapes if self.ranked_by == "step" else self.shapes
+
     def mean_us(self, backend: str) -> float:
-        """Geometric mean of `backend`'s median times over this key's shapes."""
-        return geometric_mean([shape.median_us[backend] for shape in self.shapes])
+        """Geometric mean of `backend`'s median times over the shapes this key's order is by."""
+        return geometric_mean([shape.median_us[backend] for shape in self.ranking_shapes])
 
     @property
     def bounds(self) -> tuple[int, ...]:
@@ -113,9 +157,11 @@ class Preference(Strict):
         return tuple(band.batch_size_up_to for band in self.bands)
 
     def band_shapes(self, index: int) -> tuple[ShapeTimes, ...]:
-        """The shapes measured at band `index`'s batch size, which its order is by."""
-        size = self.bands[index].batch_size_up_to
-        return tuple(shape for shape in self.shapes if batch_size_of(shape.shape) == size)
+        """The shapes measured at band `index`'s batch size, which its order is by (the step's, where
+        the band is ranked by the step)."""
+        band = self.bands[index]
+        shapes = self.step_shapes if band.ranked_by == "step" else self.shapes
+        return tuple(shape for shape in shapes if batch_size_of(shape.shape) == band.batch_size_up_to)
 
     def band_mean_us(self, index: int, backend: str) -> float:
         """Geometric mean of `backend`'s median times over band `index`'s shapes."""
@@ -124,8 +170,19 @@ class Preference(Strict):
     def measured_at(self, band: int | None) -> tuple[tuple[str, ...], tuple[ShapeTimes, ...], Callable[[str], float]]:
         """(order, shapes, mean_us) a decision rests on: the key's own (band None), or band `band`'s."""
         if band is None:
-            return tuple(self.order), self.shapes, self.mean_us
+            return tuple(self.order), self.ranking_shapes, self.mean_us
         return tuple(self.bands[band].order), self.band_shapes(band), functools.partial(self.band_mean_us, band)
+
+    def ranked_by_at(self, band: int | None) -> str:
+        """"step" where the order a decision rests on (the key's, or band `band`'s) is by the whole step."""
+        return self.ranked_by if band is None else self.bands[band].ranked_by
+
+    def alone_at(self, band: int | None) -> tuple[ShapeTimes, ...]:
+        """The op's own times at the shapes the order a decision rests on is by (the key's, or band `band`'s)."""
+        if band is None:
+            return self.shapes
+        size = self.bands[band].batch_size_up_to
+        return tuple(shape for shape in self.shapes if batch_size_of(shape.shape) == size)
 
 
 def out_of_order(order, mean_us) -> str | None:
@@ -252,15 +309,27 @@ def _band_problems(preference: Preference):
     missing = [size for size in measured if size not in bounds]
     if missing:
         yield ("bands",), f"no band for the measured batch size {', '.join(map(str, missing))}: one band per batch size"
+    stepped = {size: sorted(s.shape for s in preference.step_shapes if batch_size_of(s.shape) == size) for size in measured}
     for index, band in enumerate(preference.bands):
         at = ("bands", index, "order")
-        if sorted(band.order) != sorted(preference.order):
+        size = band.batch_size_up_to
+        alone = sorted(s.shape for s in preference.shapes if batch_size_of(s.shape) == size)
+        if band.ranked_by == "step" and stepped.get(size) != alone:
+            yield ("bands", index, "ranked_by"), (
+                f"is `step`, but `step_shapes` time {len(stepped.get(size, []))} of the {len(alone)} shapes at "
+                f"B={size}: a band ranked by the step needs the step's time at each of its shapes")
+        elif sorted(band.order) != sorted(preference.order):
             yield at, (f"lists {_ticks(band.order)}; a band orders exactly the key's backends "
                        f"({_ticks(preference.order)}), each once")
-        elif band.batch_size_up_to in measured and not missing:
+        elif size in measured and not missing:
             problem = out_of_order(band.order, functools.partial(preference.band_mean_us, index))
             if problem:
-                yield at, f"{problem} at B={band.batch_size_up_to}"
+                yield at, f"{problem} at B={size}" + (" in the step" if band.ranked_by == "step" else "")
+    by_step = {band.batch_size_up_to for band in preference.bands if band.ranked_by == "step"}
+    unused = sorted({size for size, shapes in stepped.items() if shapes} - by_step)
+    if unused and preference.ranked_by == "op":
+        yield ("step_shapes",), (f"time the step at B={', B='.join(map(str, unused))}, which no band is ranked by "
+                                 "(`ranked_by: step`)")
 
 
 def load_measured(path: str | Path) -> MeasuredDocument:

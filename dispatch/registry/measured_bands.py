@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -24,9 +24,15 @@ from dispatch.registry.models import NameList, Strict
 _BATCH_SIZE = re.compile(r"(?:^|\s)[BR]=(\d+)(?=\s|$)")
 
 
+# What a measured order is by: the op's own times (`op`), or the whole step's with each candidate in
+# turn (`step`: tune's top-k at small batches, dispatch/bench/tune.py says why).
+RankedBy = Literal["op", "step"]
+
+
 class Band(Strict):
     batch_size_up_to: Annotated[int, Field(ge=1, le=MAX_CLI_BATCH, strict=True)]
     order: NameList  # fastest first over the shapes of this batch size; the key's backends, reordered
+    ranked_by: RankedBy = "op"  # "step": by the preference's step_shapes at this batch size
 
 
 def batch_size_of(shape: str) -> int | None:

@@ -82,9 +82,11 @@ def test_the_shipped_h200_bands_are_what_tune_derives_from_its_recorded_times():
             key = DispatchKey(preference.key.arch, preference.key.forward_mode[0], preference.key.next_n,
                               preference.key.fp8_dtype)
             shapes = [{"shape": s.shape, "median_us": dict(s.median_us)} for s in preference.shapes]
+            stepped = [{"shape": s.shape, "median_us": dict(s.median_us)} for s in preference.step_shapes]
             rule_order = list(document.registry.table(op).named_for(key))
-            derived = band_orders(shapes, list(preference.order), rule_order)
-            stored = [{"batch_size_up_to": b.batch_size_up_to, "order": list(b.order)} for b in preference.bands]
+            derived = band_orders(shapes, list(preference.order), rule_order, stepped)
+            stored = [{"batch_size_up_to": b.batch_size_up_to, "order": list(b.order),
+                       **({"ranked_by": "step"} if b.ranked_by == "step" else {})} for b in preference.bands]
             assert stored == derived, (op.value, key)
             banded += bool(stored)
     assert banded == 3  # top-k at next_n 1, 2 and 4: no single backend wins every batch size there

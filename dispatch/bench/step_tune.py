@@ -1,0 +1,90 @@
+"""`tune`'s top-k at small batches, ranked by the whole step: the step's rows (dispatch.bench.step's
+bench_step_topk with each candidate in turn, Q quant and logits fixed to what the overlay being written
+decides), and how every row of a key was timed, for the overlay's `timing` and `timed_eagerly`."""
+
+from __future__ import annotations
+
+from dispatch.contract.key import DispatchKey, Op
+
+# The top-k at batches of up to this many requests is ranked by the whole step (Q quant and logits as
+# decided for the key, then each top-k candidate in turn, one captured graph, the same plan and inputs),
+# not by the op alone. There a top-k is a few microseconds of work behind several launches, and what
+# its launches cost depends on what runs around them: on the H200 (2026-12-01, B=8 next_n 4 L~8K) the
+# Triton top-k, 13% the fastest alone, made the step 29.2 us against 23.1 with cuda.radix and 21.6 with
+# SGLang's v2. At larger batches the top-k's own work dominates and the logits (hundreds of
+# microseconds at B=128) would bury its differences in the step's noise, so the op alone, timed with
+# less noise, ranks it (docs/tune.md; what it cost and changed on the H200: docs/benchmarks.md).
+STEP_RANKED_UP_TO = 32
+
+
+def step_rows(tuner, next_n: int, passed: list[str]) -> list:
+    """The whole step with each top-k candidate that passed alone, at the tuner's batch sizes up to
+    its step_up_to (`tuner` is dispatch.bench.tune.Tuner)."""
+    from dispatch.bench.step import bench_step_topk
+    from dispatch.bench.workload import LogitsShape
+
+    candidates = sorted(set(passed))
+    sizes = [size for size in tuner.workload.batch_sizes if size <= tuner.step_up_to]
+    if len(candidates) < 2 or not sizes:
+        return []
+    rows = []
+    for batch_size in sizes:
+        for length in tuner.workload.lengths:
+            shape = LogitsShape(batch_size, next_n, length)
+            stages = stage_backends(tuner, shape)
+            for k in tuner.workload.k:
+                rows += tuner.report(bench_step_topk(tuner.dispatcher, shape, tuner.fp8, k=k, candidates=candidates,
+                                                    stages=stages, device=tuner.device, repeats=tuner.repeats,
+                                                    budget_s=tuner.common["budget_s"]))
+            tuner.free()
+    return rows
+
+
+def stage_backends(tuner, shape) -> dict[Op, str]:
+    """Q quant and logits for a step at `shape`: what the overlay being written will decide there,
+    so the top-k is ranked beside the stages it will run with. The cluster's prefer list (or a pin)
+    comes first, as the dispatcher's decision says; else this run's measured order (its band for
+    the batch size); else what the dispatcher decides now."""
+    from dispatch.registry.measured_bands import band_index
+
+    key = DispatchKey(tuner.dispatcher.target_arch, shape.forward_mode, shape.next_n, tuner.fp8)
+    stages = {}
+    for op in (Op.INDEXER_Q_QUANT, Op.PAGED_MQA_LOGITS):
+        decision = tuner.dispatcher.decide(op, key, batch_size=shape.batch_size)
+        fresh = tuner.fresh.get((op, shape.next_n))
+        if fresh is None or decision.source in ("cluster-prefer", "pinned"):
+            stages[op] = decision.backend
+            continue
+        bands = fresh.get("bands", [])
+        order = bands[band_index(tuple(b["batch_size_up_to"] for b in bands), shape.batch_size)]["order"] if bands \
+            else fresh["order"]
+        stages[op] = order[0]
+    return stages
+
+
+def stages_of(rows: list, shape: str) -> dict[str, str]:
+    """The step's other ops' backends at `shape`, as its rows recorded them."""
+    from dispatch.bench.step import STEP
+
+    return next((dict(row.extra["stages"]) for row in rows
+                 if getattr(row, "op", None) == STEP and row.shape == shape and "stages" in row.extra), {})
+
+
+def timing_of(rows: list, names: set[str]) -> dict:
+    """{"timing": ...} as the rows were timed: "graph" where any was replayed from a CUDA graph, with
+    `timed_eagerly` naming each backend of `names` timed eagerly somewhere and where; "eager" where
+    none was (a CPU); {} where the rows do not say."""
+    from dispatch.bench.step import STEP
+    from dispatch.bench.timing import EAGER, GRAPH
+
+    methods = [(row, getattr(row, "extra", {}).get("timing")) for row in rows if row.backend in names]
+    said = {method for _, method in methods if method}
+    if not said:
+        return {}
+    if GRAPH not in said:
+        return {"timing": EAGER}
+    eager: dict[str, str] = {}
+    for row, method in methods:
+        if method == EAGER:
+            eager.setdefault(row.backend, f"at {row.shape}" + (" in the step" if getattr(row, "op", None) == STEP else ""))
+    return {"timing": GRAPH, **({"timed_eagerly": eager} if eager else {})}
