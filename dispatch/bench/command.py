@@ -248,6 +248,7 @@ def _figure(value) -> str:
 # Extra figures some rows carry (the extend rows), printed after the check when present.
 _NOTES = (
     ("engine", str),
+    ("decided", str),
     ("step", str),
     ("no_fill_us", "without -inf fill {:.1f} us".format),
     ("x_deepgemm", "{:.2f}x deepgemm".format),

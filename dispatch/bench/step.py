@@ -31,6 +31,7 @@ from dispatch.bench.workload import (
 )
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.errors import DispatchError
 from dispatch.contract.key import DispatchKey, Fp8Dtype, Op
 from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk
 from dispatch.step.paged_plan import PagedBatch, build_plan
@@ -103,6 +104,7 @@ def bench_step(
     combinations = itertools.product(
         _step_candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted), _step_candidates(dispatcher, Op.TOPK, key, wanted)
     )
+    decided = _decided_pair(dispatcher, key, shape.batch_size)
     rows = []
     for logits_backend, topk_backend in combinations:
         row = Row(STEP, f"{logits_backend} + {topk_backend}", "-", f"{shape.label()} k={k}", bytes=bytes_,
@@ -110,6 +112,8 @@ def bench_step(
         stack = stack_of(key, logits_backend, topk_backend)
         if stack:  # what an engine itself runs here: the rows dispatch's decided step is read against
             row.extra["engine"] = stack
+        if (logits_backend, topk_backend) == decided:
+            row.extra["decided"] = f"dispatch's decision at B={shape.batch_size}"
         rows.append(row)
         try:
             plan, run_step = _step_call(dispatcher, inputs, fp8_dtype, k,
@@ -167,6 +171,16 @@ def bench_step_topk(
             row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=device != "cpu", repeats=repeats,
                                                              budget_s=budget_s)
     return rows
+
+
+def _decided_pair(dispatcher: Dispatcher, key: DispatchKey, batch_size: int) -> tuple[str, str] | None:
+    """(logits, top-k) as a plan of this batch size decides them, to mark that row; None where one
+    cannot be decided here (the row is then simply not marked)."""
+    try:
+        return tuple(dispatcher.decide(op, key, batch_size=batch_size).backend
+                     for op in (Op.PAGED_MQA_LOGITS, Op.TOPK))
+    except DispatchError:  # nothing decidable here (no eligible backend): every combination is still timed
+        return None
 
 
 def _step_candidates(dispatcher: Dispatcher, op: Op, key: DispatchKey, wanted: set[str] | None) -> list[str]:

@@ -6,6 +6,7 @@ import json
 import torch
 
 from dispatch.bench.compare import compare_logits
+from dispatch.contract.key import DispatchKey, ForwardMode, Fp8Dtype, Op
 from dispatch.cli.commands import main
 
 
@@ -77,6 +78,13 @@ def test_quick_bench_times_the_whole_step_per_backend_combination(capsys):
         assert row["op"] == "indexer_step" and row["check"] == "ok"
         assert row["quant_us"] > 0 and row["logits_us"] > 0 and row["topk_us"] > 0
         assert abs(row["x_logits"] - row["median_us"] / row["logits_us"]) < 1e-6 * row["x_logits"]
+    # The one combination a plan of this batch size decides is marked, so the step reads against it.
+    from dispatch.deciding.runtime import load_dispatcher
+
+    dispatcher = load_dispatcher()
+    key = DispatchKey(dispatcher.target_arch, ForwardMode.TARGET_VERIFY, 2, Fp8Dtype(report["fp8_dtype"]))
+    decided = " + ".join(dispatcher.decide(op, key, batch_size=2).backend for op in (Op.PAGED_MQA_LOGITS, Op.TOPK))
+    assert [r["backend"] for r in report["rows"] if r.get("decided")] == [decided]
 
 
 def test_compare_window_topk_checks_every_row_against_its_own_range():
