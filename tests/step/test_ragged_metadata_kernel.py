@@ -140,9 +140,9 @@ def test_on_a_gpu_build_ragged_metadata_takes_the_one_launch_path_and_matches_th
         pytest.skip("no GPU visible to torch")
     import dispatch.step.ragged_metadata_kernel as module
 
-    calls = []
-    real = module.ragged_metadata_in_one_launch
-    monkeypatch.setattr(module, "ragged_metadata_in_one_launch", lambda batch: calls.append(batch) or real(batch))
+    calls = []  # the one launch's function, looked up by its module at every call
+    real = module.ragged_metadata_on_device
+    monkeypatch.setattr(module, "ragged_metadata_on_device", lambda *args: calls.append(args) or real(*args))
     host = _random_batch(3 * REQUESTS_PER_STEP + 5, seed=5, pool=200)
     device = ExtendBatch.from_lengths(host.host_prefix_lens, host.host_extend_lens, host.page_table.cuda(),
                                       num_kv_blocks=200)
