@@ -89,6 +89,9 @@ def test_the_shipped_h200_bands_are_what_tune_derives_from_its_recorded_times():
                        **({"ranked_by": "step"} if b.ranked_by == "step" else {})} for b in preference.bands]
             assert stored == derived, (op.value, key)
             banded += bool(stored)
-    assert banded == 3  # top-k at next_n 1, 2 and 4: no single backend wins every batch size there
+    # Top-k at next_n 1, 2 and 4 (ranked by the step up to B = 32, so always banded) and the paged logits at
+    # next_n 1 and 2, where the Triton kernel wins at B = 1 and DeepGEMM's above.
+    assert banded == 5
     topk = {p.key.next_n: p for p in overlay.ops[Op.TOPK].preferences if ForwardMode.EXTEND not in p.key.forward_mode}
-    assert [b.order[0] for b in topk[2].bands] == ["cuda.radix", "sglang.topk_v2", "cuda.radix"]
+    assert [b.order[0] for b in topk[2].bands] == ["sglang.topk_v2", "cuda.radix", "cuda.radix", "cuda.radix"]
+    assert [b.ranked_by for b in topk[2].bands] == ["step", "step", "step", "op"]

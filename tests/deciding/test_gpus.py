@@ -47,7 +47,9 @@ def test_explain_gpu_h200_takes_its_arch_dtype_and_cluster(capsys):
     assert code == 0, err
     (decision,) = json.loads(out)["decisions"]
     assert decision["key"] == {"arch": "sm90", "forward_mode": "target_verify", "next_n": 4, "fp8_dtype": "e4m3fn"}
-    assert (decision["cluster"], decision["backend"], decision["source"]) == ("h200-mtp", "deepgemm.sm90.n4", "measured")
+    # The cluster prefers DeepGEMM's next_n 4 kernel where a build has it (measured ahead on 2026-12-01).
+    assert (decision["cluster"], decision["backend"], decision["source"]) == ("h200-mtp", "deepgemm.sm90.n4",
+                                                                              "cluster-prefer")
     code, out, _ = run(capsys, "explain", "--gpu", "h200")
     assert code == 0 and "explaining the H200 (NVIDIA H200): arch sm90, cluster `h200-mtp` (by its match)" in out
 
@@ -90,12 +92,14 @@ def test_gpus_decides_each_gpu_from_the_registry(capsys):
     assert list(rows) == [gpu.label for gpu in GPUS]
     h200 = rows["H200"]
     assert (h200["arch"], h200["cluster"]) == ("sm90", "h200-mtp")
-    assert h200["decided"]["decode"] == "deepgemm.sm90" and h200["decided"]["MTP next_n 4"] == "deepgemm.sm90.n4"
+    assert h200["decided"]["decode"] == "deepgemm.sm90 (B <= 1: triton)"
+    assert h200["decided"]["MTP next_n 4"] == "deepgemm.sm90.n4"
     assert h200["verified"] == "measured on an H200"
     # The H200 overlay's top-k bands that decide otherwise than each key's own order are named beside it.
     assert h200["decided"]["top-k"] == (
-        "decode: sglang.topk_v2 (B > 32: cuda.radix), MTP next_n 2: cuda.radix (8 < B <= 32: sglang.topk_v2), "
-        "MTP next_n 4: cuda.radix (B <= 8: triton), extend: cuda.radix"
+        "decode: cuda.radix (B <= 1: sglang.topk_v2; 1 < B <= 8: sglang.topk_v2), MTP next_n 2: cuda.radix "
+        "(B <= 1: sglang.topk_v2), MTP next_n 4: cuda.radix (B <= 1: sglang.topk_v2; 1 < B <= 8: sglang.topk_v2; "
+        "8 < B <= 32: sglang.topk_v2), extend: cuda.radix"
     )
     assert rows["B200"]["decided"]["decode"] == "deepgemm.sm100"
     assert "deepgemm.sm100: argument contract only" in rows["B200"]["verified"]
