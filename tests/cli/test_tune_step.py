@@ -285,3 +285,23 @@ def test_a_hold_that_runs_out_is_doubled_and_the_replays_timed_again(monkeypatch
     monkeypatch.setattr(timing, "_held_replays", slower_host)
     assert timing.time_graph(gpu.graph(), repeats=20) == pytest.approx(7e-6)
     assert len(gpu.holds) == 2 and gpu.holds[1] == pytest.approx(2 * gpu.holds[0], rel=1e-6)
+
+
+def test_a_step_limit_below_zero_is_a_usage_error(capsys):
+    from dispatch.cli.commands import main
+
+    assert main(["tune", "--quick", "--step-up-to", "-1"]) == 2
+    assert "argument --step-up-to: -1 is out of range; it must be from 0 to 1024" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_held_replays_of_a_small_call_time_less_than_one_at_a_time():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dispatch.bench.timing import _captured, time_cuda, time_graph
+
+    x = torch.ones(1 << 16, device="cuda")
+    graph = _captured([lambda: x.add_(1).mul_(0.5).add_(1).mul_(0.5)])  # four small kernels, a few us
+    one_at_a_time = time_cuda(graph.replay, repeats=50)
+    held = time_graph(graph, repeats=50)
+    assert 0 < held <= one_at_a_time
