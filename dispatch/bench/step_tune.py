@@ -13,8 +13,8 @@ from dispatch.contract.key import DispatchKey, Op
 # Triton top-k, 13% the fastest alone, made the step 29.2 us against 23.1 with cuda.radix and 21.6 with
 # SGLang's v2. At larger batches the top-k's own work dominates and the logits (hundreds of
 # microseconds at B=128) would bury its differences in the step's noise, so the op alone, timed with
-# less noise, ranks it. That is reasoning, not yet a measurement on the H200 (docs/tune.md says how to
-# measure it: `--step-up-to 128` times the step at every batch size beside the op alone).
+# less noise, ranks it. Above 32 that is reasoning, not a measurement on the H200 (docs/tune.md says how
+# to measure it: `--step-up-to 128` times the step at every batch size beside the op alone).
 STEP_RANKED_UP_TO = 32
 
 
