@@ -119,7 +119,8 @@ def check_then_time(row: Row, run, compare, *, on_gpu: bool, repeats: int, budge
     if row.check != "ok":
         return False
     calls = timed() if timed is not None else [run]
-    row.seconds, row.extra["timing"] = time_rotating(calls, on_gpu=on_gpu, repeats=repeats, budget_s=budget_s)
+    row.seconds, row.extra["timing"] = time_rotating(calls, on_gpu=on_gpu, repeats=repeats, budget_s=budget_s,
+                                                     what=f"{row.backend} at {row.shape}")
     return True
 
 

@@ -127,7 +127,8 @@ def bench_step(
         if row.check != "ok":
             continue
         on_gpu = device != "cpu"
-        row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=on_gpu, repeats=repeats)
+        row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=on_gpu, repeats=repeats,
+                                                         what=f"the step with {row.backend} at {row.shape}")
         for name, stage in stages.items():
             row.extra[f"{name}_us"] = time_rotating([stage], on_gpu=on_gpu, repeats=repeats)[0] * 1e6
         row.extra["x_logits"] = row.seconds * 1e6 / row.extra["logits_us"]
@@ -169,7 +170,7 @@ def bench_step_topk(
             continue
         if row.check == "ok":
             row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=device != "cpu", repeats=repeats,
-                                                             budget_s=budget_s)
+                                                             budget_s=budget_s, what=f"the step with {name} at {row.shape}")
     return rows
 
 

@@ -79,13 +79,14 @@ def time_host(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1, bu
 
 
 def time_rotating(
-    fns: list[Callable[[], object]], *, on_gpu: bool, repeats: int, budget_s: float | None = None
+    fns: list[Callable[[], object]], *, on_gpu: bool, repeats: int, budget_s: float | None = None, what: str = ""
 ) -> tuple[float, str]:
     """(median seconds per call, method), cycling through several input sets so the L2 never holds
     the next one. On a GPU the calls are captured in one CUDA graph, as engines run the indexer, so
-    the figure is the kernels' time, not Python's launch overhead; eager timing is the fallback."""
+    the figure is the kernels' time, not Python's launch overhead; eager timing is the fallback, which
+    the log names by `what` (the backend and shape)."""
     if on_gpu:
-        graph = _captured(fns)
+        graph = _captured(fns, what)
         if graph is not None:
             return time_graph(graph, repeats=repeats, budget_s=budget_s) / len(fns), GRAPH
     cycle = itertools.cycle(fns)
@@ -97,7 +98,7 @@ def time_rotating(
     return timer(next_call, repeats=repeats, budget_s=budget_s), EAGER
 
 
-def _captured(fns: list[Callable[[], object]]):
+def _captured(fns: list[Callable[[], object]], what: str = ""):
     """The calls captured in one CUDA graph, or None (said in the log) where a call cannot be captured
     (a host sync, a launch outside the capturing stream): that backend is then timed eagerly."""
     import torch
@@ -111,8 +112,9 @@ def _captured(fns: list[Callable[[], object]]):
             for fn in fns:
                 fn()
     except RuntimeError as error:
-        logger.warning("timed eagerly: the call could not be captured in a CUDA graph: %s: %s",
-                       type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        logger.warning("timed eagerly%s: the call could not be captured in a CUDA graph: %s: %s",
+                       f" ({what})" if what else "", type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")
         return None
     return graph
 
