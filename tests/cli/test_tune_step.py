@@ -24,6 +24,7 @@ from dispatch.deciding.runtime import build_dispatcher, load_plugins
 from dispatch.registry.document import load_registry
 from dispatch.registry.measured import parse_measured
 from tests.support.fakes import fake_plugin
+from tests.support.reference_registry import reference_registry
 
 
 def _tuner() -> Tuner:
@@ -130,23 +131,12 @@ def _recording_topk(name: str, calls: list, lag_s: float) -> Backend:
                    version="1")
 
 
-REGISTRY = """\
-version: 1
-ops:
-  paged_mqa_logits:
-    fallback: [torch.reference]
-  indexer_q_quant:
-    fallback: [torch.reference]
-  topk:
-    fallback: [torch.reference]
-  ragged_mqa_logits:
-    fallback: [torch.reference]
-clusters:
+REGISTRY = reference_registry("""\
   ci-cpu:
     disable: [triton, triton.flatten, torch.reference.flatten]
     workload: {batch_sizes: [2, 3], lengths: [160], next_n: [1], tokens: [8], k: [32], extend_requests: [1],
                extend_lens: [8], prefix_lens: [0]}
-"""
+""")
 DECODE = DispatchKey(Arch.CPU, ForwardMode.DECODE, 1, Fp8Dtype.E4M3FN)
 # Alone, as the op's runner would have timed them (made up, and the opposite of the step): `laggard` the
 # fastest, at both batch sizes.

@@ -8,22 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dispatch.contract.key import DispatchKey
+from tests.support.reference_registry import reference_registry
 
-REGISTRY = """\
-version: 1
-ops:
-  paged_mqa_logits:
-    fallback: [torch.reference, torch.reference.flatten]
-  indexer_q_quant:
-    fallback: [torch.reference]
-  topk:
-    fallback: [torch.reference]
-  ragged_mqa_logits:
-    fallback: [torch.reference]
-clusters:
-  banded:
-    measured: measured/banded.yaml
-"""
+REGISTRY = reference_registry("  banded:\n    measured: measured/banded.yaml\n",
+                              paged_fallback="torch.reference, torch.reference.flatten")
 
 NATIVE, FLATTEN = "torch.reference", "torch.reference.flatten"
 VERIFY = DispatchKey("cpu", "target_verify", 2, "e4m3fn")

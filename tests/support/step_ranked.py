@@ -8,22 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dispatch.contract.key import DispatchKey
+from tests.support.reference_registry import reference_registry
 
-REGISTRY = """\
-version: 1
-ops:
-  paged_mqa_logits:
-    fallback: [torch.reference]
-  indexer_q_quant:
-    fallback: [torch.reference]
-  topk:
-    fallback: [torch.reference]
-  ragged_mqa_logits:
-    fallback: [torch.reference]
-clusters:
-  stepped:
-    measured: measured/stepped.yaml
-"""
+REGISTRY = reference_registry("  stepped:\n    measured: measured/stepped.yaml\n")
 
 DECODE = DispatchKey("cpu", "decode", 1, "e4m3fn")
 SMALL, LARGE = "B=2 N=1 L~256 H=64 D=128 k=64", "B=16 N=1 L~256 H=64 D=128 k=64"
