@@ -160,8 +160,7 @@ class Preference(Strict):
         """The shapes measured at band `index`'s batch size, which its order is by (the step's, where
         the band is ranked by the step)."""
         band = self.bands[index]
-        shapes = self.step_shapes if band.ranked_by == "step" else self.shapes
-        return tuple(shape for shape in shapes if batch_size_of(shape.shape) == band.batch_size_up_to)
+        return _at_size(self.step_shapes if band.ranked_by == "step" else self.shapes, band.batch_size_up_to)
 
     def band_mean_us(self, index: int, backend: str) -> float:
         """Geometric mean of `backend`'s median times over band `index`'s shapes."""
@@ -179,10 +178,12 @@ class Preference(Strict):
 
     def alone_at(self, band: int | None) -> tuple[ShapeTimes, ...]:
         """The op's own times at the shapes the order a decision rests on is by (the key's, or band `band`'s)."""
-        if band is None:
-            return self.shapes
-        size = self.bands[band].batch_size_up_to
-        return tuple(shape for shape in self.shapes if batch_size_of(shape.shape) == size)
+        return self.shapes if band is None else _at_size(self.shapes, self.bands[band].batch_size_up_to)
+
+
+def _at_size(shapes: tuple[ShapeTimes, ...], size: int) -> tuple[ShapeTimes, ...]:
+    """The shapes measured at batch size `size`."""
+    return tuple(shape for shape in shapes if batch_size_of(shape.shape) == size)
 
 
 def out_of_order(order, mean_us) -> str | None:
@@ -309,11 +310,11 @@ def _band_problems(preference: Preference):
     missing = [size for size in measured if size not in bounds]
     if missing:
         yield ("bands",), f"no band for the measured batch size {', '.join(map(str, missing))}: one band per batch size"
-    stepped = {size: sorted(s.shape for s in preference.step_shapes if batch_size_of(s.shape) == size) for size in measured}
+    stepped = {size: sorted(s.shape for s in _at_size(preference.step_shapes, size)) for size in measured}
     for index, band in enumerate(preference.bands):
         at = ("bands", index, "order")
         size = band.batch_size_up_to
-        alone = sorted(s.shape for s in preference.shapes if batch_size_of(s.shape) == size)
+        alone = sorted(s.shape for s in _at_size(preference.shapes, size))
         if band.ranked_by == "step" and stepped.get(size) != alone:
             yield ("bands", index, "ranked_by"), (
                 f"is `step`, but `step_shapes` time {len(stepped.get(size, []))} of the {len(alone)} shapes at "
