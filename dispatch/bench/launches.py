@@ -17,7 +17,8 @@ def gpu_launches(fn: Callable[[], object]) -> int | None:
 
     fn()  # compile, JIT and allocate first: only the steady state's launches count
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as recorded:  # one cycle: no warning
+    # acc_events: keep the one cycle's events (without it the profiler warns that it clears them)
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as recorded:
         fn()
         torch.cuda.synchronize()
     return device_operations(recorded.events())
