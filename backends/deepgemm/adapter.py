@@ -51,6 +51,7 @@ from dispatch.contract import (
     DtypeMismatchError,
     PagedPlan,
     Layout,
+    ROW_UNIT_FLOATS,
     LayoutError,
     check_pages,
     debug_bounds_on,
@@ -147,13 +148,20 @@ def launch_paged_mqa_logits(
     """fp32 [rows * next_n, max_context_len]; positions past a token's length hold garbage.
 
     clean_logits stays off: it accepts only 1-D lens, and plans hold 2-D lens.
+    deep_gemm's output storage ends at the last row's width, so it is asked for the width rounded up to
+    ROW_UNIT_FLOATS and the first max_context_len columns are returned: the last row's 16-byte tail is
+    then inside the storage, and an engine's top-k reads the logits where they are (no copy). The extra
+    columns lie past every token's length (the plan's max_context_len bounds them), on pages the table
+    already covers (its width is whole pages of BLOCK_KV, a multiple of ROW_UNIT_FLOATS).
     """
     if hasattr(module, LOGITS_FP8_FP4):
         kernel, q_arg = getattr(module, LOGITS_FP8_FP4), (q, None)
     else:
         kernel, q_arg = getattr(module, LOGITS_FP8), q
+    readable = -(-max_context_len // ROW_UNIT_FLOATS) * ROW_UNIT_FLOATS
     # Positional: the eight leading parameters sit in the same places in every generation and binding.
-    return kernel(q_arg, kv_cache, weights, context_lens, block_table, schedule, max_context_len, False)
+    logits = kernel(q_arg, kv_cache, weights, context_lens, block_table, schedule, readable, False)
+    return logits[:, :max_context_len]
 
 
 def check_kernel_inputs(

@@ -40,6 +40,7 @@ from backends.triton.paged_schedule import PagedSchedule, program_count, schedul
 from dispatch.contract import (
     Fp8Dtype,
     LayoutError,
+    ROW_UNIT_FLOATS,
     check_pages,
     debug_bounds_on,
     scratch_error_flags,
@@ -316,9 +317,10 @@ def triton_paged_mqa_logits(
     num_blocks, block_kv = kv_cache.shape[0], kv_cache.shape[1]
     shape = (rows * next_n, max_context_len)
     if out is None:
-        # Rows start 16-byte aligned (the width padded to 4 floats, a view of the first W): the engines'
-        # top-k kernels load 16 bytes at a time and would otherwise need a copy of the logits.
-        out = torch.empty(shape[0], -(-shape[1] // 4) * 4, dtype=torch.float32, device=q.device)[:, : shape[1]]
+        # Rows start 16-byte aligned (the width padded to ROW_UNIT_FLOATS, a view of the first W): the
+        # engines' top-k kernels load 16 bytes at a time and would otherwise need a copy of the logits.
+        unit = ROW_UNIT_FLOATS
+        out = torch.empty(shape[0], -(-shape[1] // unit) * unit, dtype=torch.float32, device=q.device)[:, : shape[1]]
     elif out.dtype != torch.float32 or tuple(out.shape) != shape or out.stride(1) != 1 or out.device != q.device:
         raise LayoutError(f"out must be fp32 {list(shape)} contiguous along columns on {q.device}; got "
                           f"{out.dtype} {list(out.shape)}, strides {out.stride()} on {out.device}")

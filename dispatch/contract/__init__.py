@@ -36,7 +36,7 @@ from dispatch.contract.fp8 import fp8_dtype_of, torch_dtype
 from dispatch.contract.hookspecs import hookimpl
 from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.contract.kv_cache import BLOCK_KV, quantize_keys, split_kv_cache
-from dispatch.contract.layout import Layout
+from dispatch.contract.layout import ROW_UNIT_FLOATS, Layout
 from dispatch.contract.ops import (
     OP_CONTRACTS,
     IndexerQQuantRun,
@@ -134,6 +134,7 @@ __all__ = sorted(
         "IndexerQQuantRun",
         "InvalidKeyError",
         "Layout",
+        "ROW_UNIT_FLOATS",
         "LayoutError",
         "Op",
         "OpContract",

@@ -9,12 +9,13 @@ import sys
 import pytest
 import torch
 
+from backends.adapted_topk import aligned_rows
 from backends.deepgemm import plugin as availability
 from backends.deepgemm.plugin import deepgemm_availability, probe_for
 from backends.deepgemm.plugin import deepgemm_backends, register_backends
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.key import Arch, ForwardMode, Op
-from dispatch.contract.layout import Layout
+from dispatch.contract.layout import ROW_UNIT_FLOATS, Layout
 from dispatch.contract.ops import paged_mqa_logits
 from tests.support.fake_deep_gemm import FakeDeepGemm
 from tests.support.numerics import CPU_LOGITS_TOLERANCE, assert_logits_match
@@ -22,6 +23,7 @@ from tests.support.paged_batch import expected_logits, paged_batch
 from tests.support.plans import plan_for
 
 SEQ_LENS = [70, 5, 130]  # ragged, across page boundaries, one shorter than a page
+READABLE_WIDTH = 132  # max(SEQ_LENS) rounded up to ROW_UNIT_FLOATS: the width deep_gemm is asked for
 NUM_SMS = 8
 
 
@@ -121,7 +123,24 @@ def test_native_arguments(generation, name, next_n):
     pages = -(-max(SEQ_LENS) // 64)
     assert torch.equal(block_table, batch.page_table[:, :pages]) and block_table.shape[0] == rows
     assert schedule is plan.state.schedule and tuple(schedule.shape) == (NUM_SMS + 1, 2)
-    assert (max_len, clean) == (max(SEQ_LENS), False)
+    assert (max_len, clean) == (READABLE_WIDTH, False)
+
+
+@pytest.mark.parametrize("name,next_n", [("deepgemm.sm90", 1), ("deepgemm.sm90", 2), ("deepgemm.sm90.flatten", 3),
+                                         ("deepgemm.sm90.n4", 4), ("deepgemm.sm100", 3)])
+def test_logits_hold_each_rows_16_byte_tail_so_an_engines_top_k_reads_them_in_place(name, next_n):
+    # deep_gemm's storage ends at the last row's width; an engine's top-k loading 16 bytes at a time
+    # would read past it, so its adapter copied all the logits (19 us at B=128 L~32K on the H200).
+    fake, plan, _, out = run_once(name, next_n)
+    assert max(SEQ_LENS) % ROW_UNIT_FLOATS and READABLE_WIDTH == -(-max(SEQ_LENS) // ROW_UNIT_FLOATS) * ROW_UNIT_FLOATS
+    assert tuple(out.shape) == (plan.batch_size * next_n, max(SEQ_LENS))
+    assert out.untyped_storage().data_ptr() == fake.outputs[-1].untyped_storage().data_ptr()
+    assert aligned_rows(out, ROW_UNIT_FLOATS) is out  # no copy
+    made = fake.outputs[-1]  # the stand-in's storage, like deep_gemm's, ends at the width it was asked for
+    assert made.untyped_storage().nbytes() == ((made.shape[0] - 1) * made.stride(0) + READABLE_WIDTH) * 4
+    # Asked for max(SEQ_LENS) columns, as before, the last row's tail would be outside it: a copy.
+    short = torch.empty_strided(tuple(out.shape), made.stride())
+    assert aligned_rows(short, ROW_UNIT_FLOATS).data_ptr() != short.data_ptr()
 
 
 @pytest.mark.parametrize("next_n", [1, 3, 4])
@@ -357,7 +376,7 @@ def test_next_n4_arguments_and_a_schedule_of_one_task_per_cluster():
     assert context_lens is plan.context_lens and torch.equal(context_lens, causal_lens(SEQ_LENS, 4))
     assert block_table.shape[0] == len(SEQ_LENS)  # each request's pages once, not per token
     assert schedule is plan.state.schedule and tuple(schedule.shape) == (NUM_SMS // 2 + 1, 2)
-    assert (max_len, clean) == (max(SEQ_LENS), False)
+    assert (max_len, clean) == (READABLE_WIDTH, False)
     expected = expected_logits(batch)
     assert torch.equal(out == float("-inf"), expected == float("-inf"))
     assert_logits_match(out, expected, tolerance=CPU_LOGITS_TOLERANCE)

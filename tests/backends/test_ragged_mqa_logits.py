@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backends.adapted_topk import aligned_rows
 from backends.reference.ragged_mqa_logits import reference_ragged_mqa_logits as reference_logits
 from backends.triton.fp8_mode import Fp8Mode
 from backends.triton.ragged_mqa_logits import LaunchConfig, triton_ragged_mqa_logits
 from dispatch.contract.errors import DtypeMismatchError, LayoutError
 from dispatch.contract.key import Fp8Dtype
+from dispatch.contract.layout import ROW_UNIT_FLOATS
 from tests.support.extend_batch import extend_case
 
 ON_GPU = torch.cuda.is_available()
@@ -137,6 +139,20 @@ def test_any_ranges_are_clipped_to_the_buffer():
     ke = torch.randint(-50, 220, (rows,), generator=gen, dtype=torch.int32)
     args = [t.to(DEVICE) for t in (q, k, scales, weights, ks, ke)]
     assert_close(triton_ragged_mqa_logits(*args, config=LaunchConfig(rows=4, keys=32, fill=64)), reference_logits(*args))
+
+
+def test_rows_are_readable_in_16_byte_units_so_an_engines_top_k_needs_no_copy():
+    case = extend_case([90, 3], [17, 22], device=DEVICE, seed=4)
+    k, scales = case.gathered()
+    m = case.metadata
+    keep = m.total_keys - 1  # a key count that is not a multiple of ROW_UNIT_FLOATS
+    assert keep % ROW_UNIT_FLOATS
+    ke = m.ke.clamp(max=keep)
+    ks = torch.minimum(m.ks, ke)
+    out = triton_ragged_mqa_logits(case.q, k[:keep], scales[:keep], case.weights, ks, ke)
+    assert tuple(out.shape) == (m.total_tokens, keep)
+    assert aligned_rows(out, ROW_UNIT_FLOATS) is out
+    assert_close(out, reference_logits(case.q, k[:keep], scales[:keep], case.weights, ks, ke))
 
 
 def test_every_element_is_written():

@@ -137,7 +137,10 @@ class FakeDeepGemm(types.ModuleType):
             buffer = torch.full((rows * next_n, stride), float("nan"))
         else:
             buffer = torch.randn(rows * next_n, stride) * 1e3
-        out = buffer[:, :max_context_len]
+        # As sgl-deep-gemm 0.1.5 lays it out on the H200 (2026-12-02): rows `stride` apart, the storage
+        # ending at the last row's width (no padding after it).
+        out = torch.empty_strided((rows * next_n, max_context_len), (stride, 1))
+        out.copy_(buffer[:, :max_context_len])
         visible = exact != float("-inf")
         out[visible] = exact[visible]
         self.outputs.append(out)
