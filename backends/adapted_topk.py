@@ -19,6 +19,7 @@ torch is imported where these run: registering a backend must not import it (`va
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ from dispatch.contract import UnservedCallError
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,27 @@ def aligned_rows(logits: torch.Tensor, multiple: int) -> torch.Tensor:
                          and _holds_rounded_last_row(logits, multiple)):
         return logits
     rows, width = logits.shape
+    _say_copied(logits, multiple)
     padded = torch.empty(rows, -(-width // multiple) * multiple, dtype=logits.dtype, device=logits.device)
     padded[:, :width].copy_(logits)
     return padded[:, :width]
+
+
+_COPY_REASONS_SAID: set[tuple[int, bool, bool]] = set()
+
+
+def _say_copied(logits: torch.Tensor, multiple: int) -> None:
+    """Log, once per kind of layout, that the logits were copied: the copy is a full read and write of
+    them (19 us at 128 x 48.6K on the H200), so a caller handing such logits every layer should hear why
+    (dispatch's own logits backends hand rows readable in ROW_UNIT_FLOATS units and are never copied)."""
+    reason = (multiple, logits.stride(0) % multiple == 0, logits.data_ptr() % 16 == 0)
+    if reason in _COPY_REASONS_SAID:
+        return
+    _COPY_REASONS_SAID.add(reason)
+    why = ("its row stride is not a multiple of it" if not reason[1] else
+           "its base is not 16-byte aligned" if not reason[2] else
+           "its storage ends before the last row's width rounded up to it")
+    logger.warning("top-k: logits %s copied to rows of a multiple of %d floats: %s", list(logits.shape), multiple, why)
 
 
 def _holds_rounded_last_row(logits: torch.Tensor, multiple: int) -> bool:

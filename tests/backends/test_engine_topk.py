@@ -244,6 +244,24 @@ def test_a_row_stride_the_kernel_cannot_load_reaches_it_aligned(name):
     assert values_of(logits, out, None) == values_of(logits, want, None)
 
 
+def test_a_copy_for_alignment_is_said_once_with_its_reason(caplog, monkeypatch):
+    from backends import adapted_topk
+
+    monkeypatch.setattr(adapted_topk, "_COPY_REASONS_SAID", set())
+    backends, _ = engine_backends()
+    lengths = torch.full((4,), 2101, dtype=torch.int32)
+    short = torch.empty_strided((4, 2101), (2104, 1)).normal_()  # storage ends at the last row's width
+    with caplog.at_level("WARNING", logger="backends.adapted_topk"):
+        for _ in range(3):
+            backends["sglang.topk_v2"].run(short, lengths, 1024)
+        backends["sglang.topk_v2"].run(torch.randn(4, 2103)[:, :2101], lengths, 1024)
+        backends["sglang.topk_v2"].run(torch.randn(4, 2104)[:, :2101], lengths, 1024)  # readable: no copy
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "storage ends before the last row's width" in said[0] and "[4, 2101]" in said[0]
+    assert "row stride is not a multiple" in said[1]
+
+
 def test_vllm_kernels_get_per_row_lengths_the_width_as_bound_and_a_workspace():
     backends, calls = engine_backends()
     logits = torch.randn(3, 2500)
