@@ -38,3 +38,7 @@ for n in 1 2 4; do
   python3 -m dispatch explain --registry registry.yaml --cluster h200-mtp --forward-mode "$mode" --next-n "$n"
 done
 python3 -m dispatch explain --registry registry.yaml --cluster h200-mtp --forward-mode extend --op all
+# Issue 23 item 2: at each shape of its table, the decided top-k (by batch size and max_seq_len) against the
+# fastest engine kernel this tune measured there; exit 1 where one is more than 3% behind.
+table_rc=0; python3 tools/table_topk.py --registry registry.yaml --cluster h200-mtp || table_rc=$?
+echo "table_topk rc=$table_rc"

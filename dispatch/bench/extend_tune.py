@@ -1,6 +1,7 @@
 """`tune` for the extend key: every op the extend step runs (dispatch.step.paged_plan.EXTEND_STEP_OPS)
 with more than one eligible backend, over the workload's extend batches (every combination of
-`extend_requests`, `extend_lens` and `prefix_lens`), each backend checked against the reference first.
+`extend_requests`, `extend_lens` and `prefix_lens`, then the named `extend_batches`, whose requests'
+prefixes differ), each backend checked against the reference first.
 
 Each op is timed as the extend step calls it: Q quant at the batches' query-row counts M; the ragged
 logits over the whole batch without the -inf fill (clean_logits=False: the step's top-k reads only each
@@ -29,12 +30,14 @@ def measure_extend(tuner) -> None:
 
 
 def extend_shapes(workload) -> list[RaggedShape]:
-    return [
+    """The grid's batches (every combination), then the named ones whose prefixes spread."""
+    grid = [
         RaggedShape(requests, extend, prefix)
         for requests in workload.extend_requests
         for extend in workload.extend_lens
         for prefix in workload.prefix_lens
     ]
+    return grid + [RaggedShape(b.requests, b.extend, prefix_up_to=b.prefix_up_to) for b in workload.extend_batches]
 
 
 def _quant(tuner, shapes: list[RaggedShape], names: set[str]) -> list:

@@ -1,15 +1,15 @@
-"""How `tune` orders measured backends: for a key over all its shapes, and per batch-size band over
-each batch size's shapes alone (dispatch/registry/measured_bands.py says which batches a band serves).
-One rule for both, so a band is exactly the order tune would write for a key measured at that batch
-size only. These functions take the recorded per-shape medians, so an overlay's bands can be derived
-again from the times it already holds."""
+"""How `tune` orders measured backends: for a key over all its shapes, per batch-size band over each
+batch size's shapes alone, and per length sub-band over one batch size's shapes of one mean length
+(dispatch/registry/measured_bands.py says which batches each serves). One rule for all, so a band is
+exactly the order tune would write for a key measured at that batch size only. These functions take
+the recorded per-shape medians, so an overlay's bands can be derived again from the times it holds."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
 from dispatch.registry.measured import MEASURED_TIE as TIE, geometric_mean
-from dispatch.registry.measured_bands import batch_size_of
+from dispatch.registry.measured_bands import batch_size_of, length_bound, mean_len_of
 
 
 def measured_order(names: Iterable[str], mean_us: Callable[[str], float], rule_order: list[str]) -> list[str]:
@@ -30,28 +30,58 @@ def measured_order(names: Iterable[str], mean_us: Callable[[str], float], rule_o
 
 def band_orders(shapes: list[dict], order: list[str], rule_order: list[str], step_shapes: list[dict] = ()) -> list[dict]:
     """The `bands` of a preference whose key's order is `order`, from its shapes as tune writes them
-    ([{"shape": "B=8 N=1 ...", "median_us": {backend: us}}]): one band per batch size, ascending, each
+    ([{"shape": "B=8 N=1 L~8K ...", "median_us": {backend: us}}]): one band per batch size, ascending, each
     ordered by the geometric mean over that batch size's shapes. Where `step_shapes` (the whole step's
     times, same form) time every shape of a batch size, its band is ordered by those instead and says
-    so (`ranked_by: step`). None ([]) unless every shape names a batch size and there are at least two,
-    and none where every band's order is the key's and none is ranked by the step (no noise)."""
-    by_size: dict[int, list[dict[str, float]]] = {}
+    so (`ranked_by: step`). Inside a band, where the fastest differs between that batch size's measured
+    lengths, `lengths`: one sub-band per mean length L, ascending, bounded by 3L/2 (length_sub_bands).
+    None ([]) unless every shape names a batch size and there are at least two, or one with sub-bands;
+    and none where every band's order is the key's, none is ranked by the step and none has sub-bands."""
+    by_size: dict[int, list[dict]] = {}
     for shape in shapes:
         size = batch_size_of(shape["shape"])
         if size is None:
             return []
-        by_size.setdefault(size, []).append(shape["median_us"])
-    if len(by_size) < 2:
-        return []
+        by_size.setdefault(size, []).append(shape)
     stepped = step_times_by_size(shapes, step_shapes)
+    step_by_label = {shape["shape"]: shape for shape in step_shapes}
     bands = []
     for size in sorted(by_size):
-        times = stepped.get(size) or by_size[size]
-        banded = measured_order(order, lambda name: geometric_mean([t[name] for t in times]), rule_order)
-        bands.append({"batch_size_up_to": size, "order": banded, **({"ranked_by": "step"} if size in stepped else {})})
-    if all(band["order"] == list(order) and "ranked_by" not in band for band in bands):
+        ranking = [step_by_label[s["shape"]] for s in by_size[size]] if size in stepped else by_size[size]
+        banded = _ordered(ranking, order, rule_order)
+        lengths = length_sub_bands(ranking, order, rule_order, "step" if size in stepped else "op")
+        bands.append({"batch_size_up_to": size, "order": banded, **({"ranked_by": "step"} if size in stepped else {}),
+                      **({"lengths": lengths} if lengths else {})})
+    if len(bands) < 2 and not any("lengths" in band for band in bands):
+        return []
+    if all(band["order"] == list(order) and "ranked_by" not in band and "lengths" not in band for band in bands):
         return []
     return bands
+
+
+def length_sub_bands(shapes: list[dict], order: list[str], rule_order: list[str], ranked_by: str = "op") -> list[dict]:
+    """One batch size's length sub-bands from its shapes (the times its band is ranked by): one per
+    measured mean length L, ascending, `max_seq_len_up_to` 3L/2 (the longest request a batch of mean L
+    holds, so every measured batch lands in its own sub-band), each ordered by that length's shapes.
+    None ([]) unless every shape names a length, there are at least two, and the fastest differs
+    between them: where one backend leads at every length the band's order serves them all."""
+    by_length: dict[int, list[dict]] = {}
+    for shape in shapes:
+        length = mean_len_of(shape["shape"])
+        if length is None:
+            return []
+        by_length.setdefault(length, []).append(shape)
+    if len(by_length) < 2:
+        return []
+    subs = [{"max_seq_len_up_to": length_bound(length), "order": _ordered(by_length[length], order, rule_order),
+             **({"ranked_by": "step"} if ranked_by == "step" else {})} for length in sorted(by_length)]
+    if len({sub["order"][0] for sub in subs}) < 2:
+        return []
+    return subs
+
+
+def _ordered(shapes: list[dict], order: list[str], rule_order: list[str]) -> list[str]:
+    return measured_order(order, lambda name: geometric_mean([s["median_us"][name] for s in shapes]), rule_order)
 
 
 def step_times_by_size(shapes: list[dict], step_shapes: list[dict]) -> dict[int, list[dict[str, float]]]:

@@ -241,7 +241,8 @@ def bench_topk(
     if not candidates:  # a grid's worth of inputs and logits for nothing to time
         return []
     inputs = logits_inputs(shape, fp8_dtype, device, seed=0)
-    logits_backend = dispatcher.decide(Op.PAGED_MQA_LOGITS, key, batch_size=shape.batch_size).backend
+    logits_backend = dispatcher.decide(Op.PAGED_MQA_LOGITS, key, batch_size=shape.batch_size,
+                                       max_seq_len=max(inputs.seq_lens_host)).backend
     decided = _plan(dispatcher, logits_backend, mode, inputs, fp8_dtype)
     logits = paged_mqa_logits(decided, inputs.q_tokens, inputs.kv_cache, inputs.weights)
     floor = floor_seconds_of(topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k), 0.0, ceilings)

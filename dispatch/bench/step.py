@@ -104,7 +104,7 @@ def bench_step(
     combinations = itertools.product(
         _step_candidates(dispatcher, Op.PAGED_MQA_LOGITS, key, wanted), _step_candidates(dispatcher, Op.TOPK, key, wanted)
     )
-    decided = _decided_pair(dispatcher, key, shape.batch_size)
+    decided = _decided_pair(dispatcher, key, shape.batch_size, max(paged.seq_lens_host))
     rows = []
     for logits_backend, topk_backend in combinations:
         row = Row(STEP, f"{logits_backend} + {topk_backend}", "-", f"{shape.label()} k={k}", bytes=bytes_,
@@ -174,11 +174,11 @@ def bench_step_topk(
     return rows
 
 
-def _decided_pair(dispatcher: Dispatcher, key: DispatchKey, batch_size: int) -> tuple[str, str] | None:
-    """(logits, top-k) as a plan of this batch size decides them, to mark that row; None where one
-    cannot be decided here (the row is then simply not marked)."""
+def _decided_pair(dispatcher: Dispatcher, key: DispatchKey, batch_size: int, max_seq_len: int) -> tuple[str, str] | None:
+    """(logits, top-k) as a plan of this batch (its size and longest request) decides them, to mark that
+    row; None where one cannot be decided here (the row is then simply not marked)."""
     try:
-        return tuple(dispatcher.decide(op, key, batch_size=batch_size).backend
+        return tuple(dispatcher.decide(op, key, batch_size=batch_size, max_seq_len=max_seq_len).backend
                      for op in (Op.PAGED_MQA_LOGITS, Op.TOPK))
     except DispatchError:  # nothing decidable here (no eligible backend): every combination is still timed
         return None

@@ -22,22 +22,22 @@ def step_rows(tuner, next_n: int, passed: list[str]) -> list:
     """The whole step with each top-k candidate that passed alone, at the tuner's batch sizes up to
     its step_up_to (`tuner` is dispatch.bench.tune.Tuner)."""
     from dispatch.bench.step import bench_step_topk
-    from dispatch.bench.workload import LogitsShape
+    from dispatch.bench.workload import paged_shapes
 
     candidates = sorted(set(passed))
-    sizes = [size for size in tuner.workload.batch_sizes if size <= tuner.step_up_to]
-    if len(candidates) < 2 or not sizes:
+    # The op's own shapes (the grid's and the named ones) within the limit, so a band and its length
+    # sub-bands ranked by the step have the step's time at every shape they are by.
+    shapes = [shape for shape in paged_shapes(tuner.workload, next_n) if shape.batch_size <= tuner.step_up_to]
+    if len(candidates) < 2 or not shapes:
         return []
     rows = []
-    for batch_size in sizes:
-        for length in tuner.workload.lengths:
-            shape = LogitsShape(batch_size, next_n, length)
-            stages = stage_backends(tuner, shape)
-            for k in tuner.workload.k:
-                rows += tuner.report(bench_step_topk(tuner.dispatcher, shape, tuner.fp8, k=k, candidates=candidates,
-                                                    stages=stages, device=tuner.device, repeats=tuner.repeats,
-                                                    budget_s=tuner.common["budget_s"]))
-            tuner.free()
+    for shape in shapes:
+        stages = stage_backends(tuner, shape)
+        for k in tuner.workload.k:
+            rows += tuner.report(bench_step_topk(tuner.dispatcher, shape, tuner.fp8, k=k, candidates=candidates,
+                                                stages=stages, device=tuner.device, repeats=tuner.repeats,
+                                                budget_s=tuner.common["budget_s"]))
+        tuner.free()
     return rows
 
 
@@ -46,21 +46,34 @@ def stage_backends(tuner, shape) -> dict[Op, str]:
     so the top-k is ranked beside the stages it will run with. The cluster's prefer list (or a pin)
     comes first, as the dispatcher's decision says; else this run's measured order (its band for
     the batch size); else what the dispatcher decides now."""
-    from dispatch.registry.measured_bands import band_index
+    from dispatch.registry.measured_bands import band_index, length_bound
 
     key = DispatchKey(tuner.dispatcher.target_arch, shape.forward_mode, shape.next_n, tuner.fp8)
+    longest = length_bound(shape.mean_len)  # the batch's declared max_seq_len: its sub-band's bound
     stages = {}
     for op in (Op.INDEXER_Q_QUANT, Op.PAGED_MQA_LOGITS):
-        decision = tuner.dispatcher.decide(op, key, batch_size=shape.batch_size)
+        decision = tuner.dispatcher.decide(op, key, batch_size=shape.batch_size, max_seq_len=longest)
         fresh = tuner.fresh.get((op, shape.next_n))
         if fresh is None or decision.source in ("cluster-prefer", "pinned"):
             stages[op] = decision.backend
             continue
-        bands = fresh.get("bands", [])
-        order = bands[band_index(tuple(b["batch_size_up_to"] for b in bands), shape.batch_size)]["order"] if bands \
-            else fresh["order"]
-        stages[op] = order[0]
+        stages[op] = fresh_order(fresh, shape.batch_size, longest)[0]
     return stages
+
+
+def fresh_order(preference: dict, batch_size: int, max_seq_len: int) -> list[str]:
+    """The order a preference tune has just written (as a dict) gives a batch of that size and declared
+    max_seq_len: its length sub-band's, else its band's, else the key's (what the dispatcher will decide)."""
+    from dispatch.registry.measured_bands import band_index
+
+    bands = preference.get("bands", [])
+    if not bands:
+        return preference["order"]
+    band = bands[band_index(tuple(b["batch_size_up_to"] for b in bands), batch_size)]
+    lengths = band.get("lengths", [])
+    if not lengths:
+        return band["order"]
+    return lengths[band_index(tuple(sub["max_seq_len_up_to"] for sub in lengths), max_seq_len)]["order"]
 
 
 def stages_of(rows: list, shape: str) -> dict[str, str]:

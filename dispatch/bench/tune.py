@@ -41,7 +41,8 @@ from dispatch.registry.models import Workload
 from dispatch.contract.version import dispatch_version
 
 BUDGET_S = 0.5  # timing per backend and shape at most about this long: a slow reference takes 3 repeats
-QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,), extend_requests=(2,), extend_lens=(24,), prefix_lens=(40,))
+QUICK = dict(batch_sizes=(2,), lengths=(256,), tokens=(64,), extend_requests=(2,), extend_lens=(24,), prefix_lens=(40,),
+             shapes=(), extend_batches=())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,8 +101,8 @@ def _cpu_refusal(workload: Workload, args: argparse.Namespace) -> str | None:
 
     if args.quick or args.on_cpu or torch.cuda.is_available():
         return None
-    paged = len(workload.batch_sizes) * len(workload.lengths) * len(workload.next_n)
-    extend = len(workload.extend_requests) * len(workload.extend_lens) * len(workload.prefix_lens)
+    paged = len(workload.batch_sizes) * len(workload.lengths) * len(workload.next_n) + len(workload.shapes)
+    extend = len(workload.extend_requests) * len(workload.extend_lens) * len(workload.prefix_lens) + len(workload.extend_batches)
     return (
         f"no GPU visible to torch: the workload is {paged} paged shapes (batch sizes up to "
         f"{max(workload.batch_sizes)}, lengths up to {max(workload.lengths)}) and {extend} extend batches per "
@@ -202,7 +203,7 @@ class Tuner:
         return names
 
     def measure_paged(self, op: Op) -> None:
-        for next_n in self.workload.next_n:
+        for next_n in self.workload.paged_next_n():
             modes = self._modes(op, next_n)
             names = self.choosable(op, DispatchKey(self.dispatcher.target_arch, modes[0], next_n, self.fp8))
             if not names:
@@ -233,7 +234,7 @@ class Tuner:
 
     def _rows(self, op: Op, next_n: int | None, names: set[str] | None) -> list:
         from dispatch.bench.runner import bench_logits, bench_quant, bench_topk
-        from dispatch.bench.workload import LogitsShape, QuantShape
+        from dispatch.bench.workload import QuantShape, paged_shapes
 
         rows = []
         w, d = self.workload, self.dispatcher
@@ -242,18 +243,16 @@ class Tuner:
             for tokens in w.tokens:
                 rows += self.report(bench_quant(d, QuantShape(tokens), self.fp8, wanted=names, **self.common))
             return rows
-        for batch_size in w.batch_sizes:
-            for length in w.lengths:
-                shape = LogitsShape(batch_size, next_n, length)
-                if op is Op.PAGED_MQA_LOGITS:
-                    measured = bench_logits(d, shape, self.fp8, tolerance=self.tolerance, wanted=names, **self.common)
-                    rows += self.report(measured)
-                elif op is Op.TOPK:
-                    for k in w.k:
-                        rows += self.report(bench_topk(d, shape, self.fp8, k=k, wanted=names, **self.common))
-                else:  # a new op of the paged step (PAGED_STEP_OPS, from the op files) needs its runs here
-                    raise AssertionError(f"tune cannot measure {op.value}: add its runs to dispatch/bench/tune.py")
-                self.free()
+        for shape in paged_shapes(w, next_n):  # the grid's, then the named shapes
+            if op is Op.PAGED_MQA_LOGITS:
+                measured = bench_logits(d, shape, self.fp8, tolerance=self.tolerance, wanted=names, **self.common)
+                rows += self.report(measured)
+            elif op is Op.TOPK:
+                for k in w.k:
+                    rows += self.report(bench_topk(d, shape, self.fp8, k=k, wanted=names, **self.common))
+            else:  # a new op of the paged step (PAGED_STEP_OPS, from the op files) needs its runs here
+                raise AssertionError(f"tune cannot measure {op.value}: add its runs to dispatch/bench/tune.py")
+            self.free()
         return rows
 
     def report(self, rows: list) -> list:
@@ -330,8 +329,9 @@ def _header(cluster: str | None, overlay: dict, relative: str | None) -> str:
         f"# Measured by `python -m dispatch tune{f' --cluster {cluster}' if cluster else ''}` on {overlay['machine']}, "
         f"{overlay['date']}.\n"
         "# Per op and key: the backends fastest first (geometric mean of median times over the shapes), where\n"
-        "# one backend does not win every batch size the same per batch-size band (`bands`), each shape's\n"
-        "# times, and the backends that failed the check against the reference (never preferred).\n"
+        "# one backend does not win every batch size the same per batch-size band (`bands`), inside a band per\n"
+        "# length where one does not win every length (`lengths`, up to each measured mean L's 3L/2), each\n"
+        "# shape's times, and the backends that failed the check against the reference (never preferred).\n"
         "# `ranked_by: step`: that order is by the whole step's times (`step_shapes`), each candidate in turn;\n"
         "# `timing`: graph (CUDA-graph replays) or eager, with any backend timed eagerly (`timed_eagerly`).\n"
         f"# A cluster includes it with {include}; re-run tune rather than edit it.\n"

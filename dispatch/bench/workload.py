@@ -26,8 +26,19 @@ class LogitsShape:
         return ForwardMode.DECODE if self.next_n == 1 else ForwardMode.TARGET_VERIFY
 
     def label(self) -> str:
-        length = f"{self.mean_len // 1024}K" if self.mean_len >= 1024 else str(self.mean_len)
+        # Exact (8K, 3000), never rounded: a length sub-band is found again from this label
+        # (dispatch.registry.measured_bands.mean_len_of), and two lengths must not share one.
+        length = f"{self.mean_len // 1024}K" if self.mean_len >= 1024 and self.mean_len % 1024 == 0 else str(self.mean_len)
         return f"B={self.batch_size} N={self.next_n} L~{length} H={self.heads} D={self.head_dim}"
+
+
+def paged_shapes(workload, next_n: int) -> list[LogitsShape]:
+    """The paged shapes `tune` measures at `next_n` (`workload` is dispatch.registry.models.Workload): the
+    grid's (batch_sizes x lengths), then the named `shapes` of that next_n, as one list, so every op's
+    tune and the step's ranking measure exactly the same shapes."""
+    grid = [LogitsShape(size, next_n, length) for size in workload.batch_sizes for length in workload.lengths
+            if next_n in workload.next_n]
+    return grid + [LogitsShape(s.batch_size, next_n, s.length) for s in workload.shapes if s.next_n == next_n]
 
 
 @dataclass(frozen=True)
@@ -119,13 +130,17 @@ def topk_floor_bytes(lengths: list[int], next_n: int, k: int) -> float:
 @dataclass(frozen=True)
 class RaggedShape:
     """An extend batch: `requests` requests of `extend` new tokens after `prefix` cached keys
-    each, so M = requests * extend query rows and S = requests * (prefix + extend) gathered keys."""
+    each, so M = requests * extend query rows and S = requests * (prefix + extend) gathered keys.
+    With `prefix_up_to`, the prefixes differ instead: request i's is i * prefix_up_to / (requests - 1),
+    so the rows' windows spread from 1 to prefix_up_to + extend (chunked prefill's mix; the workload's
+    `extend_batches`)."""
 
     requests: int
     extend: int
     prefix: int = 0
     heads: int = 64
     head_dim: int = 128
+    prefix_up_to: int | None = None
 
     @classmethod
     def parse(cls, text: str, heads: int, head_dim: int) -> "RaggedShape":
@@ -135,18 +150,28 @@ class RaggedShape:
         return cls(int(requests), int(extend), int(prefix or 0), heads, head_dim)
 
     @property
+    def prefixes(self) -> tuple[int, ...]:
+        """Each request's cached keys."""
+        if self.prefix_up_to is None or self.requests < 2:
+            return (self.prefix,) * self.requests
+        return tuple(i * self.prefix_up_to // (self.requests - 1) for i in range(self.requests))
+
+    @property
     def rows(self) -> int:
         return self.requests * self.extend
 
     @property
     def keys(self) -> int:
-        return self.requests * (self.prefix + self.extend)
+        return sum(self.prefixes) + self.requests * self.extend
 
     def label(self) -> str:
-        def short(n: int) -> str:
-            return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+        spread = "" if self.prefix_up_to is None else f" P=0..{_short(self.prefix_up_to)}"
+        return (f"M={_short(self.rows)} S={_short(self.keys)} R={self.requests}{spread} "
+                f"H={self.heads} D={self.head_dim}")
 
-        return f"M={short(self.rows)} S={short(self.keys)} R={self.requests} H={self.heads} D={self.head_dim}"
+
+def _short(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 @dataclass(frozen=True)
@@ -164,25 +189,26 @@ def ragged_inputs(shape: RaggedShape, fp8_dtype: Fp8Dtype, device: str, seed: in
     from dispatch.step.extend_batch import ExtendBatch
 
     on = torch.Generator(device=device).manual_seed(seed)
-    total = shape.prefix + shape.extend
-    keys = [torch.randn(total, shape.head_dim, device=device, generator=on) for _ in range(shape.requests)]
+    prefixes = list(shape.prefixes)
+    keys = [torch.randn(prefix + shape.extend, shape.head_dim, device=device, generator=on) for prefix in prefixes]
     cache, table = build_paged_kv_cache(keys, fp8_dtype, generator=on)
     del keys
     rows = shape.rows
-    positions = torch.arange(shape.prefix, total, device=device).repeat(shape.requests)
+    positions = torch.cat([torch.arange(prefix, prefix + shape.extend, device=device) for prefix in prefixes])
+    longest = max(prefixes) + shape.extend
     return RaggedInputs(
-        batch=ExtendBatch.from_lengths([shape.prefix] * shape.requests, [shape.extend] * shape.requests, table),
+        batch=ExtendBatch.from_lengths(prefixes, [shape.extend] * shape.requests, table),
         kv_cache=cache,
         q=torch.randn(rows, shape.heads, shape.head_dim, device=device, generator=on).to(torch.bfloat16),
         weights=torch.randn(rows, shape.heads, device=device, generator=on),
         positions=positions,
-        cos_sin_cache=torch.randn(max(total, 1), 64, device=device, generator=on).to(torch.bfloat16),
+        cos_sin_cache=torch.randn(max(longest, 1), 64, device=device, generator=on).to(torch.bfloat16),
     )
 
 
 def ragged_visible_count(shape: RaggedShape) -> int:
     """(query row, key) pairs an extend batch's rows see: prefix + j + 1 for new token j (causal)."""
-    return shape.requests * (shape.extend * shape.prefix + shape.extend * (shape.extend + 1) // 2)
+    return sum(shape.extend * prefix for prefix in shape.prefixes) + shape.requests * (shape.extend * (shape.extend + 1) // 2)
 
 
 def ragged_topk_floor_bytes(shape: RaggedShape, k: int) -> float:

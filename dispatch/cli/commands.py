@@ -144,6 +144,11 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                          help="the batch's request count, which picks the cluster's measured batch-size band where "
                               "its overlay has bands (default: the count of --seq-lens or --extend-lens; without any, "
                               f"the key's own measured order, each band's choice listed); 1 to {MAX_CLI_BATCH}")
+    explain.add_argument("--max-seq-len", type=_max_seq_len, default=None, metavar="L",
+                         help="with --batch-size: the batch's declared bound on its longest request (a plan's "
+                              "PagedBatch.max_seq_len), which picks the length sub-band inside the measured band "
+                              "where it has them (default: the band's own order, each sub-band's choice listed; "
+                              f"--seq-lens gives its longest); 1 to {MAX_CLI_SEQ_LEN}")
     explain.add_argument("--extend-lens", type=_extend_lens, metavar="E,E,...",
                          help="explain an extend batch's plan, --forward-mode extend implied: each "
                               "request's new tokens E, scored after its --prefix-lens cached keys (e.g. 100,3,700)")
@@ -206,6 +211,10 @@ def _bounded(text: str, what: str, high: int, low: int | None = 1) -> int:
 
 def _batch_size(text: str) -> int:
     return _bounded(text, "--batch-size", MAX_CLI_BATCH)
+
+
+def _max_seq_len(text: str) -> int:
+    return _bounded(text, "--max-seq-len", MAX_CLI_SEQ_LEN)
 
 
 def _next_n(text: str) -> int:
@@ -294,7 +303,8 @@ def _explain(args: argparse.Namespace) -> int:
     if args.op is None:
         args.op = (Op.RAGGED_MQA_LOGITS if mode is ForwardMode.EXTEND else Op.PAGED_MQA_LOGITS).value
     ops = [op for op in Op if op in ops_for(mode)] if args.op == "all" else [Op(args.op)]
-    explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens, batch_size=batch_size)
+    explanation = explain(dispatcher, key, ops=ops, seq_lens=args.seq_lens, batch_size=batch_size,
+                          max_seq_len=_explained_max_seq_len(args, batch_size))
     engine = _engine_report(args.engine, key, ops) if args.engine else None
     if args.json:
         print(json.dumps({**explanation.as_dict(), **({"engine": engine[0]} if engine else {})}, indent=2))
@@ -342,6 +352,19 @@ def _explained_batch_size(args: argparse.Namespace) -> int | None:
         raise InvalidKeyError(f"--batch-size {args.batch_size} but {option} lists {len(lengths)} requests; "
                               f"{option} gives the batch's size (leave --batch-size out)")
     return len(lengths)
+
+
+def _explained_max_seq_len(args: argparse.Namespace, batch_size: int | None) -> int | None:
+    """--max-seq-len, which a band's length sub-band is picked by: only beside a batch size (a plan
+    declares both), and not with --seq-lens, whose longest is the batch's bound."""
+    if args.max_seq_len is None:
+        return None
+    if args.seq_lens or args.extend_lens:
+        raise InvalidKeyError("--max-seq-len with --seq-lens or --extend-lens: the lengths give the batch's "
+                              "longest request (leave --max-seq-len out)")
+    if batch_size is None:
+        raise InvalidKeyError("--max-seq-len picks a length sub-band inside a batch-size band: give --batch-size too")
+    return args.max_seq_len
 
 
 def _engine_report(engine: str, key, ops) -> tuple[list[dict], str]:

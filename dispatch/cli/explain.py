@@ -3,6 +3,7 @@
     from dispatch.cli.explain import explain
     explanation = explain(load_dispatcher(arch="sm90"), DispatchKey("sm90", "target_verify", 4, "e4m3fn"))
     explain(dispatcher, key, batch_size=32)  # the measured band of a batch of 32 requests, where there are bands
+    explain(dispatcher, key, batch_size=32, max_seq_len=12288)  # and its length sub-band, where it has them
     print(explanation.text())          # what `python -m dispatch explain` prints
     explanation.as_dict()              # what `python -m dispatch explain --json` prints
 """
@@ -18,7 +19,7 @@ from dispatch.contract.decision import Decision
 from dispatch.contract.errors import InvalidBatchError
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.contract.key import DispatchKey, Op
-from dispatch.registry.measured_bands import band_label
+from dispatch.registry.measured_bands import band_label, length_label
 
 if TYPE_CHECKING:
     from dispatch.step.paged_plan import PagedPlan
@@ -26,25 +27,32 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BandChoice:
-    """What one measured batch-size band of a key decides, listed when no batch size was given."""
+    """What one measured batch-size band of a key decides (or, with `max_seq_len_up_to`, one length
+    sub-band inside it), listed when no batch size (or no max_seq_len) was given."""
 
     batch_size_up_to: int
-    serves: str  # "B <= 8", "8 < B <= 32", "B > 32"
+    serves: str  # "B <= 8", "8 < B <= 32", "B > 32"; a sub-band's "rows <= 12K", "rows > 12K"
     decision: Decision
+    lengths: tuple["BandChoice", ...] = ()  # the band's length sub-bands' choices, where it has them
+    max_seq_len_up_to: int | None = None  # a sub-band's bound
 
     def as_dict(self) -> dict[str, Any]:
         d = self.decision
-        return {"batch_size_up_to": self.batch_size_up_to, "serves": self.serves, "backend": d.backend,
-                "layout": d.layout.value, "rule": d.rule, "source": d.source}
+        bound = {"max_seq_len_up_to": self.max_seq_len_up_to} if self.max_seq_len_up_to is not None else {}
+        return {"batch_size_up_to": self.batch_size_up_to, **bound, "serves": self.serves, "backend": d.backend,
+                "layout": d.layout.value, "rule": d.rule, "source": d.source,
+                **({"lengths": [sub.as_dict() for sub in self.lengths]} if self.lengths else {})}
 
     def text(self) -> str:
-        return f"{self.serves}: {self.decision.backend}"
+        subs = f" ({', '.join(sub.text() for sub in self.lengths)})" if self.lengths else ""
+        return f"{self.serves}: {self.decision.backend}{subs}"
 
 
 @dataclass(frozen=True)
 class Explanation:
     """The decisions for a key, and with seq_lens the plan an engine would build for that batch; without
-    a batch size, each op's measured bands' choices (by op), where its overlay has bands."""
+    a batch size, each op's measured bands' choices (by op), where its overlay has bands; with one but no
+    max_seq_len, the choices of that band's length sub-bands, where it has them."""
 
     dispatcher: Dispatcher
     decisions: tuple[Decision, ...]
@@ -59,10 +67,7 @@ class Explanation:
             plan = {key: value for key, value in self.plan.as_dict().items() if key != "decisions"}
             plan |= {"context_lens": self.plan.context_lens.tolist(), "block_table": self.plan.block_table.tolist()}
         bands = dict(self.bands)
-        decisions = [
-            decision.as_dict() | ({"bands": [b.as_dict() for b in bands[decision.op]]} if decision.op in bands else {})
-            for decision in self.decisions
-        ]
+        decisions = [decision.as_dict() | _listed(bands.get(decision.op, ())) for decision in self.decisions]
         return {"decisions": decisions, "plan": plan}
 
     def text(self) -> str:
@@ -86,17 +91,22 @@ def explain(
     ops: Iterable[Op | str] = tuple(Op),
     seq_lens: Sequence[int] | None = None,
     batch_size: int | None = None,
+    max_seq_len: int | None = None,
 ) -> Explanation:
     """Decide `ops` for `key`, or with `seq_lens` (each request's total length) build the whole plan for
     that batch on the CPU. `batch_size` (the batch's request count; with seq_lens, their count) picks
     each op's measured batch-size band; without one the key's own order decides and every band's choice
-    is listed. Backends are never run: a per-batch `prepare` is skipped, so a what-if for another
+    is listed. `max_seq_len` (with batch_size; with seq_lens, their longest) picks the length sub-band
+    inside the band; without it, where the band has sub-bands, each one's choice is listed. Backends are never run: a per-batch `prepare` is skipped, so a what-if for another
     machine needs none of its vendor libraries. Raises InvalidBatchError for lengths that cannot occur
     or a batch size that cannot, NoBackendError when no backend fits."""
     if seq_lens is None:
-        decisions = tuple(dispatcher.decide(Op(op), key, batch_size=batch_size) for op in ops)
+        decisions = tuple(dispatcher.decide(Op(op), key, batch_size=batch_size, max_seq_len=max_seq_len) for op in ops)
         if batch_size is not None:
-            return Explanation(dispatcher, decisions)
+            if max_seq_len is not None:
+                return Explanation(dispatcher, decisions)
+            subs = tuple((d.op, choices) for d in decisions if (choices := length_choices(dispatcher, d.op, key, batch_size)))
+            return Explanation(dispatcher, decisions, bands=subs)
         bands = tuple((d.op, choices) for d in decisions if (choices := band_choices(dispatcher, d.op, key)))
         return Explanation(dispatcher, decisions, bands=bands)
     if batch_size is not None and batch_size != len(seq_lens):
@@ -124,8 +134,19 @@ def band_choices(dispatcher: Dispatcher, op: Op, key: DispatchKey) -> tuple[Band
     16: an overlay's bands are bounded like a workload's batch sizes)."""
     sizes = dispatcher.band_sizes(op, key)
     return tuple(
-        BandChoice(size, band_label(sizes, index), dispatcher.decide(op, key, batch_size=size))
+        BandChoice(size, band_label(sizes, index), dispatcher.decide(op, key, batch_size=size),
+                   length_choices(dispatcher, op, key, size))
         for index, size in enumerate(sizes)
+    )
+
+
+def length_choices(dispatcher: Dispatcher, op: Op, key: DispatchKey, batch_size: int) -> tuple[BandChoice, ...]:
+    """Each length sub-band's decision inside the band serving `batch_size`, ascending; empty where it has none."""
+    bounds = dispatcher.band_lengths(op, key, batch_size)
+    return tuple(
+        BandChoice(batch_size, length_label(bounds, index),
+                   dispatcher.decide(op, key, batch_size=batch_size, max_seq_len=bound), max_seq_len_up_to=bound)
+        for index, bound in enumerate(bounds)
     )
 
 
@@ -139,7 +160,7 @@ def decision_text(decision: Decision, dispatcher: Dispatcher, bands: Sequence[Ba
         f"  chosen:   {decision.backend}",
         f"  layout:   {decision.layout.value}: {decision.layout.describe()}",
         f"  by:       {decision.chosen_by}{where}",
-        *([f"  by batch: {'; '.join(b.text() for b in bands)} (--batch-size B explains one)"] if bands else []),
+        *_by_band(bands),
         f"  plugin:   {decision.plugin} (distribution {decision.impl.distribution} "
         f"{decision.impl.plugin_version or '-'}; library version {decision.impl.version or '-'})",
         f"  cluster:  {decision.cluster or 'none'}",
@@ -152,6 +173,24 @@ def decision_text(decision: Decision, dispatcher: Dispatcher, bands: Sequence[Ba
         lines.append("  rejected:")
         lines += [f"    {r.backend.ljust(width)}  {r.reason}" for r in decision.rejected]
     return "\n".join(lines)
+
+
+def _listed(bands: Sequence[BandChoice]) -> dict[str, Any]:
+    """{"bands": [...]} (each band's choice), {"lengths": [...]} (with a batch size: each sub-band's), or {}."""
+    if not bands:
+        return {}
+    return {"lengths" if bands[0].max_seq_len_up_to is not None else "bands": [b.as_dict() for b in bands]}
+
+
+def _by_band(bands: Sequence[BandChoice]) -> list[str]:
+    """The `by batch:` line (each band's choice, its sub-bands' beside it), or with a batch size given
+    the `by length:` line (each sub-band's choice in its band)."""
+    if not bands:
+        return []
+    if bands[0].max_seq_len_up_to is not None:
+        return [f"  by length: {'; '.join(b.text() for b in bands)} (--max-seq-len L explains one)"]
+    more = " (--batch-size B explains one" + (", with --max-seq-len L a sub-band)" if any(b.lengths for b in bands) else ")")
+    return [f"  by batch: {'; '.join(b.text() for b in bands)}{more}"]
 
 
 def _evidence(decision: Decision) -> list[str]:

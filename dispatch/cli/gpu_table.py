@@ -67,12 +67,16 @@ def _row(gpu: Gpu, dispatcher: Dispatcher) -> GpuRow:
             decision = dispatcher.decide(op, key)
             sizes = dispatcher.band_sizes(op, key)
             bands = [dispatcher.decide(op, key, batch_size=size) for size in sizes]
+            subs = [dispatcher.decide(op, key, batch_size=size, max_seq_len=bound)
+                    for size in sizes for bound in dispatcher.band_lengths(op, key, size)]
         except NoBackendError:
             return NONE
-        for chosen in [decision, *bands]:
+        for chosen in [decision, *bands, *subs]:
             verified.append((column, chosen.backend, chosen.impl.verified_on(gpu.arch).value))
-        # The measured batch-size bands that decide otherwise than the key's own order, so none is hidden.
+        # The measured bands (and length sub-bands) that decide otherwise than the key's own order, so none
+        # is hidden.
         other = [f"{band_label(sizes, i)}: {band.backend}" for i, band in enumerate(bands) if band.backend != decision.backend]
+        other += [f"{sub.band}: {sub.backend}" for sub in subs if sub.backend != decision.backend]
         return decision.backend + (f" ({'; '.join(other)})" if other else "")
 
     keys = [DispatchKey(gpu.arch, mode, next_n, gpu.fp8_dtype) for _, mode, next_n, _ in STEPS]

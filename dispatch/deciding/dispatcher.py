@@ -5,7 +5,9 @@ Order of consideration: the cluster's `prefer` list, then the cluster's measured
 then the first rule whose `when` matches the key (its `use` list in order), then the op's fallback
 chain. Where the overlay measured the key at several batch sizes and the caller declares the batch's
 size (`decide(op, key, batch_size=B)`, as a plan does), the measured order is that batch size's band
-(dispatch/registry/measured_bands.py); the prefer list, disabled backends and pinning are unchanged.
+(dispatch/registry/measured_bands.py), and where that band has length sub-bands and the caller also
+declares the batch's max_seq_len (`decide(..., batch_size=B, max_seq_len=L)`, as build_plan does), the
+sub-band's; the prefer list, disabled backends and pinning are unchanged.
 A candidate is eligible when it is not disabled, supports the key and (when checked) is available on
 this machine. The first eligible candidate wins; every other registered backend of the
 op is listed with the reason it lost (a measured one: "measured slower: 202.6 us vs 161.9 us", or
@@ -25,7 +27,7 @@ from dispatch.contract.decision import Decision, Evidence, Rejection
 from dispatch.contract.errors import InvalidBatchError, NoBackendError
 from dispatch.contract.key import Arch, DispatchKey, Op
 from dispatch.registry.document import RegistryDocument
-from dispatch.registry.measured_bands import band_index, band_label, batch_size_of
+from dispatch.registry.measured_bands import band_index, band_label, batch_size_of, length_label
 
 logger = logging.getLogger("dispatch")
 # The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
@@ -41,6 +43,21 @@ class _Step:
     label: str  # how explain names the step: "rule `x`", "cluster `c` prefer", "fallback[1]"
     location: tuple  # where registry.yaml says it: ("ops", op, "rules", i), ("clusters", c, "prefer", i), ...
     where: str = ""  # "file:line" when a measured overlay, not registry.yaml, says it
+
+
+def _band_at(band: int | None, length: int | None) -> tuple:
+    """Where in a preference the order a decision rests on is: the key's, a band's, or its sub-band's."""
+    if band is None:
+        return ()
+    return ("bands", band) + (("lengths", length) if length is not None else ())
+
+
+def served_label(preference, band: int, length: int | None) -> str:
+    """The batches a band (and sub-band) serves: "8 < B <= 32", "B <= 32, rows <= 12K"."""
+    label = band_label(preference.bounds, band)
+    if length is None:
+        return label
+    return f"{label}, {length_label(preference.bands[band].length_bounds, length)}"
 
 
 class Dispatcher:
@@ -63,52 +80,71 @@ class Dispatcher:
         self._disabled = self._disabled_backends()
         self._measured = document.measured.get(cluster) if cluster is not None else None
         self._bounds = self._band_bounds()
-        self._cache: dict[tuple[Op, DispatchKey, int | None], Decision] = {}
+        self._cache: dict[tuple[Op, DispatchKey, int | None, int | None], Decision] = {}  # (op, key, band, sub-band)
         self._lock = threading.Lock()
 
     @property
     def fingerprint(self) -> str:
         return self.document.fingerprint
 
-    def decide(self, op: Op | str, key: DispatchKey, *, batch_size: int | None = None) -> Decision:
+    def decide(self, op: Op | str, key: DispatchKey, *, batch_size: int | None = None,
+               max_seq_len: int | None = None) -> Decision:
         """The decision for `key`, for a batch of `batch_size` requests when the caller declares it
-        (None: the key's own measured order); computed once per (op, key, band), then cached."""
+        (None: the key's own measured order) and, with both, of at most `max_seq_len` keys a request
+        (the batch's declared bound, which picks a length sub-band inside the batch-size band; None: the
+        band's own order); computed once per (op, key, band, sub-band), then cached."""
         op = op if type(op) is Op else Op(op)  # every plan asks: an Op is taken as it is
-        band = None
+        band = length = None
         if batch_size is not None:
             # Checked without a call (a plan asks per op and batch): a host int, bool refused.
             if batch_size.__class__ is not int or batch_size < 1:
                 raise InvalidBatchError(f"decide: `batch_size` is {batch_size!r}; expected a host int >= 1, "
                                         "the batch's declared request count")
+            if max_seq_len is not None and (max_seq_len.__class__ is not int or max_seq_len < 1):
+                raise InvalidBatchError(f"decide: `max_seq_len` is {max_seq_len!r}; expected a host int >= 1, "
+                                        "the batch's declared bound on its longest request")
             if self._bounds:  # (no lookup at all where the overlay has no bands)
                 bounds = self._bounds.get((op, key))
-                band = None if bounds is None else band_index(bounds, batch_size)
-        cached = self._cache.get((op, key, band))
+                if bounds is not None:
+                    band = band_index(bounds[0], batch_size)
+                    lengths = bounds[1][band]
+                    if lengths and max_seq_len is not None:
+                        length = band_index(lengths, max_seq_len)
+        cached = self._cache.get((op, key, band, length))
         if cached is not None:
             return cached
         with self._lock:
-            cached = self._cache.get((op, key, band))
+            cached = self._cache.get((op, key, band, length))
             if cached is None:
-                cached = self._decide(op, key, band)
-                self._cache[(op, key, band)] = cached
+                cached = self._decide(op, key, band, length)
+                self._cache[(op, key, band, length)] = cached
                 self._log(cached)
                 self._warn_if_reference_on_a_gpu(cached)
         return cached
 
     def band_sizes(self, op: Op | str, key: DispatchKey) -> tuple[int, ...]:
         """The measured batch sizes whose bands order (op, key), ascending; empty when the overlay has
-        one order for the key. Deciding at each covers every decision the key can have."""
-        return self._bounds.get((Op(op), key), ())
+        one order for the key. Deciding at each covers every decision the key can have, but for the
+        length sub-bands inside a band (band_lengths)."""
+        bounds = self._bounds.get((Op(op), key))
+        return bounds[0] if bounds else ()
 
-    def _band_bounds(self) -> dict[tuple[Op, DispatchKey], tuple[int, ...]]:
+    def band_lengths(self, op: Op | str, key: DispatchKey, batch_size: int) -> tuple[int, ...]:
+        """The `max_seq_len_up_to` bounds of the length sub-bands inside the band serving `batch_size`,
+        ascending; empty where that band has none."""
+        bounds = self._bounds.get((Op(op), key))
+        return bounds[1][band_index(bounds[0], batch_size)] if bounds else ()
+
+    def _band_bounds(self) -> dict[tuple[Op, DispatchKey], tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]]:
         if self._measured is None:
             return {}
         preferences = self._measured.overlay.ops
-        return {
-            (op, key): preferences[op].preferences[position].bounds
-            for (op, key), position in self._measured.index.items()
-            if preferences[op].preferences[position].bands
-        }
+        found = {}
+        for (op, key), position in self._measured.index.items():
+            preference = preferences[op].preferences[position]
+            if preference.bands:
+                found[(op, key)] = (preference.bounds, tuple(band.length_bounds for band in preference.bands))
+        return found
 
     def can_decide(self, op: Op, key: DispatchKey) -> bool:
         """Whether `decide` would find a backend, without caching or logging a decision (a reload's
@@ -123,7 +159,7 @@ class Dispatcher:
 
     def decided_keys(self) -> list[tuple[Op, DispatchKey]]:
         """The (op, key) pairs decided so far (for any batch size), from the cache."""
-        return list(dict.fromkeys((op, key) for op, key, _ in self._cache))
+        return list(dict.fromkeys((op, key) for op, key, *_ in self._cache))
 
     def pin(self, op: Op | str, key: DispatchKey, backend: str, *, allow_disabled: bool = False) -> Decision:
         """A decision naming `backend` outright (a benchmark, or an engine flag forcing a path). It is
@@ -136,7 +172,7 @@ class Dispatcher:
         reason = self._why_ineligible(impl, key, respect_disabled=not allow_disabled)
         if reason:
             raise NoBackendError(f"backend `{backend}` cannot serve {op.value} at {key}: {reason}")
-        return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), (), None)
+        return self._decision(op, key, impl, _Step(backend, "pinned", "pinned", "pinned", ()), (), None, None)
 
     def eligible(self, op: Op | str, key: DispatchKey, *, respect_disabled: bool = True) -> list[Backend]:
         """Every registered backend of `op` that could serve `key` here (what a benchmark compares),
@@ -146,10 +182,10 @@ class Dispatcher:
             b for b in self.catalog.for_op(op) if not self._why_ineligible(b, key, respect_disabled=respect_disabled)
         ]
 
-    def _decide(self, op: Op, key: DispatchKey, band: int | None) -> Decision:
+    def _decide(self, op: Op, key: DispatchKey, band: int | None, length: int | None = None) -> Decision:
         candidates = self.catalog.for_op(op)
         ineligible = {b.name: reason for b in candidates if (reason := self._why_ineligible(b, key))}
-        steps = self._steps(op, key, band)
+        steps = self._steps(op, key, band, length)
         chosen = next((s for s in steps if s.backend not in ineligible), None)
         named_at = {}
         for step in steps:
@@ -173,21 +209,21 @@ class Dispatcher:
             elif backend.name in failed:
                 reason = f"failed the check against the reference when measured: {failed[backend.name]}"
             elif backend.name in named_at and chosen.source == named_at[backend.name].source == "measured":
-                reason = self._measured_slower(measured[1], band, backend.name, chosen.backend)
+                reason = self._measured_slower(measured[1], band, length, backend.name, chosen.backend)
             elif backend.name in named_at:
                 reason = self._lost_to(chosen, named_at[backend.name])
             else:
                 reason = unnamed
             rejected.append(Rejection(backend.name, reason))
         impl = self.catalog.get(op, chosen.backend)
-        return self._decision(op, key, impl, chosen, tuple(rejected), band)
+        return self._decision(op, key, impl, chosen, tuple(rejected), band, length)
 
-    def _decision(
-        self, op: Op, key: DispatchKey, impl: Backend, step: _Step, rejected: tuple[Rejection, ...], band: int | None
-    ) -> Decision:
+    def _decision(self, op: Op, key: DispatchKey, impl: Backend, step: _Step, rejected: tuple[Rejection, ...],
+                  band: int | None, length: int | None) -> Decision:
         line = self.document.line_of(step.location) if step.location else None
         measured = self._measured_preference(op, key) if step.source == "measured" else None
         band = band if measured else None  # a band names the measured order only, not what came before it
+        length = length if band is not None else None
         return Decision(
             op=op,
             key=key,
@@ -196,8 +232,8 @@ class Dispatcher:
             rule=step.rule,
             source=step.source,
             rule_at=step.where or (self.document.where_of(step.location) if line else ""),
-            evidence=self._evidence(op, *measured, band) if measured else None,
-            band=band_label(measured[1].bounds, band) if band is not None else "",
+            evidence=self._evidence(op, *measured, band, length) if measured else None,
+            band=served_label(measured[1], band, length) if band is not None else "",
             cluster=self.cluster,
             plugin=impl.plugin,
             rejected=rejected,
@@ -206,7 +242,7 @@ class Dispatcher:
             impl=impl,
         )
 
-    def _steps(self, op: Op, key: DispatchKey, band: int | None = None) -> list[_Step]:
+    def _steps(self, op: Op, key: DispatchKey, band: int | None = None, length: int | None = None) -> list[_Step]:
         steps = []
         if self.cluster is not None:
             for index, name in enumerate(self.document.registry.clusters[self.cluster].prefer):
@@ -216,11 +252,11 @@ class Dispatcher:
         measured = self._measured_preference(op, key)
         if measured is not None:
             position, preference = measured
-            at = ("ops", op.value, "preferences", position) + (("bands", band) if band is not None else ())
-            order = preference.measured_at(band)[0]
+            at = ("ops", op.value, "preferences", position) + _band_at(band, length)
+            order = preference.measured_at(band, length)[0]
             label = f"cluster `{self.cluster}` measured"
             if band is not None:
-                label += f" for {band_label(preference.bounds, band)}"
+                label += f" for {served_label(preference, band, length)}"
             for index, name in enumerate(order):
                 where = self._measured.where(at + ("order", index))
                 steps.append(_Step(name, f"measured[{index}]", "measured", label, (), where))
@@ -241,19 +277,20 @@ class Dispatcher:
         """(position, Preference) the cluster's measured overlay holds for (op, key), or None."""
         return self._measured.find(op, key) if self._measured is not None else None
 
-    def _evidence(self, op: Op, position: int, preference, band: int | None) -> Evidence:
-        """The times the order rests on: the key's shapes, or in a band that batch size's shapes."""
+    def _evidence(self, op: Op, position: int, preference, band: int | None, length: int | None = None) -> Evidence:
+        """The times the order rests on: the key's shapes, in a band that batch size's shapes, in a
+        length sub-band those of its mean length."""
         overlay = self._measured.overlay
-        at = ("ops", op.value, "preferences", position) + (("bands", band) if band is not None else ())
-        order, shapes, mean = preference.measured_at(band)
-        ranked_by = preference.ranked_by_at(band)
+        at = ("ops", op.value, "preferences", position) + _band_at(band, length)
+        order, shapes, mean = preference.measured_at(band, length)
+        ranked_by = preference.ranked_by_at(band, length)
 
         def times(shape) -> tuple[tuple[str, float], ...]:
             return tuple((name, shape.median_us[name]) for name in order)
 
         step = {}
         if ranked_by == "step":  # the op's own times and the step's other backends beside the step's times
-            step = dict(alone=tuple((s.shape, times(s)) for s in preference.alone_at(band)),
+            step = dict(alone=tuple((s.shape, times(s)) for s in preference.alone_at(band, length)),
                         stages=tuple((s.shape, tuple((op.value, name) for op, name in s.stages.items())) for s in shapes))
         sizes = {batch_size_of(s.shape) for s in shapes}
         return Evidence(
@@ -271,10 +308,12 @@ class Dispatcher:
         )
 
     @staticmethod
-    def _measured_slower(preference, band: int | None, backend: str, chosen: str) -> str:
-        _, shapes, mean = preference.measured_at(band)
-        where = " in the step" if preference.ranked_by_at(band) == "step" else ""
+    def _measured_slower(preference, band: int | None, length: int | None, backend: str, chosen: str) -> str:
+        _, shapes, mean = preference.measured_at(band, length)
+        where = " in the step" if preference.ranked_by_at(band, length) == "step" else ""
         at = where + ("" if band is None else f" at B={preference.bands[band].batch_size_up_to}")
+        if length is not None:
+            at += f", {length_label(preference.bands[band].length_bounds, length)}"
         over = "" if len(shapes) == 1 else f", geometric mean over {len(shapes)} shapes"
         return f"measured slower{at}: {mean(backend):.1f} us vs {mean(chosen):.1f} us ({chosen}{over})"
 

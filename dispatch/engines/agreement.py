@@ -15,8 +15,9 @@ from dispatch.step.paged_plan import ops_for
 def summary(dispatcher: Dispatcher, keys: Iterable[DispatchKey]) -> dict[str, str]:
     """What must agree, as flat fields: the registry fingerprint and the choice for each key of every op
     its step runs (dispatch.step.paged_plan.ops_for: extend keys the ragged step, the others the paged one),
-    and the choice of each measured batch-size band of the key: ranks of one group may hold batches of
-    different sizes in one step, so every band must agree, not only the key's own order."""
+    and the choice of each measured batch-size band of the key and of each length sub-band inside it:
+    ranks of one group may hold batches of different sizes and lengths in one step, so every band must
+    agree, not only the key's own order."""
     fields = {"registry_fingerprint": dispatcher.fingerprint, "cluster": str(dispatcher.cluster)}
     for key in keys:
         for op in ops_for(key.forward_mode):
@@ -25,6 +26,9 @@ def summary(dispatcher: Dispatcher, keys: Iterable[DispatchKey]) -> dict[str, st
             for size in dispatcher.band_sizes(op, key):
                 banded = dispatcher.decide(op, key, batch_size=size)
                 fields[f"{op.value} @ {key} B={size}"] = _choice(banded)
+                for bound in dispatcher.band_lengths(op, key, size):
+                    sub = dispatcher.decide(op, key, batch_size=size, max_seq_len=bound)
+                    fields[f"{op.value} @ {key} B={size} max_seq_len<={bound}"] = _choice(sub)
     return fields
 
 

@@ -59,7 +59,10 @@ class CapturedIndexerStep:
         # Shapes first: a batch past the captured bounds is a graph mismatch, whatever planning it
         # afresh would say about it.
         check_fits_capture(plan, batch)
-        fresh = build_plan(self.step.dispatcher, batch, kv_fp8_dtype=plan.fp8_dtype, arch=plan.key.arch)
+        # Decided at the captured bound: a batch within it replays the capture's length sub-band, not the
+        # one its own (shorter) max_seq_len would pick.
+        fresh = build_plan(self.step.dispatcher, batch, kv_fp8_dtype=plan.fp8_dtype, arch=plan.key.arch,
+                           band_seq_len=plan.max_context_len)
         refresh_captured_plan(plan, batch, fresh)
 
     def replay(self) -> torch.Tensor:

@@ -101,11 +101,21 @@ def parse_registry(text: str, path: str = "<registry>", overlay_problems: list[s
         registry = Registry.model_validate(data)
     except ValidationError as error:
         raise errors_in_file_order(path, validation_problems(error, lines)) from None
-    duplicates = list(_duplicate_rule_ids(registry, lines))
+    duplicates = list(_duplicate_rule_ids(registry, lines)) + list(_workload_items(registry, lines))
     if duplicates:
         raise errors_in_file_order(path, duplicates)
     document = RegistryDocument(registry=registry, path=path, lines=lines, sealed=is_sealed(text), **inheriting)
     return attach_measured(document, overlay_problems)
+
+
+def _workload_items(registry: Registry, lines: dict[Location, int]):
+    """Each cluster's named workload items that cannot be measured (Workload.item_problems), at their lines."""
+    for name, cluster in registry.clusters.items():
+        if cluster.workload is None:
+            continue
+        for at, message in cluster.workload.item_problems():
+            location = ("clusters", name, "workload") + at
+            yield deepest_line(lines, location), location, message
 
 
 def _duplicate_rule_ids(registry: Registry, lines: dict[Location, int]):

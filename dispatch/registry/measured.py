@@ -40,7 +40,7 @@ from dispatch.registry.reading import (
     safe_load_with_lines,
     validation_problems,
 )
-from dispatch.registry.measured_bands import Band, RankedBy, batch_size_of
+from dispatch.registry.measured_bands import Band, RankedBy, batch_size_of, length_bound, length_label, mean_len_of
 from dispatch.registry.models import BackendName, ClusterName, ModeList, NameList, NextN, Strict, Workload
 from dispatch.contract.version import dispatch_version, release_of
 
@@ -156,34 +156,54 @@ class Preference(Strict):
         """The bands' `batch_size_up_to`, ascending (empty without bands)."""
         return tuple(band.batch_size_up_to for band in self.bands)
 
-    def band_shapes(self, index: int) -> tuple[ShapeTimes, ...]:
-        """The shapes measured at band `index`'s batch size, which its order is by (the step's, where
-        the band is ranked by the step)."""
+    def band_shapes(self, index: int, length: int | None = None) -> tuple[ShapeTimes, ...]:
+        """The shapes measured at band `index`'s batch size (and, with `length`, at its length sub-band's
+        mean length), which its order is by (the step's, where the band is ranked by the step)."""
         band = self.bands[index]
-        return _at_size(self.step_shapes if band.ranked_by == "step" else self.shapes, band.batch_size_up_to)
+        shapes = _at_size(self.step_shapes if band.ranked_by == "step" else self.shapes, band.batch_size_up_to)
+        return shapes if length is None else _at_length(shapes, band.lengths[length].max_seq_len_up_to)
 
-    def band_mean_us(self, index: int, backend: str) -> float:
-        """Geometric mean of `backend`'s median times over band `index`'s shapes."""
-        return geometric_mean([shape.median_us[backend] for shape in self.band_shapes(index)])
+    def band_mean_us(self, index: int, backend: str, length: int | None = None) -> float:
+        """Geometric mean of `backend`'s median times over band `index`'s shapes (or its sub-band's)."""
+        return geometric_mean([shape.median_us[backend] for shape in self.band_shapes(index, length)])
 
-    def measured_at(self, band: int | None) -> tuple[tuple[str, ...], tuple[ShapeTimes, ...], Callable[[str], float]]:
-        """(order, shapes, mean_us) a decision rests on: the key's own (band None), or band `band`'s."""
+    def measured_at(self, band: int | None, length: int | None = None
+                    ) -> tuple[tuple[str, ...], tuple[ShapeTimes, ...], Callable[[str], float]]:
+        """(order, shapes, mean_us) a decision rests on: the key's own (band None), band `band`'s, or
+        its length sub-band `length`'s."""
         if band is None:
             return tuple(self.order), self.ranking_shapes, self.mean_us
-        return tuple(self.bands[band].order), self.band_shapes(band), functools.partial(self.band_mean_us, band)
+        chosen = self.bands[band] if length is None else self.bands[band].lengths[length]
+        return (tuple(chosen.order), self.band_shapes(band, length),
+                functools.partial(self._mean_at, band, length))
 
-    def ranked_by_at(self, band: int | None) -> str:
-        """"step" where the order a decision rests on (the key's, or band `band`'s) is by the whole step."""
-        return self.ranked_by if band is None else self.bands[band].ranked_by
+    def _mean_at(self, band: int, length: int | None, backend: str) -> float:
+        return self.band_mean_us(band, backend, length)
 
-    def alone_at(self, band: int | None) -> tuple[ShapeTimes, ...]:
-        """The op's own times at the shapes the order a decision rests on is by (the key's, or band `band`'s)."""
-        return self.shapes if band is None else _at_size(self.shapes, self.bands[band].batch_size_up_to)
+    def ranked_by_at(self, band: int | None, length: int | None = None) -> str:
+        """"step" where the order a decision rests on (the key's, band `band`'s or its sub-band's) is by
+        the whole step."""
+        if band is None:
+            return self.ranked_by
+        return self.bands[band].ranked_by if length is None else self.bands[band].lengths[length].ranked_by
+
+    def alone_at(self, band: int | None, length: int | None = None) -> tuple[ShapeTimes, ...]:
+        """The op's own times at the shapes the order a decision rests on is by."""
+        if band is None:
+            return self.shapes
+        shapes = _at_size(self.shapes, self.bands[band].batch_size_up_to)
+        return shapes if length is None else _at_length(shapes, self.bands[band].lengths[length].max_seq_len_up_to)
 
 
 def _at_size(shapes: tuple[ShapeTimes, ...], size: int) -> tuple[ShapeTimes, ...]:
     """The shapes measured at batch size `size`."""
     return tuple(shape for shape in shapes if batch_size_of(shape.shape) == size)
+
+
+def _at_length(shapes: tuple[ShapeTimes, ...], bound: int) -> tuple[ShapeTimes, ...]:
+    """The shapes whose mean length's sub-band bound (3L/2) is `bound`."""
+    return tuple(shape for shape in shapes if (length := mean_len_of(shape.shape)) is not None
+                 and length_bound(length) == bound)
 
 
 def out_of_order(order, mean_us) -> str | None:
@@ -294,10 +314,12 @@ def _band_problems(preference: Preference):
     if not preference.bands:
         return
     measured = sorted({size for shape in preference.shapes if (size := batch_size_of(shape.shape)) is not None})
-    if len(measured) < 2 or len(measured) != len({batch_size_of(shape.shape) for shape in preference.shapes}):
+    sub_banded = any(band.lengths for band in preference.bands)  # one batch size may still have length sub-bands
+    if len(measured) < (1 if sub_banded else 2) or len(measured) != len({batch_size_of(s.shape) for s in preference.shapes}):
         yield ("bands",), (
             "bands need shapes that each name a batch size (`B=<n>` or `R=<n>`), at least two of them; these "
-            f"shapes name {', '.join(map(str, measured)) or 'none'}"
+            f"shapes name {', '.join(map(str, measured)) or 'none'} (one batch size takes a band only with length "
+            "sub-bands)"
         )
         return
     bounds = preference.bounds
@@ -326,11 +348,54 @@ def _band_problems(preference: Preference):
             problem = out_of_order(band.order, functools.partial(preference.band_mean_us, index))
             if problem:
                 yield at, f"{problem} at B={size}" + (" in the step" if band.ranked_by == "step" else "")
+            yield from _length_problems(preference, index)
     by_step = {band.batch_size_up_to for band in preference.bands if band.ranked_by == "step"}
     unused = sorted({size for size, shapes in stepped.items() if shapes} - by_step)
     if unused and preference.ranked_by == "op":
         yield ("step_shapes",), (f"time the step at B={', B='.join(map(str, unused))}, which no band is ranked by "
                                  "(`ranked_by: step`)")
+
+
+def _length_problems(preference: Preference, index: int):
+    """Length sub-bands of band `index` that cannot serve: one per mean length that batch size's shapes
+    measure (each bounded by 3L/2), ascending, ranked as the band is, each order the key's backends in
+    the measured rule over that length's shapes (dispatch/registry/measured_bands.py)."""
+    band = preference.bands[index]
+    if not band.lengths:
+        return
+    here = ("bands", index, "lengths")
+    size = band.batch_size_up_to
+    lengths = [mean_len_of(shape.shape) for shape in _at_size(preference.shapes, size)]
+    if None in lengths or len(set(lengths)) < 2:
+        yield here, (f"length sub-bands need the shapes at B={size} to each name a mean length (`L~<n>`), at least "
+                     f"two of them; they name {', '.join(str(n) for n in sorted(set(lengths) - {None})) or 'none'}")
+        return
+    wanted = sorted(length_bound(n) for n in set(lengths))
+    bounds = band.length_bounds
+    for sub_index, bound in enumerate(bounds):
+        at = here + (sub_index, "max_seq_len_up_to")
+        if sub_index and bound <= bounds[sub_index - 1]:
+            yield at, f"{bound} after {bounds[sub_index - 1]}: length sub-bands are ascending, one per measured length"
+        elif bound not in wanted:
+            yield at, (f"{bound} is not 3L/2 of a length measured at B={size} (the sub-bands' bounds are "
+                       f"{', '.join(map(str, wanted))})")
+    missing = [bound for bound in wanted if bound not in bounds]
+    if missing:
+        yield here, f"no sub-band up to {', '.join(map(str, missing))} at B={size}: one sub-band per measured length"
+        return
+    for sub_index, sub in enumerate(band.lengths):
+        at = here + (sub_index, "order")
+        if sub.ranked_by != band.ranked_by:
+            yield here + (sub_index, "ranked_by"), (f"is `{sub.ranked_by}` in a band ranked by `{band.ranked_by}`: a "
+                                                     "sub-band is ranked by the times its band is")
+        elif sorted(sub.order) != sorted(preference.order):
+            yield at, (f"lists {_ticks(sub.order)}; a sub-band orders exactly the key's backends "
+                       f"({_ticks(preference.order)}), each once")
+        else:
+            problem = out_of_order(sub.order, functools.partial(preference._mean_at, index, sub_index))
+            if problem:
+                yield at, (f"{problem} at B={size}, {length_label(bounds, sub_index)}"
+                           + (" in the step" if sub.ranked_by == "step" else ""))
 
 
 def load_measured(path: str | Path) -> MeasuredDocument:

@@ -156,6 +156,31 @@ def _bounded(most: int, least: int = 1) -> object:
     return Annotated[tuple[item, ...], Field(max_length=16), AfterValidator(lambda v: _not_empty(v, "name at least one"))]
 
 
+class PagedShape(Strict):
+    """One paged batch `tune` measures beside the grid: `batch_size` requests of `next_n` tokens each,
+    lengths uniform in [length/2, 3*length/2] as a grid shape's (a shape of the issue's table, say,
+    that the grid's batch sizes x lengths x next_n does not hold)."""
+
+    batch_size: Annotated[int, Field(ge=1, le=MAX_CLI_BATCH, strict=True)]
+    next_n: Annotated[int, Field(ge=1, le=MAX_CLI_NEXT_N, strict=True)]
+    length: Annotated[int, Field(ge=1, le=MAX_CLI_SEQ_LEN, strict=True)]  # the mean
+
+
+class SpreadExtendBatch(Strict):
+    """One extend batch `tune` measures beside the grid's, whose requests' prefixes differ: `requests`
+    requests of `extend` new tokens each, request i after i * prefix_up_to / (requests - 1) cached keys,
+    so the query rows' windows spread from 1 to prefix_up_to + extend (chunked prefill mixes a long
+    prefix with new requests; 16 x 256 after 0..15360 gives 4096 rows of windows 1..16K)."""
+
+    requests: Annotated[int, Field(ge=2, le=MAX_CLI_BATCH, strict=True)]  # a spread needs two
+    extend: Annotated[int, Field(ge=1, le=MAX_CLI_SEQ_LEN, strict=True)]
+    prefix_up_to: Annotated[int, Field(ge=1, le=MAX_CLI_SEQ_LEN, strict=True)]
+
+    def prefixes(self) -> tuple[int, ...]:
+        last = self.requests - 1
+        return tuple(i * self.prefix_up_to // last for i in range(self.requests))
+
+
 class Workload(Strict):
     """The shapes `python -m dispatch tune` measures for a cluster. The defaults cover serving
     (README, "Choosing by measurement"); a cluster names only what it changes."""
@@ -171,6 +196,10 @@ class Workload(Strict):
     extend_requests: _bounded(MAX_CLI_BATCH) = (4,)
     extend_lens: _bounded(MAX_CLI_SEQ_LEN) = (1024, 4096)
     prefix_lens: _bounded(MAX_CLI_SEQ_LEN, least=0) = (0, 12288)
+    # Measured in addition to the grids above, by every op that measures a grid shape (each paged op;
+    # the top-k at B <= --step-up-to by the step too): the shapes the grid misses, without its product.
+    shapes: Annotated[tuple[PagedShape, ...], Field(max_length=16)] = ()
+    extend_batches: Annotated[tuple[SpreadExtendBatch, ...], Field(max_length=16)] = ()
 
     @model_validator(mode="after")
     def _extend_logits_fit(self) -> "Workload":
@@ -184,6 +213,37 @@ class Workload(Strict):
                 f"{size / 2**30:.1f} GiB, more than the {MAX_TUNE_LOGITS_BYTES >> 30} GiB tune holds per batch"
             )
         return self
+
+    def item_problems(self):
+        """(("shapes" or "extend_batches", index), why) for each named item that cannot be measured as
+        given: one already in the grid or named twice (two rows under one label: the overlay keys times by
+        it), an extend batch too large to score in one chunk. Checked where the registry is read
+        (dispatch.registry.document), so each error has its item's own line."""
+        grid = {(b, n, length) for b in self.batch_sizes for n in self.next_n for length in self.lengths}
+        seen: dict[tuple[int, int, int], int] = {}
+        for index, shape in enumerate(self.shapes):
+            triple = (shape.batch_size, shape.next_n, shape.length)
+            if triple in grid:
+                yield ("shapes", index), (f"(B={triple[0]}, next_n={triple[1]}, length={triple[2]}) is in the grid "
+                                          "(batch_sizes x next_n x lengths) already: each shape is measured once")
+            elif triple in seen:
+                yield ("shapes", index), f"repeats shapes[{seen[triple]}]: each shape is measured once"
+            seen.setdefault(triple, index)
+        spreads: dict[tuple[int, int, int], int] = {}
+        for index, batch in enumerate(self.extend_batches):
+            spread = (batch.requests, batch.extend, batch.prefix_up_to)
+            rows, keys = batch.requests * batch.extend, sum(batch.prefixes()) + batch.requests * batch.extend
+            if spread in spreads:
+                yield ("extend_batches", index), f"repeats extend_batches[{spreads[spread]}]: each batch is measured once"
+            elif rows * keys * 4 > MAX_TUNE_LOGITS_BYTES:
+                yield ("extend_batches", index), (
+                    f"has fp32 logits [M={rows}, S={keys}] of {rows * keys * 4 / 2**30:.1f} GiB, more than the "
+                    f"{MAX_TUNE_LOGITS_BYTES >> 30} GiB tune holds per batch")
+            spreads.setdefault(spread, index)
+
+    def paged_next_n(self) -> tuple[int, ...]:
+        """Every next_n a paged key is measured at: the grid's, then the named shapes' others."""
+        return tuple(dict.fromkeys(self.next_n + tuple(shape.next_n for shape in self.shapes)))
 
 
 class Cluster(Strict):

@@ -124,15 +124,16 @@ def ops_for(mode: ForwardMode | str) -> tuple[Op, ...]:
 
 
 def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | None, allow_disabled: bool,
-            batch_size: int | None = None):
-    """decide(op) -> Decision for `key` and a batch of `batch_size` requests: the pinned backend where
-    `pinned` names one, else the rules' (with the measured band of that batch size, where there is one)."""
+            batch_size: int | None = None, max_seq_len: int | None = None):
+    """decide(op) -> Decision for `key` and a batch of `batch_size` requests of at most `max_seq_len`
+    keys: the pinned backend where `pinned` names one, else the rules' (with the measured band of that
+    batch size and its length sub-band, where there are)."""
     pinned = pinned or {}
 
     def decide(op: Op) -> Decision:
         if op in pinned:
             return dispatcher.pin(op, key, pinned[op], allow_disabled=allow_disabled)
-        return dispatcher.decide(op, key, batch_size=batch_size)
+        return dispatcher.decide(op, key, batch_size=batch_size, max_seq_len=max_seq_len)
 
     return decide
 
@@ -181,6 +182,7 @@ def build_plan(
     pinned: dict[Op, str] | None = None,
     allow_disabled: bool = False,
     prepare: bool = True,
+    band_seq_len: int | None = None,
 ) -> PagedPlan:
     """Decide every op of ops_for(batch.forward_mode) for this batch and build the decided layout's tensors. No host-device sync.
 
@@ -190,6 +192,8 @@ def build_plan(
     `allow_disabled` lets a benchmark pin a backend the registry or a cluster disabled). `prepare=False`
     describes the plan without running any backend's per-batch prepare (`states` stays empty):
     explain does so, since a what-if for another machine must not need that machine's libraries.
+    `band_seq_len` is the max_seq_len a measured length sub-band is picked by (default the batch's own):
+    a captured graph's update passes the captured bound, so a replayed batch keeps the capture's choice.
     """
     if batch.forward_mode is ForwardMode.EXTEND:  # (parsed where the batch was built)
         raise LayoutError(
@@ -200,8 +204,11 @@ def build_plan(
     # The batch's declared size picks the measured band: seq_lens.shape[0] is the request count the
     # engine hands over (a host int, fixed per captured graph), not a path inferred from tensor values,
     # so deciding by it costs no sync and two batches of one size always decide alike.
+    # Its declared max_seq_len, the host's bound on its longest request, picks the length sub-band
+    # inside that band in the same way (the row width a top-k's speed depends on first).
     batch_size = batch.seq_lens.shape[0]
-    decide = decider(dispatcher, key, pinned, allow_disabled, batch_size)
+    decide = decider(dispatcher, key, pinned, allow_disabled, batch_size,
+                     batch.max_seq_len if band_seq_len is None else band_seq_len)
     decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
     logits = decisions[Op.PAGED_MQA_LOGITS]
     made = logits_plan_tensors(logits, batch) if prepare else None

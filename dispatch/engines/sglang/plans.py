@@ -15,7 +15,7 @@ from dispatch.contract.errors import LayoutError
 from dispatch.step.extend_plan import ExtendPlan
 from dispatch.engines.graphs import refresh_captured_plan
 from dispatch.contract.key import ForwardMode
-from dispatch.step.paged_plan import PagedBatch, PagedPlan
+from dispatch.step.paged_plan import PagedBatch, PagedPlan, build_plan
 from dispatch.step.extend_batch import ExtendBatch
 
 PAGE_SIZE = 64  # SGLang's DSA pages (its indexer asserts it on CUDA), dispatch's BLOCK_KV
@@ -108,11 +108,13 @@ def plan_paged(step, metadata, sglang_mode, next_n: int) -> PagedPlan | None:
     if metadata.cache_seqlens_int32.shape[0] == 0:
         return None
     batch = paged_batch(metadata, dispatch_mode(sglang_mode), next_n)
-    fresh = step.plan(batch)
     captured = PLANS.get(metadata)
     if captured is None:
+        fresh = step.plan(batch)
         PLANS.put(metadata, fresh)
         return fresh
+    # Decided at the captured bound, as CapturedIndexerStep.update does: the capture's length sub-band.
+    fresh = build_plan(step.dispatcher, batch, kv_fp8_dtype=step.kv_fp8_dtype, band_seq_len=captured.max_context_len)
     refresh_captured_plan(captured, batch, fresh)
     return captured
 
