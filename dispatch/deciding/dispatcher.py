@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from dispatch.contract.backend import Backend
 from dispatch.contract.catalog import Catalog
@@ -31,6 +33,7 @@ logger = logging.getLogger("dispatch")
 # The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
 REFERENCE_PLUGIN = "backends.reference.plugin"
 _warned_reference: set[tuple[Op, Arch]] = set()  # once per process, not once per dispatcher or reload
+_PLAN_CACHE_ENTRIES = 4096  # decide_ops' (ops, key, batch size) entries: every batch size an engine runs
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Dispatcher:
         self._measured = document.measured.get(cluster) if cluster is not None else None
         self._bounds = self._band_bounds()
         self._cache: dict[tuple[Op, DispatchKey, int | None], Decision] = {}
+        self._plan_cache: dict[tuple[tuple[Op, ...], DispatchKey, int | None], Mapping[Op, Decision]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -94,6 +98,21 @@ class Dispatcher:
                 self._log(cached)
                 self._warn_if_reference_on_a_gpu(cached)
         return cached
+
+    def decide_ops(self, ops: tuple[Op, ...], key: DispatchKey, *,
+                   batch_size: int | None = None) -> Mapping[Op, Decision]:
+        """decide(op, key, batch_size=batch_size) for each of `ops`, as one read-only mapping, cached per
+        (ops, key, batch size): a plan asks for all its ops every batch, on the engine's critical path,
+        and one lookup costs the host a third of three (the decisions are the same objects decide caches)."""
+        # (An int only: True hashes as 1, and decide refuses a bool; a new or refused size goes to decide.)
+        if batch_size is None or batch_size.__class__ is int:
+            cached = self._plan_cache.get((ops, key, batch_size))
+            if cached is not None:
+                return cached
+        decisions = MappingProxyType({op: self.decide(op, key, batch_size=batch_size) for op in ops})
+        if len(self._plan_cache) < _PLAN_CACHE_ENTRIES:  # batch sizes are many; the decisions stay in _cache
+            self._plan_cache[(ops, key, batch_size)] = decisions
+        return decisions
 
     def band_sizes(self, op: Op | str, key: DispatchKey) -> tuple[int, ...]:
         """The measured batch sizes whose bands order (op, key), ascending; empty when the overlay has

@@ -120,7 +120,8 @@ STEP_OPS = PAGED_STEP_OPS  # the paged step's, as before the extend path existed
 def ops_for(mode: ForwardMode | str) -> tuple[Op, ...]:
     """The ops a batch of `mode` runs, so its plan decides exactly these (and explain, validate's
     callers and rank agreement ask for these): extend the ragged step, every other mode the paged one."""
-    return EXTEND_STEP_OPS if ForwardMode(mode) is ForwardMode.EXTEND else PAGED_STEP_OPS
+    mode = mode if mode.__class__ is ForwardMode else ForwardMode(mode)  # (a plan's is parsed: no enum call)
+    return EXTEND_STEP_OPS if mode is ForwardMode.EXTEND else PAGED_STEP_OPS
 
 
 def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | None, allow_disabled: bool,
@@ -135,6 +136,16 @@ def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | 
         return dispatcher.decide(op, key, batch_size=batch_size)
 
     return decide
+
+
+def decide_ops(dispatcher: "Dispatcher", key: DispatchKey, ops: tuple[Op, ...], pinned: dict[Op, str] | None,
+               allow_disabled: bool, batch_size: int | None = None) -> Mapping[Op, Decision]:
+    """Every op's decision for a plan: the dispatcher's cached mapping (Dispatcher.decide_ops) where
+    nothing is pinned, else decider's, op by op."""
+    if not pinned:
+        return dispatcher.decide_ops(ops, key, batch_size=batch_size)
+    decide = decider(dispatcher, key, pinned, allow_disabled, batch_size)
+    return {op: decide(op) for op in ops}
 
 
 def prepare_states(decisions: Mapping[Op, Decision], plan: Any) -> dict[Op, Any]:
@@ -201,8 +212,7 @@ def build_plan(
     # engine hands over (a host int, fixed per captured graph), not a path inferred from tensor values,
     # so deciding by it costs no sync and two batches of one size always decide alike.
     batch_size = batch.seq_lens.shape[0]
-    decide = decider(dispatcher, key, pinned, allow_disabled, batch_size)
-    decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
+    decisions = decide_ops(dispatcher, key, ops_for(key.forward_mode), pinned, allow_disabled, batch_size)
     logits = decisions[Op.PAGED_MQA_LOGITS]
     made = logits_plan_tensors(logits, batch) if prepare else None
     if made is None:
