@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from dispatch.contract.backend import Backend
 from dispatch.contract.catalog import Catalog
@@ -33,6 +35,7 @@ logger = logging.getLogger("dispatch")
 # The torch reference's plugin: correct everywhere, and slower than the GPU kernels the registry prefers.
 REFERENCE_PLUGIN = "backends.reference.plugin"
 _warned_reference: set[tuple[Op, Arch]] = set()  # once per process, not once per dispatcher or reload
+_PLAN_CACHE_ENTRIES = 4096  # decide_ops' (ops, key, batch size) entries: every batch size an engine runs
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Dispatcher:
         self._measured = document.measured.get(cluster) if cluster is not None else None
         self._bounds = self._band_bounds()
         self._cache: dict[tuple[Op, DispatchKey, int | None, int | None], Decision] = {}  # (op, key, band, sub-band)
+        self._plan_cache: dict[tuple, Mapping[Op, Decision]] = {}  # (ops, key, batch size, sub-bands)
         self._lock = threading.Lock()
 
     @property
@@ -121,6 +125,40 @@ class Dispatcher:
                 self._log(cached)
                 self._warn_if_reference_on_a_gpu(cached)
         return cached
+
+    def decide_ops(self, ops: tuple[Op, ...], key: DispatchKey, *, batch_size: int | None = None,
+                   max_seq_len: int | None = None) -> Mapping[Op, Decision]:
+        """decide(op, key, batch_size=..., max_seq_len=...) for each of `ops`, as one read-only mapping,
+        cached per (ops, key, batch size, the length sub-bands it falls in): a plan asks for all its ops
+        every batch, on the engine's critical path, and one lookup costs the host a third of three (the
+        decisions are the same objects decide caches)."""
+        # (Ints only: True hashes as 1, and decide refuses a bool or a bound < 1; a new or refused
+        # call goes to decide, so a refusal is never served from the cache.)
+        cacheable = (batch_size is None or batch_size.__class__ is int) and (
+            max_seq_len is None or (max_seq_len.__class__ is int and max_seq_len >= 1))
+        if cacheable:
+            entry = (ops, key, batch_size, self._sub_bands(ops, key, batch_size, max_seq_len))
+            cached = self._plan_cache.get(entry)
+            if cached is not None:
+                return cached
+        decisions = MappingProxyType({op: self.decide(op, key, batch_size=batch_size, max_seq_len=max_seq_len)
+                                      for op in ops})
+        if cacheable and len(self._plan_cache) < _PLAN_CACHE_ENTRIES:  # sizes are many; decide caches too
+            self._plan_cache[entry] = decisions
+        return decisions
+
+    def _sub_bands(self, ops: tuple[Op, ...], key: DispatchKey, batch_size: int | None,
+                   max_seq_len: int | None) -> tuple[int, ...] | None:
+        """Which length sub-band each op's band puts `max_seq_len` in (-1: that band has none), or None
+        where no length can matter: a batch's many lengths then share one cache entry per sub-band."""
+        if max_seq_len is None or batch_size is None or not self._bounds:
+            return None
+        found = []
+        for op in ops:
+            bounds = self._bounds.get((op, key))
+            lengths = bounds[1][band_index(bounds[0], batch_size)] if bounds is not None and batch_size >= 1 else ()
+            found.append(band_index(lengths, max_seq_len) if lengths else -1)
+        return tuple(found) if any(i >= 0 for i in found) else None
 
     def band_sizes(self, op: Op | str, key: DispatchKey) -> tuple[int, ...]:
         """The measured batch sizes whose bands order (op, key), ascending; empty when the overlay has

@@ -103,8 +103,9 @@ def build_ragged_metadata(batch: ExtendBatch, *, host_checked: bool | None = Non
 
 def one_launch(batch: ExtendBatch):
     """For a batch on a CUDA device where Triton is installed, the kernel path's function
-    (ragged_metadata_kernel.metadata_in_one_launch: the metadata and the launch's outputs); else None,
-    and the torch ops of build_ragged_metadata compute the same."""
+    (ragged_metadata_kernel.metadata_in_one_launch: the metadata and the launch's outputs, with a byte
+    budget every chunk's tensors too); else None, and the torch ops of build_ragged_metadata compute
+    the same."""
     return _kernel_path() if batch.prefix_lens.device.type == "cuda" else None
 
 

@@ -11,7 +11,6 @@ once per batch, without waiting on the device.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +21,7 @@ from dispatch.contract.extend_plan import DEFAULT_LOGITS_BYTES, Chunk, ChunkTens
 from dispatch.contract.key import Arch, Fp8Dtype, ForwardMode, Op
 from dispatch.step.extend_batch import build_ragged_metadata, one_launch, page_limit
 from dispatch.step.extend_on_host import chunk_views, metadata_and_chunks_on_host
-from dispatch.step.paged_plan import EXTEND_STEP_OPS, decider, dispatch_key, key_fp8_dtype, prepare_states
+from dispatch.step.paged_plan import EXTEND_STEP_OPS, decide_ops, dispatch_key, key_fp8_dtype, prepare_states
 
 if TYPE_CHECKING:
     from dispatch.deciding.dispatcher import Dispatcher
@@ -48,9 +47,9 @@ def build_extend_plan(
     key = dispatch_key(arch or dispatcher.target_arch, ForwardMode.EXTEND, 1, key_fp8_dtype(kv_fp8_dtype))
     # The declared request count picks a measured band (shapes `R=<n>`), as B does in build_plan; a batch
     # of no requests has no size to choose by.
-    decide = decider(dispatcher, key, pinned, allow_disabled, batch.num_requests or None)
-    decisions = {op: decide(op) for op in EXTEND_STEP_OPS}
+    decisions = decide_ops(dispatcher, key, EXTEND_STEP_OPS, pinned, allow_disabled, batch.num_requests or None)
     metadata, chunks, error_flags = _metadata_and_chunks(batch, logits_byte_budget)
+    states: dict[Op, object] = {}
     plan = ExtendPlan(
         key=key,
         decisions=decisions,
@@ -59,23 +58,26 @@ def build_extend_plan(
         page_table=batch.page_table,
         block_kv=batch.block_kv,
         logits_byte_budget=logits_byte_budget,
+        states=states,
         error_flags=error_flags,
     )
-    if not prepare:
-        return plan
-    states = prepare_states(decisions, plan)
-    return dataclasses.replace(plan, states=states) if states else plan
+    if prepare:
+        # Filled in once the backends have prepared from the plan: rebuilding the frozen plan around them
+        # (dataclasses.replace) cost the host ~3 us a batch.
+        states.update(prepare_states(decisions, plan))
+    return plan
 
 
 def _metadata_and_chunks(batch: ExtendBatch, budget: int):
     """(metadata, its chunks' tensors, the plan's error flags or None for a fresh word): on a CUDA device
-    with Triton, one launch writes the metadata, the rows' ke - ks and the flags, and the chunks view them;
+    with Triton, the chunks first (from the host lengths), then one launch writes the metadata, every
+    chunk's ks / ke relative to its window, the rows' ke - ks and the flags, all views of one buffer;
     on the CPU with host lengths, one pass of host arithmetic; else build_ragged_metadata's path for the
     batch's device and the chunks' views of it."""
     launch = one_launch(batch)
     if launch is not None:
-        metadata, out = launch(batch)
-        return metadata, chunk_tensors_from_ranges(metadata, metadata.chunks(budget), out.lengths), out.error_flags
+        metadata, out = launch(batch, budget)
+        return metadata, out.chunks, out.error_flags
     if batch.host_prefix_lens is not None and batch.prefix_lens.device.type == "cpu":
         return (*metadata_and_chunks_on_host(batch, page_limit(batch), budget), None)
     metadata = build_ragged_metadata(batch)
@@ -100,7 +102,7 @@ def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkT
 def chunk_tensors_from_ranges(metadata: RaggedMetadata, chunks: list[Chunk],
                               lengths: torch.Tensor | None = None) -> tuple[ChunkTensors, ...]:
     """The device form, from the metadata's rows' ks / ke (any device: tests hold it equal to the host
-    form) and `lengths`, their ke - ks where the caller has them (the one launch writes them)."""
+    form and to the one launch's views) and `lengths`, their ke - ks where the caller has them."""
     # Each torch call costs a GPU host 3-8 us: one split per per-row tensor whatever the chunk count (none
     # for one chunk), then per chunk its pair's unbind and, past key 0, one subtraction.
     if not chunks:

@@ -120,7 +120,8 @@ STEP_OPS = PAGED_STEP_OPS  # the paged step's, as before the extend path existed
 def ops_for(mode: ForwardMode | str) -> tuple[Op, ...]:
     """The ops a batch of `mode` runs, so its plan decides exactly these (and explain, validate's
     callers and rank agreement ask for these): extend the ragged step, every other mode the paged one."""
-    return EXTEND_STEP_OPS if ForwardMode(mode) is ForwardMode.EXTEND else PAGED_STEP_OPS
+    mode = mode if mode.__class__ is ForwardMode else ForwardMode(mode)  # (a plan's is parsed: no enum call)
+    return EXTEND_STEP_OPS if mode is ForwardMode.EXTEND else PAGED_STEP_OPS
 
 
 def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | None, allow_disabled: bool,
@@ -136,6 +137,17 @@ def decider(dispatcher: "Dispatcher", key: DispatchKey, pinned: dict[Op, str] | 
         return dispatcher.decide(op, key, batch_size=batch_size, max_seq_len=max_seq_len)
 
     return decide
+
+
+def decide_ops(dispatcher: "Dispatcher", key: DispatchKey, ops: tuple[Op, ...], pinned: dict[Op, str] | None,
+               allow_disabled: bool, batch_size: int | None = None,
+               max_seq_len: int | None = None) -> Mapping[Op, Decision]:
+    """Every op's decision for a plan: the dispatcher's cached mapping (Dispatcher.decide_ops) where
+    nothing is pinned, else decider's, op by op."""
+    if not pinned:
+        return dispatcher.decide_ops(ops, key, batch_size=batch_size, max_seq_len=max_seq_len)
+    decide = decider(dispatcher, key, pinned, allow_disabled, batch_size, max_seq_len)
+    return {op: decide(op) for op in ops}
 
 
 def prepare_states(decisions: Mapping[Op, Decision], plan: Any) -> dict[Op, Any]:
@@ -207,9 +219,8 @@ def build_plan(
     # Its declared max_seq_len, the host's bound on its longest request, picks the length sub-band
     # inside that band in the same way (the row width a top-k's speed depends on first).
     batch_size = batch.seq_lens.shape[0]
-    decide = decider(dispatcher, key, pinned, allow_disabled, batch_size,
-                     batch.max_seq_len if band_seq_len is None else band_seq_len)
-    decisions = {op: decide(op) for op in ops_for(key.forward_mode)}
+    decisions = decide_ops(dispatcher, key, ops_for(key.forward_mode), pinned, allow_disabled, batch_size,
+                           batch.max_seq_len if band_seq_len is None else band_seq_len)
     logits = decisions[Op.PAGED_MQA_LOGITS]
     made = logits_plan_tensors(logits, batch) if prepare else None
     if made is None:

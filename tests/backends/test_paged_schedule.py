@@ -145,3 +145,19 @@ def test_a_refreshed_plan_is_cut_for_the_captured_width_not_the_fresh_one():
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     visible = ~torch.isinf(ref)
     assert float((out[visible] - ref[visible]).norm() / ref[visible].norm()) < 1e-5
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4, 8])
+def test_the_one_launchs_program_and_token_counts_are_the_default_configs(next_n, monkeypatch):
+    """backends/triton/plan_tensors.py finds them once per (next_n, device, interpreter on): the values
+    paged_schedule's own path computes for every batch."""
+    from backends.triton.paged_mqa_logits import default_config, work_row_tokens
+    from backends.triton.paged_schedule import program_count
+    from backends.triton.plan_tensors import launch_shape
+
+    device = torch.device("cpu")
+    for interpreted in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpreted)
+        config = default_config(next_n, device)
+        expected = (program_count(device, config.programs_per_sm), work_row_tokens(config, next_n))
+        assert launch_shape(next_n, device, interpreted == "1") == expected

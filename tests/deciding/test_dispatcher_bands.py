@@ -83,10 +83,37 @@ def test_decisions_are_cached_per_band(tmp_path):
     assert dispatcher.decided_keys() == [(LOGITS, VERIFY), (Op.TOPK, VERIFY)]
 
 
+def test_a_plans_decisions_are_one_cached_read_only_mapping_of_decides_own(tmp_path):
+    """decide_ops (a plan's every op in one lookup): the very decisions decide caches, per band, in one
+    mapping per (ops, key, batch size) that no caller can change under the next plan."""
+    dispatcher = _dispatcher(tmp_path)
+    ops = (LOGITS, Op.TOPK)
+    small = dispatcher.decide_ops(ops, VERIFY, batch_size=2)
+    assert dict(small) == {op: dispatcher.decide(op, VERIFY, batch_size=2) for op in ops}
+    assert all(small[op] is dispatcher.decide(op, VERIFY, batch_size=2) for op in ops)
+    assert dispatcher.decide_ops(ops, VERIFY, batch_size=2) is small
+    large = dispatcher.decide_ops(ops, VERIFY, batch_size=3)
+    assert (small[LOGITS].band, large[LOGITS].band) == ("B <= 2", "B > 2")
+    assert dispatcher.decide_ops(ops, VERIFY)[LOGITS] is dispatcher.decide(LOGITS, VERIFY)
+    with pytest.raises(TypeError):
+        small[LOGITS] = large[LOGITS]  # type: ignore[index]
+    plans = [build_plan(dispatcher, _batch(2), kv_fp8_dtype="e4m3fn") for _ in range(2)]
+    assert plans[0].decisions is plans[1].decisions and plans[0].decision(LOGITS) is small[LOGITS]
+
+
 @pytest.mark.parametrize("bad", [0, -3, True, 2.0, "2"])
 def test_a_batch_size_that_cannot_occur_is_refused(tmp_path, bad):
     with pytest.raises(InvalidBatchError, match=rf"decide: `batch_size` is {bad!r}; expected a host int >= 1"):
         _dispatcher(tmp_path).decide(LOGITS, VERIFY, batch_size=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.0, "2"])
+def test_a_batch_size_that_cannot_occur_is_refused_by_decide_ops_even_after_its_equal_was_cached(tmp_path, bad):
+    dispatcher = _dispatcher(tmp_path)
+    dispatcher.decide_ops((LOGITS,), VERIFY, batch_size=1)  # True == 1 and 2.0 == 2 hash alike: not a hit
+    dispatcher.decide_ops((LOGITS,), VERIFY, batch_size=2)
+    with pytest.raises(InvalidBatchError, match=rf"decide: `batch_size` is {bad!r}; expected a host int >= 1"):
+        dispatcher.decide_ops((LOGITS,), VERIFY, batch_size=bad)
 
 
 def test_the_clusters_prefer_list_comes_before_any_band(tmp_path):

@@ -41,6 +41,22 @@ def test_the_declared_batch_size_and_max_seq_len_pick_the_sub_band(tmp_path, bat
     assert (decision.backend, decision.band, decision.source) == (backend, band, "measured")
 
 
+def test_decide_ops_caches_per_sub_band_not_per_length(tmp_path):
+    dispatcher = _dispatcher(tmp_path)
+    ops = (LOGITS, Op.TOPK)
+    short = dispatcher.decide_ops(ops, VERIFY, batch_size=2, max_seq_len=300)
+    assert short[LOGITS] is dispatcher.decide(LOGITS, VERIFY, batch_size=2, max_seq_len=300)
+    assert short[LOGITS].backend == FLATTEN
+    assert dispatcher.decide_ops(ops, VERIFY, batch_size=2, max_seq_len=384) is short  # the same sub-band
+    long = dispatcher.decide_ops(ops, VERIFY, batch_size=2, max_seq_len=385)
+    assert long[LOGITS].backend == NATIVE and long is not short
+    assert dispatcher.decide_ops(ops, VERIFY, batch_size=2)[LOGITS].band == "B <= 2"
+    assert dispatcher.decide_ops(ops, VERIFY, batch_size=3, max_seq_len=300)[LOGITS].backend == NATIVE
+    for bad in (0, 2.0, True):  # refused even where a valid call of that sub-band was cached
+        with pytest.raises(InvalidBatchError, match="`max_seq_len` is"):
+            dispatcher.decide_ops(ops, VERIFY, batch_size=2, max_seq_len=bad)
+
+
 def test_a_sub_band_decision_names_its_line_evidence_and_losers(tmp_path):
     decision = _dispatcher(tmp_path).decide(LOGITS, VERIFY, batch_size=2, max_seq_len=1000)
     overlay = tmp_path / "measured" / "banded.yaml"

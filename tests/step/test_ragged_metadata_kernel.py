@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dispatch.step.ragged_metadata_kernel import INDICES_PER_PROGRAM, REQUESTS_PER_STEP, ragged_metadata_in_one_launch
+from dispatch.step.ragged_metadata_kernel import (INDICES_PER_PROGRAM, MAX_SHIFTS, REQUESTS_PER_STEP,
+                                                  ragged_metadata_in_one_launch)
 from dispatch.contract.bounds import BAD_LENGTH
 from dispatch.contract.extend_plan import DEFAULT_LOGITS_BYTES
 from dispatch.step.extend_batch import ExtendBatch, build_ragged_metadata
@@ -155,8 +156,8 @@ def test_on_a_gpu_build_ragged_metadata_takes_the_one_launch_path_and_matches_th
 
 def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_torch_ops(monkeypatch):
     """What a GPU's host pays per extend plan at M = 16K, S = 64K: the kernel (once) and the few torch ops
-    around it (37 on the torch path; tests/step/test_plan_host_cost.py). The interpreter's own tensor copies
-    inside the launch are no GPU host cost and are not counted."""
+    around it, none per chunk (37 on the torch path; tests/step/test_plan_host_cost.py). The interpreter's
+    own tensor copies inside the launch are no GPU host cost and are not counted."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     import dispatch.step.ragged_metadata_kernel as module
@@ -186,12 +187,13 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
         grids.clear()
         with _Launches() as counted:
             plan = build_extend_plan(dispatcher, batch, kv_fp8_dtype="e4m3fn", logits_byte_budget=budget)
-        past_key_0 = sum(1 for c in plan.chunks if c.chunk.key_begin)
-        # The buffer and its one split, the plan's K gather none; then one subtraction a chunk past key 0.
-        # (The error flags are the kernel's: no copy of its length flags.)
-        assert len(grids) == 1 and counted.launches <= 1 + past_key_0, dict(counted.ops)
-        views = sum(n for name, n in counted.ops.items() if name not in ("empty", "sub"))
-        assert views <= 2 + (len(plan.chunks) > 1) * 3 + len(plan.chunks), dict(counted.ops)
+        # The buffer, then views only, whatever the chunks: the kernel writes every chunk's ks / ke
+        # relative to its window (there were one subtraction and one unbind a chunk past key 0, and
+        # three more splits). The error flags are the kernel's: no copy of its length flags.
+        assert len(grids) == 1 and counted.launches == 1, dict(counted.ops)
+        views = sum(n for name, n in counted.ops.items() if name != "empty")
+        # the one split, the rows' [2, M] ks / ke, and with several chunks all rows' requests
+        assert views <= 2 + (len(plan.chunks) > 1), dict(counted.ops)
         assert torch.equal(plan.metadata.ranges.cpu(), expected.ranges)
         assert plan.error_flags.data_ptr() != plan.metadata.length_flags.data_ptr()
         for c in plan.chunks:  # the chunks' views equal the torch path's
@@ -200,6 +202,76 @@ def test_an_extend_plan_on_the_kernel_path_costs_one_launch_and_a_handful_of_tor
             assert torch.equal(c.ke.cpu() + c.chunk.key_begin, expected.ke[rows])
             assert torch.equal(c.lengths.cpu(), expected.ke[rows] - expected.ks[rows])
             assert torch.equal(c.page_rows.cpu(), expected.row_request[rows])
+
+
+def _assert_chunks_as_the_torch_path(batch: ExtendBatch, budget: int) -> int:
+    """The one launch's chunk views against the torch device path's metadata and chunk_tensors_from_ranges
+    (its subtractions): the same chunks and, per chunk, equal ks, ke, lengths and page rows, each a
+    contiguous int32 view of the launch's one buffer. Returns the chunks."""
+    from dispatch.step.extend_plan import chunk_tensors_from_ranges
+    from dispatch.step.ragged_metadata_kernel import chunk_shifts, metadata_in_one_launch
+
+    expected = build_ragged_metadata(batch, host_checked=False)
+    want = chunk_tensors_from_ranges(expected, expected.chunks(budget))
+    metadata, out = metadata_in_one_launch(_on_device(batch), budget)
+    assert torch.equal(metadata.ranges.cpu(), expected.ranges)
+    assert torch.equal(metadata.row_request.cpu(), expected.row_request)
+    assert [c.chunk for c in out.chunks] == [c.chunk for c in want]
+    base = metadata.gather_slots.untyped_storage().data_ptr()
+    for ours, theirs in zip(out.chunks, want, strict=True):
+        for field in ("ks", "ke", "lengths", "page_rows"):
+            have = getattr(ours, field)
+            assert have.dtype == torch.int32 and have.is_contiguous(), field
+            assert torch.equal(have.cpu(), getattr(theirs, field)), (field, ours.chunk)
+    if chunk_shifts([c.chunk for c in out.chunks]) is not None:  # views of the buffer, no subtraction's own
+        assert all(c.ks.untyped_storage().data_ptr() == base for c in out.chunks)
+    return [c.chunk for c in out.chunks]
+
+
+# (prefix, extend, budget, the window starts the kernel is handed: None for more than it takes). A tight
+# chunk's window starts at its first row's request's first key, so it moves only where a chunk starts in
+# another request than the chunk before: at most once a request, however many chunks.
+@pytest.mark.parametrize(
+    ("prefix", "extend", "budget", "shifts"),
+    [([0], [5], 1 << 20, 0), ([0], [300], 4096, 0), ([0, 300], [17, 1], 4096, 1), ([12, 0, 700], [40, 3, 90], 20000, 1),
+     ([0] * 4, [256] * 4, 1 << 14, 3), ([100, 0, 50], [0, 0, 200], 4096, 1), ([64, 0], [0, 0], 4096, 0),
+     ([0] * 9, [64] * 9, 64 * 64 * 4, MAX_SHIFTS), ([0] * 12, [64] * 12, 64 * 64 * 4, None), ([5] * 3, [400] * 3, 6000, 2)],
+    ids=["one-chunk", "one-request-many-chunks", "two-windows", "ragged", "four-requests",
+         "first-request-only-cached", "no-rows", "exactly-max-shifts", "past-max-shifts", "cut-inside-requests"],
+)
+def test_the_launchs_chunk_views_equal_the_torch_paths_chunks(prefix, extend, budget, shifts):
+    """Ragged lengths, requests of no new tokens (the first chunk's window then starts past key 0), one
+    request cut into many chunks, a batch of no rows, and more window starts than the kernel's shift
+    arguments (MAX_SHIFTS: those chunks subtract their own, as the torch path does)."""
+    from dispatch.step.ragged_metadata_kernel import chunk_shifts
+
+    pages = -(-max(p + e for p, e in zip(prefix, extend)) // 64) + 1
+    table = torch.arange(len(prefix) * pages, dtype=torch.int32).view(len(prefix), pages)
+    batch = ExtendBatch.from_lengths(prefix, extend, table, num_kv_blocks=table.numel())
+    chunks = _assert_chunks_as_the_torch_path(batch, budget)
+    assert len(chunks) == 0 if not sum(extend) else len(chunks) > (budget < 1 << 20)
+    got = chunk_shifts(chunks)
+    assert (got if got is None else len(got)) == shifts
+
+
+def test_chunk_views_without_host_lengths_span_every_key_and_need_no_shift():
+    """Without host lengths every chunk's window is all keys from key 0: the rows' own ks / ke, however
+    many chunks the budget cuts (here more than the kernel's shift arguments)."""
+    host = _random_batch(5, seed=3, pool=80)
+    batch = ExtendBatch(prefix_lens=host.prefix_lens, extend_lens=host.extend_lens, page_table=host.page_table,
+                        total_tokens=host.total_tokens, total_keys=host.total_keys, num_kv_blocks=80)
+    budget = 4 * batch.total_keys * max(batch.total_tokens // (2 * MAX_SHIFTS), 1)
+    assert len(_assert_chunks_as_the_torch_path(batch, budget)) > MAX_SHIFTS
+
+
+def test_chunk_shifts_name_each_change_of_window_start_up_to_the_kernels_arguments():
+    from dispatch.contract.extend_plan import Chunk
+    from dispatch.step.ragged_metadata_kernel import chunk_shifts
+
+    assert chunk_shifts([]) == () and chunk_shifts([Chunk(0, 9, 0, 40)]) == ()
+    assert chunk_shifts([Chunk(0, 4, 64, 90), Chunk(4, 9, 64, 99), Chunk(9, 12, 130, 150)]) == ((0, 64), (9, 130))
+    many = [Chunk(i, i + 1, 10 * i, 10 * i + 5) for i in range(MAX_SHIFTS + 2)]
+    assert len(chunk_shifts(many[:MAX_SHIFTS + 1])) == MAX_SHIFTS and chunk_shifts(many) is None
 
 
 def test_a_plan_on_the_kernel_path_starts_its_error_flags_from_the_length_flags_in_a_word_of_its_own(monkeypatch):
@@ -222,8 +294,9 @@ def test_a_plan_on_the_kernel_path_starts_its_error_flags_from_the_length_flags_
 
 
 # Compiles the kernel for sm_90 with Triton's own compiler (no GPU needed), twice: every integer argument
-# a runtime int32, and every one that can be 1 a constant 1, as Triton's launcher specializes an argument
-# equal to 1 (a batch of one row, key or request): the CPU tests run the interpreter, which does not.
+# a runtime int32 (the chunk shifts int64), and every one that can be 1 a constant 1, as Triton's launcher
+# specializes an argument equal to 1 (a batch of one row, key or request): the CPU tests run the
+# interpreter, which does not.
 _COMPILE_FOR_SM90 = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
@@ -236,10 +309,13 @@ _COMPILE_FOR_SM90 = textwrap.dedent('''
     values = {"BLOCK": module.INDICES_PER_PROGRAM, "REQUESTS_PER_STEP": module.REQUESTS_PER_STEP, "BLOCK_KV": 64,
               "PAGE_SHIFT": 6, "BAD_LENGTH": module.BAD_LENGTH}
     assert constexpr == set(values), f"give the sm90 compile test a value for {constexpr - set(values)}"
-    ints = [n for n in names if n not in constexpr and not n.endswith("_ptr")]
+    # The chunk shifts are never specialized (do_not_specialize): runtime int64 whatever their value.
+    shifts = [p.name for p in kernel.params if p.do_not_specialize]
+    assert shifts == [f"shift_{i}" for i in range(module.MAX_SHIFTS)], shifts
+    ints = [n for n in names if n not in constexpr and not n.endswith("_ptr") and n not in shifts]
     for ones in ([], [n for n in ints if n != "limit"]):
-        signature = {n: "constexpr" if n in constexpr or n in ones else "*i32" if n.endswith("_ptr") else "i32"
-                     for n in names}
+        signature = {n: "constexpr" if n in constexpr or n in ones else "*i32" if n.endswith("_ptr")
+                     else "i64" if n in shifts else "i32" for n in names}
         given = {(names.index(n),): values.get(n, 1) for n in names if signature[n] == "constexpr"}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=given), target=GPUTarget("cuda", 90, 32))
         print(len(ones), ".target sm_90" in compiled.asm["ptx"])
