@@ -17,6 +17,7 @@ from backends.adapted_topk import page_slots
 from backends.cuda_topk import build
 from backends.cuda_topk.plugin import cuda_topk_backends
 from dispatch.contract import Arch, LayoutError
+from tests.backends.test_cuda_topk_digit import adversarial_rows
 from tests.backends.test_triton_topk import check, random_logits, ragged_lengths
 
 NAN, INF = float("nan"), float("inf")
@@ -93,6 +94,18 @@ def test_ties_inf_and_nan_rows(stage, filtered, width, cta):
     lengths = torch.full((10,), width, dtype=torch.int32)
     lengths[5] = 10
     check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered, cta=cta))
+
+
+# The register select's first digit (radix_select.cu's fine_digit): rows aimed at it, whose model
+# test_cuda_topk_digit.py checks on the CPU. Rows of 3000 and 8192 keys sit in registers; at 30000 the
+# filtered pass's list (the keys above the sampled cut) takes the same select.
+@gpu
+@pytest.mark.parametrize("width", [3000, 8192, 30000])
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
+def test_rows_built_against_the_fine_digit(width, cta):
+    logits = adversarial_rows(width, torch.Generator().manual_seed(width))
+    lengths = torch.full((logits.shape[0],), width, dtype=torch.int32)
+    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
 
 
 def signed_zero_rows(rows, width, gen):
