@@ -14,17 +14,11 @@
 //   thread's 4 x kUnroll keys take their slots with one warp scan and one shared atomic per warp); a list of
 //   at least k keys is read into registers and takes the same radix select.
 // The select over registers visits only the register slots that hold entries (a 2.4K-key row at 1024
-// threads: 3 of 8). Its first round is one histogram of a 12-bit digit monotone in the key (sign,
-// exponent clamped to 32 octaves, 6 mantissa bits: 64 bins an octave, against the 11-bit key prefix's
-// 4) and one threshold search (a warp scan, then every warp sums the warps before it itself: two
-// block-wide syncs). Keys of higher digits are selected; a threshold bin of at most 256 keys (tens on
-// randn rows of 2-98K keys) is listed and each of its keys ranked against the others, so a row takes
-// one round and no more. A fuller bin (few distinct values, values outside the 32 octaves) takes the
-// exact radix select over the keys' 32 bits.
-// That radix select (the full select's too): 11 + 11 + 10-bit digits of the key; each round one
-// histogram (shared atomics; the next round's histogram cleared meanwhile, two buffers) and one
-// threshold search, so three syncs a digit; then the keys above the k-th largest key T and the first
-// of those equal to T still needed (ties: any will do).
+// threads: 3 of 8).
+// The radix select: 11 + 11 + 10-bit digits; each round one histogram (shared atomics; the next
+// round's histogram cleared meanwhile, two buffers) and one threshold search (a warp scan, then every
+// warp sums the warps before it itself: two block-wide syncs), so three syncs a digit; then the keys
+// above the k-th largest key T and the first of those equal to T still needed (ties: any will do).
 // Keys are the order-preserving uint32 form of the fp32 bits, NaN -> 0 (below -inf's key, so never
 // selected).
 // Otherwise (the sample misjudged the row, the list overflowed, too few numbers) the full select: a
@@ -47,17 +41,8 @@ namespace {
 constexpr int kMaxWarps = 32;   // a CTA of 1024 threads
 constexpr int kSample = 1024;   // keys the cut samples from a long row
 constexpr int kSpots = 256;     // where the sample's keys are read: four adjacent keys at each
-constexpr int kBins = 2048;       // the key-prefix rounds' digits: 11 bits
-constexpr int kLastBins = 1024;   // the last key round's: 10 bits
-// The register select's first digit (fine_digit): kFineBits bits, 2^(kFineBits - 6) bins an octave over
-// 32 octaves of magnitude a sign. Randn rows of 2.4-98K keys leave 10-150 keys in k = 2048's threshold
-// bin at 12 bits (counted on the CPU; the 11-bit key prefix: ~300 at 8K).
-constexpr int kFineBits = 12;
-constexpr int kFineBins = 1 << kFineBits;
-// A threshold bin of at most kRankCap keys is settled by ranking its keys against each other
-// (c * c compares spread over the CTA, about one radix round's time at c = 250); a fuller one (few
-// distinct values, values outside the digit's 32 octaves) takes the exact key rounds.
-constexpr int kRankCap = 256;
+constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
+constexpr int kLastBins = 1024;   // the last round's: 10 bits
 
 // The kernel's two instances, chosen per call on the host (radix_topk.py's `instance`).
 // Wide: an 8192-entry list (the filtered pass's 2-7K on rows to 98K; a threshold bin's 1-3K), two
@@ -82,14 +67,7 @@ template <class C>
 struct alignas(16) Shared {
   using Config = C;
   static constexpr int kCandCap = C::kCandCap;
-  int hist0[kFineBins];  // a round's histogram (the first kBins bins in the key rounds)
-  union {
-    int hist1[kBins];  // the next round's, cleared while the first fills
-    struct {
-      uint32_t key[kBins / 2];
-      int pos[kBins / 2];
-    } tie;  // the register select's threshold bin, where it holds at most kRankCap keys
-  };
+  int hist[2][kBins];  // a round's histogram and the next round's, cleared while the first fills
   uint32_t cand_key[kCandCap];
   int cand_pos[kCandCap];
   int warp_sums[kMaxWarps];
@@ -121,38 +99,6 @@ struct Params {
   int block_size;
   int filtered;  // 1: the sampled cut and the filtered pass first; 0: the full select only (tests)
 };
-
-// The register select's first digit of a key: monotone in the key (a larger key never gets a smaller
-// digit), so the keys above the threshold bin are exactly those of higher digits whatever the data; the
-// digit only decides how few keys share the threshold bin. Sign, then the magnitude's exponent clamped
-// to 32 octaves [2^-16, 2^16) and its top kFineBits - 6 mantissa bits: kFineBits - 1 bits a sign,
-// negatives mirrored below. Magnitudes under 2^-16 (zeros, denormals) share the bins next to zero,
-// those past 2^16 (+-inf) the outermost bins; the key rounds sort them out (select_in_registers).
-// A key of 0 (NaN) gets bin 0 but is never counted.
-__device__ __forceinline__ int fine_digit(uint32_t key) {
-  constexpr int kHalf = kFineBins / 2;
-  constexpr int kShift = 23 - (kFineBits - 6);   // the mantissa bits dropped
-  constexpr int kLow = (127 - 16) << (kFineBits - 6);  // 2^-16's exponent and mantissa index
-  const bool positive = key >> 31;
-  const uint32_t magnitude = (positive ? key : ~key) & 0x7FFFFFFFu;
-  const int m = min(max(static_cast<int>(magnitude >> kShift) - kLow, 0), kHalf - 1);
-  return positive ? kHalf + m : kHalf - 1 - m;
-}
-
-// The keys of fine_digit's bin b: [x, y] (x = 0 in bin 0: NaN's key, never counted). The register
-// select compares keys against these rather than recomputing digits: the digits of a row's keys, kept
-// from round 1's histogram across its syncs, spilled the 512-thread instances (ptxas, sm_90a).
-__device__ __forceinline__ uint2 fine_bin_keys(int b) {
-  constexpr int kHalf = kFineBins / 2;
-  constexpr int kShift = 23 - (kFineBits - 6);
-  constexpr int kLow = (127 - 16) << (kFineBits - 6);
-  const bool positive = b >= kHalf;
-  const int m = positive ? b - kHalf : kHalf - 1 - b;
-  const uint32_t lowest = m == 0 ? 0u : static_cast<uint32_t>(m + kLow) << kShift;  // magnitudes
-  const uint32_t highest = m == kHalf - 1 ? 0x7FFFFFFFu : (static_cast<uint32_t>(m + 1 + kLow) << kShift) - 1u;
-  return positive ? make_uint2(0x80000000u | lowest, 0x80000000u | highest)
-                  : make_uint2(0x7FFFFFFFu - highest, 0x7FFFFFFFu - lowest);
-}
 
 __device__ __forceinline__ uint32_t ordered_key(float x) {
   // Flip the sign bit of a positive float, every bit of a negative one: unsigned order is value order.
@@ -190,13 +136,13 @@ __device__ __forceinline__ void clear_bins(int* hist, int bins) {
   for (int b = threadIdx.x; b < bins; b += T) hist[b] = 0;
 }
 
-// The bin b (of `bins` <= kMaxBins, ascending key order) of `hist` holding the need-th largest of its
-// entries (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above. Two
-// block-wide syncs: each thread scans its kOwn bins, a warp scan, the warps' totals published once;
-// every warp then sums the warps before it itself (no second scan by warp 0 and no sync for it).
-template <int T, int kMaxBins = kBins, class S>
+// The bin b (of `bins`, ascending key order) of `hist` holding the need-th largest of its entries
+// (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above. Two block-wide
+// syncs: each thread scans its kOwn bins, a warp scan, the warps' totals published once; every warp
+// then sums the warps before it itself (no second scan by warp 0 and no sync for it).
+template <int T, class S>
 __device__ void find_threshold(S& s, const int* hist, int need, int bins) {
-  constexpr int kOwn = kMaxBins / T;  // bins a thread owns: descending positions kOwn*t .. kOwn*t + kOwn - 1
+  constexpr int kOwn = kBins / T;  // bins a thread owns: descending positions kOwn*t .. kOwn*t + kOwn - 1
   const int t = threadIdx.x;
   const int lane = t & 31, warp = t >> 5;
   const int b_hi = bins - 1 - kOwn * t;
@@ -219,26 +165,13 @@ __device__ void find_threshold(S& s, const int* hist, int need, int bins) {
 #pragma unroll
   for (int d = 16; d >= 1; d >>= 1) earlier += __shfl_xor_sync(0xFFFFFFFFu, earlier, d);
   int before = earlier + inclusive - sum;
-  if constexpr (kOwn <= 4) {
 #pragma unroll
-    for (int e = 0; e < kOwn; ++e) {
-      if (before < need && need <= before + h[e]) {
-        s.bin = b_hi - e;
-        s.above = before;
-      }
-      before += h[e];
+  for (int e = 0; e < kOwn; ++e) {
+    if (before < need && need <= before + h[e]) {
+      s.bin = b_hi - e;
+      s.above = before;
     }
-  } else if (before < need && need <= before + sum) {
-    // Many bins a thread (the fine digit at 512 threads): only the thread holding the need-th entry
-    // re-reads its bins, so its counts need not stay in registers across the sync beside a row's keys.
-    for (int e = 0; e < kOwn; ++e) {
-      const int count = b_hi - e >= 0 ? hist[b_hi - e] : 0;
-      if (before < need && need <= before + count) {
-        s.bin = b_hi - e;
-        s.above = before;
-      }
-      before += count;
-    }
+    before += h[e];
   }
   __syncthreads();
 }
@@ -326,7 +259,7 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const S& s,
 // loads held 9% of the stall samples at 512 x 49K on the H200). The cut is the lower edge of the
 // top-11-bit bin holding the sample's r-th largest, r a few standard deviations past the
 // k * kSample / n the sample expects above the k-th largest key. 0: no cut (the sample holds too few
-// numbers), so the row takes the full select. Leaves s.hist0 cleared.
+// numbers), so the row takes the full select. Leaves s.hist[0] cleared.
 template <int T, class S>
 __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
   constexpr int kAt = kSample / kSpots;
@@ -334,19 +267,19 @@ __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
 #pragma unroll
   for (int j = threadIdx.x; j < kSample; j += T) {
     const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
-    atomicAdd(&s.hist0[ordered_key(v.src[i]) >> 21], 1);
+    atomicAdd(&s.hist[0][ordered_key(v.src[i]) >> 21], 1);
   }
   __syncthreads();
-  const int numbers = kSample - s.hist0[0];
+  const int numbers = kSample - s.hist[0][0];
   const float expect = static_cast<float>(k) * kSample / v.n;
   const int rank = min(static_cast<int>(ceilf(expect + 3.0f * sqrtf(expect))) + 4, kSample);
   uint32_t cut = 0u;
   if (numbers >= rank) {  // block-uniform: every thread read the same counts
-    find_threshold<T>(s, s.hist0, rank, kBins);
+    find_threshold<T>(s, s.hist[0], rank, kBins);
     cut = static_cast<uint32_t>(s.bin) << 21;
   }
   __syncthreads();
-  clear_bins<T>(s.hist0, kBins);
+  clear_bins<T>(s.hist[0], kBins);
   return cut;  // the sync after collect_candidates orders the clearing before the next histogram
 }
 
@@ -429,56 +362,27 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
   offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
 }
 
-// The threshold bin's `c` keys (s.tie, 1 <= need <= c <= kRankCap): key i's rank is how many of the
-// others come before it, larger keys first and equal keys in list order, so the ranks are 0..c-1 and
-// exactly `need` of them are below need; those fill the last need slots, in rank order. A group of g
-// threads (a power of two, at most 32, c * g <= T) ranks one key, each thread comparing every g-th
-// key, the counts summed by shuffles within the group.
-template <int T, bool kHasPages, class S>
-__device__ void rank_ties(S& s, int c, int need, int k, int* out_row, const PageRow& pr, int block_size) {
-  int g = 1;
-  while (g < 32 && c * g * 2 <= T) g *= 2;  // block-uniform
-  const int t = threadIdx.x;
-  const int sub = t & (g - 1);
-  for (int first = 0; first < c; first += T / g) {
-    const int i = first + t / g;
-    const bool in = i < c;
-    const uint32_t mine = in ? s.tie.key[i] : 0u;
-    int rank = 0;
-    if (in) {
-      for (int j = sub; j < c; j += g) {
-        const uint32_t other = s.tie.key[j];
-        rank += other > mine || (other == mine && j < i);
-      }
-    }
-    for (int d = 1; d < g; d <<= 1) rank += __shfl_xor_sync(0xFFFFFFFFu, rank, d);
-    if (in && sub == 0 && rank < need) out_row[k - need + rank] = slot_value<kHasPages>(s.tie.pos[i], pr, block_size);
-  }
-}
-
 // The k largest of the `count` keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key
-// 0 for NaN and for entries past the end) into out_row; where no more than k are selectable (non-NaN),
-// all of them, then -1. pos(i) is entry i's position in the row. s.hist0 is clear on entry.
-// Round 1 is one histogram of fine_digit (kFineBins bins). Keys of higher digits are selected; a
-// threshold bin of at most kRankCap keys goes to s.tie and each of its keys is ranked against the
-// others (rank_ties): no further round. A fuller bin takes three exact radix rounds over its keys'
-// 32 bits (11 + 11 + 10), then the keys above the threshold key and the first `need` equal to it.
+// 0 for NaN and for entries past the end) into out_row: three radix rounds over the registers, then the
+// keys above the threshold and the first `need` equal to it; where no more than k are selectable
+// (non-NaN), all of them, then -1. pos(i) is entry i's position in the row. s.hist[0] is clear on entry.
 // Every loop stops at the first register slot past `count` (j * T >= count: no thread holds an entry
 // there). The bound is block-uniform, so the warp-wide slot claims stay uniform. A 2.4K-key row at
 // 1024 threads visits 3 of its 8 slots, and a list of 3.5K keys at 512 threads 7 of 16.
-template <int T, bool kHasPages, class S, int kPer, typename Pos, typename KeyAt>
+template <int T, bool kHasPages, class S, int kPer, typename Pos>
 __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count, int k, int* out_row,
-                                    const PageRow& pr, int block_size, Pos pos, KeyAt key_at) {
+                                    const PageRow& pr, int block_size, Pos pos) {
   const int t = threadIdx.x;
   int mine = 0;
 #pragma unroll
   for (int j = 0; j < kPer && j * T < count; ++j) {
-    if (key[j] != 0u) atomicAdd(&s.hist0[fine_digit(key[j])], 1);
+    if (key[j] != 0u) atomicAdd(&s.hist[0][key[j] >> 21], 1);
     mine += key[j] != 0u;
   }
 #pragma unroll
   for (int d = 16; d >= 1; d >>= 1) mine += __shfl_xor_sync(0xFFFFFFFFu, mine, d);
   if ((t & 31) == 0 && mine) atomicAdd(&s.selectable, mine);
+  clear_bins<T>(s.hist[1], kBins);
   __syncthreads();
   const int selectable = s.selectable;
   if (selectable <= k) {  // block-uniform
@@ -491,76 +395,35 @@ __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count
     for (int i = selectable + t; i < k; i += T) out_row[i] = -1;
     return;
   }
-  find_threshold<T, kFineBins>(s, s.hist0, k, kFineBins);
-  const int b0 = s.bin;
-  int need = k - s.above;
-  const int in_bin = s.hist0[b0];  // block-uniform: nothing writes hist0 before the next sync
-
-  if (in_bin <= kRankCap) {
-    // Higher digits are selected (slots from 0); the threshold bin's keys are listed for rank_ties.
-    const uint2 bounds = fine_bin_keys(b0);
-#pragma unroll
-    for (int j = 0; j < kPer && j * T < count; ++j) {
-      const bool above = key[j] > bounds.y;
-      const int slot = warp_slot(above, &s.out_count);
-      if (above) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
-      const bool tie = key[j] != 0u && key[j] >= bounds.x && key[j] <= bounds.y;
-      const int e = warp_slot(tie, &s.eq_count);
-      if (tie && e < kBins / 2) {  // e < in_bin: the bounds hold exactly the bin's keys
-        s.tie.key[e] = key[j];
-        s.tie.pos[e] = pos(t + j * T);
-      }
-    }
-    __syncthreads();
-    rank_ties<T, kHasPages>(s, in_bin, need, k, out_row, pr, block_size);
-    return;
-  }
-
-  // A full threshold bin: the exact radix select over every key's 32 bits (11 + 11 + 10), as if round
-  // 1 had not run, each pass re-reading the keys through key_at(i) (the row from L2, or the list):
-  // with a fourth pass over the registers the 512-thread instances spilled in the filtered pass's
-  // loop (ptxas, sm_90a), and this path serves only rows of few distinct values or values outside
-  // the digit's 32 octaves.
-  clear_bins<T>(s.hist1, kBins);
-  __syncthreads();  // find_threshold's last reads of hist0 and the clearing of hist1 before the adds
-  for (int i = t; i < count; i += T) {
-    const uint32_t x = key_at(i);
-    if (x != 0u) atomicAdd(&s.hist1[x >> 21], 1);
-  }
-  clear_bins<T>(s.hist0, kBins);
-  __syncthreads();
-  find_threshold<T>(s, s.hist1, k, kBins);
+  find_threshold<T>(s, s.hist[0], k, kBins);
   const uint32_t b1 = s.bin;
-  need = k - s.above;
+  int need = k - s.above;
 
-  for (int i = t; i < count; i += T) {
-    const uint32_t x = key_at(i);
-    if (x != 0u && (x >> 21) == b1) atomicAdd(&s.hist0[(x >> 10) & 0x7FF], 1);
-  }
-  clear_bins<T>(s.hist1, kLastBins);  // the previous round's readers are past find_threshold's last sync
+#pragma unroll
+  for (int j = 0; j < kPer && j * T < count; ++j)
+    if (key[j] != 0u && (key[j] >> 21) == b1) atomicAdd(&s.hist[1][(key[j] >> 10) & 0x7FF], 1);
+  clear_bins<T>(s.hist[0], kLastBins);  // round 1's readers are past find_threshold's last sync
   __syncthreads();
-  find_threshold<T>(s, s.hist0, need, kBins);
+  find_threshold<T>(s, s.hist[1], need, kBins);
   const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
   need -= s.above;
 
-  for (int i = t; i < count; i += T) {
-    const uint32_t x = key_at(i);
-    if ((x >> 10) == (prefix >> 10)) atomicAdd(&s.hist1[x & 0x3FF], 1);
-  }
+#pragma unroll
+  for (int j = 0; j < kPer && j * T < count; ++j)
+    if ((key[j] >> 10) == (prefix >> 10)) atomicAdd(&s.hist[0][key[j] & 0x3FF], 1);
   __syncthreads();
-  find_threshold<T>(s, s.hist1, need, kLastBins);
+  find_threshold<T>(s, s.hist[0], need, kLastBins);
   const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
   need -= s.above;  // keys equal to the threshold still needed, >= 1
 
-  for (int base = 0; base < count; base += T) {  // block-uniform bound: the slot claims are warp-wide
-    const int i = base + t;
-    const uint32_t x = i < count ? key_at(i) : 0u;
-    const bool above = x > threshold;
+#pragma unroll
+  for (int j = 0; j < kPer && j * T < count; ++j) {
+    const bool above = key[j] > threshold;
     const int slot = warp_slot(above, &s.out_count);
-    if (above) out_row[slot] = slot_value<kHasPages>(pos(i), pr, block_size);
-    const bool equal = i < count && x == threshold;
+    if (above) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
+    const bool equal = key[j] == threshold;
     const int e = warp_slot(equal, &s.eq_count);
-    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos(i), pr, block_size);
+    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
   }
 }
 
@@ -576,19 +439,18 @@ __device__ void short_row(const RowView& v, S& s, int k, int* out_row, const Pag
     const int i = t + j * T;
     key[j] = i < v.n ? ordered_key(__ldg(v.src + i)) : 0u;
   }
-  select_in_registers<T, kHasPages>(s, key, v.n, k, out_row, pr, block_size, [](int i) { return i; },
-                                    [&](int i) { return ordered_key(__ldg(v.src + i)); });
+  select_in_registers<T, kHasPages>(s, key, v.n, k, out_row, pr, block_size, [](int i) { return i; });
 }
 
 // The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
 // overflowed, too few numbers): a histogram of the whole row, its threshold bin's keys as the list, or
-// the row itself when they overflow it; exact whatever the data. s.hist0 is clear on entry.
+// the row itself when they overflow it; exact whatever the data. s.hist[0] is clear on entry.
 template <int T, bool kHasPages, class S>
 __device__ void full_select(const RowView& v, uint32_t* stage, S& s, int k, int* out_row, const PageRow& pr,
                             int block_size) {
   const int t = threadIdx.x;
   const int n = v.n;
-  int* hist = s.hist0;
+  int* hist = s.hist[0];
   load_row<T, S::Config::kUnroll>(v, stage, hist);
   __syncthreads();
 
@@ -662,7 +524,7 @@ __device__ void full_select(const RowView& v, uint32_t* stage, S& s, int k, int*
 
 template <int T, class S>
 __device__ void reset(S& s) {
-  clear_bins<T>(s.hist0, kFineBins);
+  clear_bins<T>(s.hist[0], kBins);
   if (threadIdx.x == 0) {
     s.out_count = 0;
     s.cand_count = 0;
@@ -726,13 +588,13 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
         key[j] = i < count ? s.cand_key[i] : 0u;
       }
       select_in_registers<T, kHasPages>(s, key, count, k, out_row, pr, p.block_size,
-                                        [&](int i) { return s.cand_pos[i]; }, [&](int i) { return s.cand_key[i]; });
+                                        [&](int i) { return s.cand_pos[i]; });
       return;
     }
     __syncthreads();
     reset<T>(s);  // the sample misjudged the row (too few candidates, or more than the list holds)
   } else {
-    __syncthreads();  // candidate_cut's clearing of s.hist0 before the full select's histogram
+    __syncthreads();  // candidate_cut's clearing of s.hist[0] before the full select's histogram
   }
   full_select<T, kHasPages>(v, stage, s, k, out_row, pr, p.block_size);
 }
