@@ -95,6 +95,52 @@ def test_ties_inf_and_nan_rows(stage, filtered, width, cta):
     check(logits, lengths, k, radix(logits.cuda(), lengths.cuda(), k, stage=stage, filtered=filtered, cta=cta))
 
 
+def crowded_rows(width, gen):
+    """Rows that crowd or empty the bins of a value-binned first digit (k = 2048): every key inside
+    one 1/128-octave band, a threshold band of 255-257 or up to 1000 keys, four distinct values tied at
+    the threshold, values past 2^16 and +-inf, denormals, signed zeros among tiny values, -inf and NaN
+    mixes (the threshold among the -inf keys), one value. Row 0 is plain randn."""
+    def uniform(n, lo, hi):
+        return lo + (hi - lo) * torch.rand(n, generator=gen)
+
+    def banded(top, band):  # `top` keys far above a band of values just over 1.0, the rest far below
+        row = torch.cat([uniform(top, 10.0, 1000.0), band])
+        return torch.cat([row, uniform(width - row.numel(), -1000.0, -10.0)])
+
+    rows = [torch.randn(width, generator=gen), uniform(width, 1.0, 1.0 + 2.0**-7)]
+    rows += [banded(1900, uniform(n, 1.0, 1.0 + 2.0**-7)) for n in (255, 256, 257, min(1000, width - 2000))]
+    ties = torch.tensor([1.0 + i * 2.0**-10 for i in range(4)])[torch.randint(0, 4, (200,), generator=gen)]
+    rows.append(banded(1990, ties))
+    rows.append(torch.randn(width, generator=gen) * 1e6)
+    big = torch.randn(width, generator=gen).sign() * torch.exp(uniform(width, 11.0, 88.0))
+    big[::97], big[1::89] = INF, -INF
+    rows.append(big)
+    rows.append(torch.randn(width, generator=gen) * 1e-40)
+    tiny = torch.randn(width, generator=gen) * 1e-6
+    tiny[::3], tiny[1::3] = 0.0, -0.0
+    rows.append(tiny)
+    mix = torch.randn(width, generator=gen)
+    mix[::2], mix[1::4] = NAN, -INF
+    rows.append(mix)
+    mix = torch.randn(width, generator=gen)
+    mix[: width // 3], mix[width // 3: width // 3 + 5] = NAN, INF
+    rows.append(mix)
+    rows.append(torch.full((width,), -3.0))
+    return torch.stack(rows)
+
+
+# Round 8 (docs/internal/benchmark-history.md) built a fine first digit against these rows; the kernel
+# kept is exact on them too. Rows of 3000 and 8192 keys sit in registers; at 30000 the filtered pass's
+# list (or the full select, where the short list overflows) selects.
+@gpu
+@pytest.mark.parametrize("width", [3000, 8192, 30000])
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
+def test_rows_that_crowd_a_value_binned_digit(width, cta):
+    logits = crowded_rows(width, torch.Generator().manual_seed(width))
+    lengths = torch.full((logits.shape[0],), width, dtype=torch.int32)
+    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
+
+
 def signed_zero_rows(rows, width, gen):
     """A sixth of each row positive, a third +0.0, a third -0.0, a sixth negative: a long row's sampled
     cut lands at +0.0's key, and the list (the positives and both zeros) fits in the 8192 entries."""
