@@ -15,7 +15,7 @@ import torch
 
 from dispatch.bench.timing import time_host
 from dispatch.deciding.dispatcher import Dispatcher
-from dispatch.contract.key import ForwardMode
+from dispatch.contract.key import ForwardMode, Op
 
 PAGED_TARGET_US = 50.0
 EXTEND_TARGET_US = 200.0
@@ -71,20 +71,38 @@ def _paged(dispatcher: Dispatcher, device: str, fp8_dtype, pool: int | None) -> 
     seconds = time_host(lambda: build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype), repeats=PAGED_REPEATS, warmup=20)
     told = "pool given" if pool is not None else "pool deferred to the first layer"
     return HostTime(f"build_plan B={_PAGED_BATCH} N={_NEXT_N} ({told})", seconds * 1e6, PAGED_TARGET_US, PAGED_REPEATS,
-                    _paged_path(dispatcher, batch, fp8_dtype))
+                    _paged_path(dispatcher, batch, fp8_dtype) + _topk_state_share(dispatcher, batch, fp8_dtype))
+
+
+def _topk_state_share(dispatcher: Dispatcher, batch, fp8_dtype) -> str:
+    """How much of the plan is the decided top-k backend's own per-batch state, where it has one (SGLang's
+    v2 plans its rows per batch, as SGLang does once per forward): timed alone over the same plan."""
+    from dispatch.step.paged_plan import build_plan
+
+    plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype)
+    prepare = plan.decision(Op.TOPK).impl.prepare
+    if prepare is None:
+        return ""
+    seconds = time_host(lambda: prepare(plan), repeats=PAGED_REPEATS, warmup=20)
+    return f"; of which the top-k's per-batch plan {seconds * 1e6:.1f} us"
 
 
 def _paged_path(dispatcher: Dispatcher, batch, fp8_dtype) -> str:
     """How the timed plans were made: the decided logits backend, and its one launch or the Triton ones."""
     from dispatch.step.paged_plan import build_plan, logits_plan_tensors
 
-    logits = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, prepare=False).logits
+    plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, prepare=False)
+    logits, topk = plan.logits, plan.decision(Op.TOPK)
+    # A top-k backend with a per-batch state (SGLang's v2 plans its rows once per batch, as SGLang does
+    # per forward) adds that to the plan's host time: named, so a figure says what it includes.
+    selected = f"; top-k `{topk.backend}`" + (", its per-batch plan included" if topk.impl.prepare is not None else "")
     if logits.impl.plan_tensors is None:
-        return f"logits `{logits.backend}`"
+        return f"logits `{logits.backend}`{selected}"
     if logits_plan_tensors(logits, batch) is not None:
-        return f"logits `{logits.backend}`, one C++ launch"
+        return f"logits `{logits.backend}`, one C++ launch{selected}"
     # Why not (not built here, or this batch not taken) is the backend's to say: `backends --warm` prints it.
-    return f"logits `{logits.backend}`, Triton launches (its one launch is not built here or does not take this batch)"
+    return (f"logits `{logits.backend}`, Triton launches (its one launch is not built here or does not take this "
+            f"batch){selected}")
 
 
 def _extend(dispatcher: Dispatcher, device: str, fp8_dtype, prefix: int) -> HostTime:

@@ -67,16 +67,16 @@ def _row(gpu: Gpu, dispatcher: Dispatcher) -> GpuRow:
             decision = dispatcher.decide(op, key)
             sizes = dispatcher.band_sizes(op, key)
             bands = [dispatcher.decide(op, key, batch_size=size) for size in sizes]
-            subs = [dispatcher.decide(op, key, batch_size=size, max_seq_len=bound)
-                    for size in sizes for bound in dispatcher.band_lengths(op, key, size)]
+            subs = [(band, dispatcher.decide(op, key, batch_size=size, max_seq_len=bound))
+                    for size, band in zip(sizes, bands) for bound in dispatcher.band_lengths(op, key, size)]
         except NoBackendError:
             return NONE
-        for chosen in [decision, *bands, *subs]:
+        for chosen in [decision, *bands, *(sub for _, sub in subs)]:
             verified.append((column, chosen.backend, chosen.impl.verified_on(gpu.arch).value))
-        # The measured bands (and length sub-bands) that decide otherwise than the key's own order, so none
-        # is hidden.
+        # The measured bands that decide otherwise than the key's own order, and the length sub-bands that
+        # decide otherwise than their band, so none is hidden and none is said twice.
         other = [f"{band_label(sizes, i)}: {band.backend}" for i, band in enumerate(bands) if band.backend != decision.backend]
-        other += [f"{sub.band}: {sub.backend}" for sub in subs if sub.backend != decision.backend]
+        other += [f"{sub.band}: {sub.backend}" for band, sub in subs if sub.backend != band.backend]
         return decision.backend + (f" ({'; '.join(other)})" if other else "")
 
     keys = [DispatchKey(gpu.arch, mode, next_n, gpu.fp8_dtype) for _, mode, next_n, _ in STEPS]

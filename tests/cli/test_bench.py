@@ -123,4 +123,4 @@ def test_host_time_reports_each_plan_against_its_target(capsys):
         assert entry["target_us"] == (50.0 if name.startswith("build_plan") else 200.0)
         assert entry["within"] == (entry["median_us"] <= entry["target_us"])
         # The paged plans say how they were made: on this CPU the reference is decided, with no one-launch path.
-        assert entry["path"] == ("logits `torch.reference`" if name.startswith("build_plan") else "")
+        assert entry["path"] == ("logits `torch.reference`; top-k `torch.reference`" if name.startswith("build_plan") else "")

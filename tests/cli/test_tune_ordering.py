@@ -98,6 +98,21 @@ def test_the_tuners_preference_carries_the_bands_between_order_and_shapes():
                                    {"batch_size_up_to": 128, "order": ["b", "a"]}]
 
 
+# (op, next_n, band's batch_size_up_to): [(max_seq_len_up_to, the sub-band's first backend)], as tuned.
+SHIPPED_SUB_BANDS = {
+    ("paged_mqa_logits", 1, 1): [(3072, "triton"), (12288, "triton"), (49152, "deepgemm.sm90")],
+    ("paged_mqa_logits", 1, 32): [(12288, "triton"), (49152, "deepgemm.sm90")],
+    ("paged_mqa_logits", 2, 1): [(12288, "triton"), (49152, "deepgemm.sm90")],
+    ("topk", 1, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
+    ("topk", 1, 128): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
+    ("topk", 2, 8): [(12288, "sglang.topk_v2"), (49152, "triton")],
+    ("topk", 2, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
+    ("topk", 4, 8): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
+    ("topk", 4, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
+    ("topk", 4, 128): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
+}
+
+
 def test_the_shipped_h200_bands_are_what_tune_derives_from_its_recorded_times():
     document = load_registry(DEFAULT_REGISTRY)
     overlay = load_measured(DEFAULT_REGISTRY.parent / "measured" / "h200-mtp.yaml").overlay
@@ -110,30 +125,26 @@ def test_the_shipped_h200_bands_are_what_tune_derives_from_its_recorded_times():
             stepped = [{"shape": s.shape, "median_us": dict(s.median_us)} for s in preference.step_shapes]
             rule_order = list(document.registry.table(op).named_for(key))
             derived = band_orders(shapes, list(preference.order), rule_order, stepped)
+            if len(derived) == 1 and "lengths" not in derived[0]:
+                derived = []  # one batch size and no sub-bands: no band
             stored = [{"batch_size_up_to": b.batch_size_up_to, "order": list(b.order),
-                       **({"ranked_by": "step"} if b.ranked_by == "step" else {})} for b in preference.bands]
-            # The shipped overlay predates length sub-bands (tune now adds them where the fastest parts
-            # between lengths): compared without them, and where they would go is listed below.
-            for band in derived:
-                if "lengths" in band:
-                    subs[(op.value, key.next_n, band["batch_size_up_to"])] = [
-                        (sub["max_seq_len_up_to"], sub["order"][0]) for sub in band.pop("lengths")]
-            if len(derived) == 1 and not stored:
-                derived = []  # one batch size: a band only for its sub-bands
+                       **({"ranked_by": "step"} if b.ranked_by == "step" else {}),
+                       **({"lengths": [{"max_seq_len_up_to": sub.max_seq_len_up_to, "order": list(sub.order),
+                                        **({"ranked_by": "step"} if sub.ranked_by == "step" else {})}
+                                       for sub in b.lengths]} if b.lengths else {})}
+                      for b in preference.bands]
             assert stored == derived, (op.value, key)
             banded += bool(stored)
+            for band in preference.bands:
+                if band.lengths:
+                    subs[(op.value, key.next_n, band.batch_size_up_to)] = [
+                        (sub.max_seq_len_up_to, sub.order[0]) for sub in band.lengths]
     # Top-k at next_n 1, 2 and 4 (ranked by the step up to B = 32, so always banded) and the paged logits at
     # next_n 1 and 2, where the Triton kernel wins at B = 1 and DeepGEMM's above.
     assert banded == 5
-    # SGLang's v2 leads at L~8K (rows <= 12K, held in registers) where another leads at L~32K.
-    assert subs == {
-        ("paged_mqa_logits", 1, 1): [(12288, "triton"), (49152, "deepgemm.sm90")],
-        ("topk", 1, 8): [(12288, "sglang.topk_v2"), (49152, "triton")],
-        ("topk", 2, 8): [(12288, "sglang.topk_v2"), (49152, "triton")],
-        ("topk", 4, 8): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
-        ("topk", 4, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
-        ("topk", 4, 128): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
-    }
+    # The 2026-12-02 04:5x tune: SGLang's v2 leads where rows are held in its registers (L~8K: rows <= 12K)
+    # and another kernel at L~32K; the paged logits' Triton kernel leads at short rows at B = 1 and 32.
+    assert subs == SHIPPED_SUB_BANDS, subs
     topk = {p.key.next_n: p for p in overlay.ops[Op.TOPK].preferences if ForwardMode.EXTEND not in p.key.forward_mode}
-    assert [b.order[0] for b in topk[2].bands] == ["sglang.topk_v2", "cuda.radix", "cuda.radix", "cuda.radix"]
-    assert [b.ranked_by for b in topk[2].bands] == ["step", "step", "step", "op"]
+    assert [b.order[0] for b in topk[2].bands] == ["sglang.topk_v2"] * 3 + ["cuda.radix", "sglang.topk_v2"]
+    assert [b.ranked_by for b in topk[2].bands] == ["step", "step", "step", "op", "op"]

@@ -5,6 +5,8 @@ allowed only with sub-bands, and the overlays from before sub-bands still read a
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from dispatch.contract.errors import RegistryError
@@ -111,14 +113,17 @@ def test_bounds_are_the_longest_request_of_the_measured_shape_and_labels_say_so(
     assert [length_label((384, 1536), i) for i in range(2)] == ["rows <= 384", "rows > 384"]
 
 
-def test_the_overlays_from_before_sub_bands_load_and_decide_as_before():
-    """The shipped H200 overlay (2026-12-02) and the 2026-12-01 one have no `lengths`: a declared
-    max_seq_len changes nothing there."""
-    for path in (DEFAULT_REGISTRY.parent / "measured" / "h200-mtp.yaml",
-                 DEFAULT_REGISTRY.parent / "tests" / "registry" / "data" / "h200-mtp-2026-12-01.yaml"):
-        overlay = load_measured(path).overlay
-        assert not any(band.lengths for table in overlay.ops.values() for p in table.preferences for band in p.bands)
-    dispatcher = load_dispatcher(arch="sm90", cluster="h200-mtp", device_name="NVIDIA H200")
+@pytest.mark.parametrize("fixture", ["h200-mtp-2026-12-01.yaml", "h200-mtp-2026-12-02.yaml"])
+def test_the_overlays_from_before_sub_bands_load_and_decide_as_before(tmp_path, fixture):
+    """The H200 overlays tuned before sub-bands (2026-12-01, 2026-12-02 02:23 UTC) have no `lengths`: a
+    declared max_seq_len changes nothing there."""
+    source = DEFAULT_REGISTRY.parent / "tests" / "registry" / "data" / fixture
+    assert not any(band.lengths for table in load_measured(source).overlay.ops.values()
+                   for p in table.preferences for band in p.bands)
+    (tmp_path / "measured").mkdir()
+    shutil.copy(source, tmp_path / "measured" / "h200-mtp.yaml")
+    shutil.copy(DEFAULT_REGISTRY, tmp_path / "registry.yaml")
+    dispatcher = load_dispatcher(tmp_path / "registry.yaml", arch="sm90", cluster="h200-mtp", device_name="NVIDIA H200")
     for preference in dispatcher.document.measured["h200-mtp"].overlay.ops[Op.TOPK].preferences:
         key = preference.key.keys()[0]
         for size in (1, 8, 32, 128, 256):
