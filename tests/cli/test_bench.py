@@ -124,3 +124,31 @@ def test_host_time_reports_each_plan_against_its_target(capsys):
         assert entry["within"] == (entry["median_us"] <= entry["target_us"])
         # The paged plans say how they were made: on this CPU the reference is decided, with no one-launch path.
         assert entry["path"] == ("logits `torch.reference`; top-k `torch.reference`" if name.startswith("build_plan") else "")
+
+
+def test_host_time_names_a_top_k_with_a_per_batch_plan_and_times_that_plan_alone(monkeypatch):
+    """Where the decided top-k builds a per-batch state (SGLang's v2 plans its rows), the paged line says
+    its plan includes it and times it alone over the same plan, so a figure says what it is made of."""
+    import dataclasses
+
+    from dispatch.bench import host_time
+    from dispatch.deciding.runtime import load_dispatcher
+    from dispatch.step import paged_plan
+
+    dispatcher = load_dispatcher(arch="cpu")
+    real_build = paged_plan.build_plan
+    prepared = []
+
+    def build_plan(*args, **kwargs):
+        plan = real_build(*args, **kwargs)
+        topk = plan.decision(Op.TOPK)
+        impl = dataclasses.replace(topk.impl, prepare=lambda plan: prepared.append(plan))
+        return dataclasses.replace(plan, decisions={**plan.decisions, Op.TOPK: dataclasses.replace(topk, impl=impl)})
+
+    monkeypatch.setattr(paged_plan, "build_plan", build_plan)
+    times = host_time.plan_host_times(dispatcher, device="cpu", fp8_dtype=Fp8Dtype.E4M3FN)
+    for entry in times[:2]:
+        assert entry.path.startswith("logits `torch.reference`; top-k `torch.reference`, its per-batch plan included; "
+                                     "of which the top-k's per-batch plan "), entry.path
+        assert float(entry.path.rsplit(" ", 2)[1]) > 0
+    assert len(prepared) >= 2 * host_time.PAGED_REPEATS  # timed alone, over the plan built for it
