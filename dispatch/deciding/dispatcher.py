@@ -108,12 +108,7 @@ class Dispatcher:
                 raise InvalidBatchError(f"decide: `max_seq_len` is {max_seq_len!r}; expected a host int >= 1, "
                                         "the batch's declared bound on its longest request")
             if self._bounds:  # (no lookup at all where the overlay has no bands)
-                bounds = self._bounds.get((op, key))
-                if bounds is not None:
-                    band = band_index(bounds[0], batch_size)
-                    lengths = bounds[1][band]
-                    if lengths and max_seq_len is not None:
-                        length = band_index(lengths, max_seq_len)
+                band, length = self._band_of(op, key, batch_size, max_seq_len)
         cached = self._cache.get((op, key, band, length))
         if cached is not None:
             return cached
@@ -148,17 +143,25 @@ class Dispatcher:
         return decisions
 
     def _sub_bands(self, ops: tuple[Op, ...], key: DispatchKey, batch_size: int | None,
-                   max_seq_len: int | None) -> tuple[int, ...] | None:
-        """Which length sub-band each op's band puts `max_seq_len` in (-1: that band has none), or None
+                   max_seq_len: int | None) -> tuple[int | None, ...] | None:
+        """Which length sub-band each op's band puts `max_seq_len` in (None: that band has none), or None
         where no length can matter: a batch's many lengths then share one cache entry per sub-band."""
         if max_seq_len is None or batch_size is None or not self._bounds:
             return None
-        found = []
-        for op in ops:
-            bounds = self._bounds.get((op, key))
-            lengths = bounds[1][band_index(bounds[0], batch_size)] if bounds is not None and batch_size >= 1 else ()
-            found.append(band_index(lengths, max_seq_len) if lengths else -1)
-        return tuple(found) if any(i >= 0 for i in found) else None
+        lengths = tuple(self._band_of(op, key, batch_size, max_seq_len)[1] for op in ops)
+        return None if all(length is None for length in lengths) else lengths
+
+    def _band_of(self, op: Op, key: DispatchKey, batch_size: int,
+                 max_seq_len: int | None) -> tuple[int | None, int | None]:
+        """(band, length sub-band) of (op, key) serving a batch of `batch_size` requests of at most
+        `max_seq_len` keys: None where the overlay has no bands for the key, or the band no sub-bands
+        (or no length is declared)."""
+        bounds = self._bounds.get((op, key))
+        if bounds is None:
+            return None, None
+        band = band_index(bounds[0], batch_size)
+        lengths = bounds[1][band]
+        return band, (band_index(lengths, max_seq_len) if lengths and max_seq_len is not None else None)
 
     def band_sizes(self, op: Op | str, key: DispatchKey) -> tuple[int, ...]:
         """The measured batch sizes whose bands order (op, key), ascending; empty when the overlay has
