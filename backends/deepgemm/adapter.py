@@ -51,10 +51,10 @@ from dispatch.contract import (
     DtypeMismatchError,
     PagedPlan,
     Layout,
-    ROW_UNIT_FLOATS,
     LayoutError,
     check_pages,
     debug_bounds_on,
+    readable_width,
 )
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def launch_paged_mqa_logits(
         kernel, q_arg = getattr(module, LOGITS_FP8_FP4), (q, None)
     else:
         kernel, q_arg = getattr(module, LOGITS_FP8), q
-    readable = -(-max_context_len // ROW_UNIT_FLOATS) * ROW_UNIT_FLOATS
+    readable = readable_width(max_context_len)
     # Positional: the eight leading parameters sit in the same places in every generation and binding.
     logits = kernel(q_arg, kv_cache, weights, context_lens, block_table, schedule, readable, False)
     return logits[:, :max_context_len]

@@ -40,9 +40,9 @@ from backends.triton.paged_schedule import PagedSchedule, program_count, schedul
 from dispatch.contract import (
     Fp8Dtype,
     LayoutError,
-    ROW_UNIT_FLOATS,
     check_pages,
     debug_bounds_on,
+    readable_width,
     scratch_error_flags,
     torch_dtype,
     triton_interpreter_on,
@@ -319,8 +319,7 @@ def triton_paged_mqa_logits(
     if out is None:
         # Rows start 16-byte aligned (the width padded to ROW_UNIT_FLOATS, a view of the first W): the
         # engines' top-k kernels load 16 bytes at a time and would otherwise need a copy of the logits.
-        unit = ROW_UNIT_FLOATS
-        out = torch.empty(shape[0], -(-shape[1] // unit) * unit, dtype=torch.float32, device=q.device)[:, : shape[1]]
+        out = torch.empty(shape[0], readable_width(shape[1]), dtype=torch.float32, device=q.device)[:, : shape[1]]
     elif out.dtype != torch.float32 or tuple(out.shape) != shape or out.stride(1) != 1 or out.device != q.device:
         raise LayoutError(f"out must be fp32 {list(shape)} contiguous along columns on {q.device}; got "
                           f"{out.dtype} {list(out.shape)}, strides {out.stride()} on {out.device}")

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from backends.triton.paged_mqa_logits import NAN_BY_HARDWARE, _is_nan_byte, nan_bytes_mode
-from dispatch.contract import ROW_UNIT_FLOATS, DtypeMismatchError, LayoutError, fp8_dtype_of
+from dispatch.contract import DtypeMismatchError, LayoutError, fp8_dtype_of, readable_width
 
 
 @triton.jit
@@ -159,8 +159,7 @@ def triton_ragged_mqa_logits(
     if out is None:
         # Rows 16-byte aligned and the last row's tail inside the storage (ROW_UNIT_FLOATS): the engines'
         # top-k kernels load 16 bytes at a time and would otherwise need a copy of the logits.
-        unit = ROW_UNIT_FLOATS
-        out = torch.empty(rows, -(-keys // unit) * unit, dtype=torch.float32, device=q.device)[:, :keys]
+        out = torch.empty(rows, readable_width(keys), dtype=torch.float32, device=q.device)[:, :keys]
     elif out.dtype != torch.float32 or tuple(out.shape) != (rows, keys) or out.stride(1) != 1 or out.device != q.device:
         raise LayoutError(f"out must be fp32 [{rows}, {keys}] with unit column stride on {q.device}; got "
                           f"{out.dtype} {list(out.shape)}, strides {out.stride()} on {out.device}")

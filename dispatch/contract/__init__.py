@@ -36,7 +36,7 @@ from dispatch.contract.fp8 import fp8_dtype_of, torch_dtype
 from dispatch.contract.hookspecs import hookimpl
 from dispatch.contract.key import FP8_MAX, Arch, DispatchKey, Fp8Dtype, ForwardMode, Op
 from dispatch.contract.kv_cache import BLOCK_KV, quantize_keys, split_kv_cache
-from dispatch.contract.layout import ROW_UNIT_FLOATS, Layout
+from dispatch.contract.layout import ROW_UNIT_FLOATS, Layout, readable_width
 from dispatch.contract.ops import (
     OP_CONTRACTS,
     IndexerQQuantRun,
@@ -135,6 +135,7 @@ __all__ = sorted(
         "InvalidKeyError",
         "Layout",
         "ROW_UNIT_FLOATS",
+        "readable_width",
         "LayoutError",
         "Op",
         "OpContract",

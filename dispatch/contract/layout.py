@@ -13,6 +13,11 @@ import enum
 ROW_UNIT_FLOATS = 4
 
 
+def readable_width(width: int) -> int:
+    """`width` floats rounded up to whole ROW_UNIT_FLOATS: what a logits buffer's rows must hold."""
+    return -(-width // ROW_UNIT_FLOATS) * ROW_UNIT_FLOATS
+
+
 class Layout(str, enum.Enum):
     # q [B, N, H, D], context lens [B, N], block table [B, M]: each KV page is read once for all N.
     NATIVE = "native"
