@@ -70,16 +70,14 @@ def _paged(dispatcher: Dispatcher, device: str, fp8_dtype, pool: int | None) -> 
     )
     seconds = time_host(lambda: build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype), repeats=PAGED_REPEATS, warmup=20)
     told = "pool given" if pool is not None else "pool deferred to the first layer"
+    plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype)  # one of the timed plans, to say what they hold
     return HostTime(f"build_plan B={_PAGED_BATCH} N={_NEXT_N} ({told})", seconds * 1e6, PAGED_TARGET_US, PAGED_REPEATS,
-                    _paged_path(dispatcher, batch, fp8_dtype) + _topk_state_share(dispatcher, batch, fp8_dtype))
+                    _paged_path(plan, batch) + _topk_state_share(plan))
 
 
-def _topk_state_share(dispatcher: Dispatcher, batch, fp8_dtype) -> str:
+def _topk_state_share(plan) -> str:
     """How much of the plan is the decided top-k backend's own per-batch state, where it has one (SGLang's
     v2 plans its rows per batch, as SGLang does once per forward): timed alone over the same plan."""
-    from dispatch.step.paged_plan import build_plan
-
-    plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype)
     prepare = plan.decision(Op.TOPK).impl.prepare
     if prepare is None:
         return ""
@@ -87,11 +85,10 @@ def _topk_state_share(dispatcher: Dispatcher, batch, fp8_dtype) -> str:
     return f"; of which the top-k's per-batch plan {seconds * 1e6:.1f} us"
 
 
-def _paged_path(dispatcher: Dispatcher, batch, fp8_dtype) -> str:
+def _paged_path(plan, batch) -> str:
     """How the timed plans were made: the decided logits backend, and its one launch or the Triton ones."""
-    from dispatch.step.paged_plan import build_plan, logits_plan_tensors
+    from dispatch.step.paged_plan import logits_plan_tensors
 
-    plan = build_plan(dispatcher, batch, kv_fp8_dtype=fp8_dtype, prepare=False)
     logits, topk = plan.logits, plan.decision(Op.TOPK)
     # A top-k backend with a per-batch state (SGLang's v2 plans its rows once per batch, as SGLang does
     # per forward) adds that to the plan's host time: named, so a figure says what it includes.
