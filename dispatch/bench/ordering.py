@@ -37,12 +37,9 @@ def band_orders(shapes: list[dict], order: list[str], rule_order: list[str], ste
     lengths, `lengths`: one sub-band per mean length L, ascending, bounded by 3L/2 (length_sub_bands).
     None ([]) unless every shape names a batch size and there are at least two, or one with sub-bands;
     and none where every band's order is the key's, none is ranked by the step and none has sub-bands."""
-    by_size: dict[int, list[dict]] = {}
-    for shape in shapes:
-        size = batch_size_of(shape["shape"])
-        if size is None:
-            return []
-        by_size.setdefault(size, []).append(shape)
+    by_size = _grouped(shapes, batch_size_of)
+    if by_size is None:
+        return []
     stepped = step_times_by_size(shapes, step_shapes)
     step_by_label = {shape["shape"]: shape for shape in step_shapes}
     bands = []
@@ -65,19 +62,26 @@ def length_sub_bands(shapes: list[dict], order: list[str], rule_order: list[str]
     holds, so every measured batch lands in its own sub-band), each ordered by that length's shapes.
     None ([]) unless every shape names a length, there are at least two, and the fastest differs
     between them: where one backend leads at every length the band's order serves them all."""
-    by_length: dict[int, list[dict]] = {}
-    for shape in shapes:
-        length = mean_len_of(shape["shape"])
-        if length is None:
-            return []
-        by_length.setdefault(length, []).append(shape)
-    if len(by_length) < 2:
+    by_length = _grouped(shapes, mean_len_of)
+    if by_length is None or len(by_length) < 2:
         return []
     subs = [{"max_seq_len_up_to": length_bound(length), "order": _ordered(by_length[length], order, rule_order),
              **({"ranked_by": "step"} if ranked_by == "step" else {})} for length in sorted(by_length)]
     if len({sub["order"][0] for sub in subs}) < 2:
         return []
     return subs
+
+
+def _grouped(shapes: list[dict], value_of: Callable[[str], int | None]) -> dict[int, list[dict]] | None:
+    """The shapes by the value their label names (a batch size, a mean length), in order of first
+    appearance; None when a label names none."""
+    groups: dict[int, list[dict]] = {}
+    for shape in shapes:
+        value = value_of(shape["shape"])
+        if value is None:
+            return None
+        groups.setdefault(value, []).append(shape)
+    return groups
 
 
 def _ordered(shapes: list[dict], order: list[str], rule_order: list[str]) -> list[str]:

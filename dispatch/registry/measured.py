@@ -159,8 +159,12 @@ class Preference(Strict):
     def band_shapes(self, index: int, length: int | None = None) -> tuple[ShapeTimes, ...]:
         """The shapes measured at band `index`'s batch size (and, with `length`, at its length sub-band's
         mean length), which its order is by (the step's, where the band is ranked by the step)."""
+        return self._in_band(self.step_shapes if self.bands[index].ranked_by == "step" else self.shapes, index, length)
+
+    def _in_band(self, shapes: tuple[ShapeTimes, ...], index: int, length: int | None) -> tuple[ShapeTimes, ...]:
+        """Those of `shapes` at band `index`'s batch size (and, with `length`, its sub-band's mean length)."""
         band = self.bands[index]
-        shapes = _at_size(self.step_shapes if band.ranked_by == "step" else self.shapes, band.batch_size_up_to)
+        shapes = _at_size(shapes, band.batch_size_up_to)
         return shapes if length is None else _at_length(shapes, band.lengths[length].max_seq_len_up_to)
 
     def band_mean_us(self, index: int, backend: str, length: int | None = None) -> float:
@@ -189,10 +193,7 @@ class Preference(Strict):
 
     def alone_at(self, band: int | None, length: int | None = None) -> tuple[ShapeTimes, ...]:
         """The op's own times at the shapes the order a decision rests on is by."""
-        if band is None:
-            return self.shapes
-        shapes = _at_size(self.shapes, self.bands[band].batch_size_up_to)
-        return shapes if length is None else _at_length(shapes, self.bands[band].lengths[length].max_seq_len_up_to)
+        return self.shapes if band is None else self._in_band(self.shapes, band, length)
 
 
 def _at_size(shapes: tuple[ShapeTimes, ...], size: int) -> tuple[ShapeTimes, ...]:

@@ -90,21 +90,23 @@ def band_index(bounds: tuple[int, ...], batch_size: int) -> int:
 def band_label(bounds: tuple[int, ...], index: int) -> str:
     """The batch sizes band `index` serves, as explain and a decision name them: "B <= 8",
     "8 < B <= 32", and for the last band "B > 32" (it serves every larger batch too)."""
-    if index == len(bounds) - 1 and index > 0:
-        return f"B > {bounds[index - 1]}"
-    if index == 0:
-        return f"B <= {bounds[0]}"
-    return f"{bounds[index - 1]} < B <= {bounds[index]}"
+    return _served(bounds, index, "B", str)
 
 
 def length_label(bounds: tuple[int, ...], index: int) -> str:
     """The batches length sub-band `index` serves, by their declared max_seq_len: "rows <= 12K",
     "12K < rows <= 48K", and for the last "rows > 12K" (it serves every longer batch too)."""
+    return _served(bounds, index, "rows", _short)
+
+
+def _served(bounds: tuple[int, ...], index: int, name: str, show) -> str:
+    """What interval `index` of ascending upper `bounds` serves: up to the first, between two, and past
+    the one before the last (the last serves everything beyond too)."""
     if index == len(bounds) - 1 and index > 0:
-        return f"rows > {_short(bounds[index - 1])}"
+        return f"{name} > {show(bounds[index - 1])}"
     if index == 0:
-        return f"rows <= {_short(bounds[0])}"
-    return f"{_short(bounds[index - 1])} < rows <= {_short(bounds[index])}"
+        return f"{name} <= {show(bounds[0])}"
+    return f"{show(bounds[index - 1])} < {name} <= {show(bounds[index])}"
 
 
 def _short(n: int) -> str:
