@@ -31,6 +31,7 @@ from dispatch.deciding.runtime import build_dispatcher, load_plugins
 from dispatch.contract.version import dispatch_version
 from tests.support.documentation import documentation_text
 from tests.support.fakes import fake_plugin
+from tests.support.reference_registry import dispatcher_with_overlay
 
 REGISTRY = """\
 version: 1
@@ -226,10 +227,7 @@ def test_a_backend_that_fails_its_check_is_never_preferred(tmp_path):
     dispatcher = build_dispatcher(load_registry(tmp_path / "registry.yaml"), catalog, cluster="ci-cpu")
     overlay_text, failures = measure_overlay(dispatcher, quick=True, output=str(tmp_path / "measured" / "ci-cpu.yaml"))
     assert failures == 2  # one paged key, one extend key
-    (tmp_path / "measured").mkdir()
-    (tmp_path / "measured" / "ci-cpu.yaml").write_text(overlay_text)
-    (tmp_path / "registry.yaml").write_text(text + "    measured: measured/ci-cpu.yaml\n")
-    dispatcher = build_dispatcher(load_registry(tmp_path / "registry.yaml"), catalog, cluster="ci-cpu")
+    dispatcher = dispatcher_with_overlay(tmp_path, text, overlay_text, catalog)
     for op, key in ((Op.PAGED_MQA_LOGITS, DECODE), (Op.RAGGED_MQA_LOGITS, EXTEND)):
         preference = parse_measured(overlay_text).find(op, key)[1]
         assert "skewed" not in preference.order and preference.failed["skewed"].startswith("error "), op

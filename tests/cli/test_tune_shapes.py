@@ -23,7 +23,7 @@ from dispatch.registry.document import load_registry, parse_registry
 from dispatch.registry.measured import parse_measured
 from dispatch.registry.models import Registry, Workload
 from tests.support.fakes import fake_plugin
-from tests.support.reference_registry import reference_registry
+from tests.support.reference_registry import dispatcher_with_overlay, reference_registry
 
 # --- validation ---------------------------------------------------------------------------------------
 
@@ -200,10 +200,7 @@ def test_the_overlay_holds_the_named_shapes_and_length_sub_bands(shaped_tune):
 
 def test_the_dispatcher_and_explain_decide_by_the_tuned_sub_bands(shaped_tune):
     folder, catalog, text, _ = shaped_tune
-    (folder / "measured").mkdir(exist_ok=True)
-    (folder / "measured" / "ci-cpu.yaml").write_text(text)
-    (folder / "registry.yaml").write_text(REGISTRY + "    measured: measured/ci-cpu.yaml\n")
-    dispatcher = build_dispatcher(load_registry(folder / "registry.yaml"), catalog, cluster="ci-cpu")
+    dispatcher = dispatcher_with_overlay(folder, REGISTRY, text, catalog)
     short = dispatcher.decide(Op.TOPK, DECODE, batch_size=2, max_seq_len=240)
     long = dispatcher.decide(Op.TOPK, DECODE, batch_size=2, max_seq_len=241)
     assert (short.backend, short.band, long.backend, long.band) == ("quick", "B <= 2, rows <= 240", "wide", "B <= 2, rows > 240")

@@ -24,7 +24,7 @@ from dispatch.deciding.runtime import build_dispatcher, load_plugins
 from dispatch.registry.document import load_registry
 from dispatch.registry.measured import parse_measured
 from tests.support.fakes import fake_plugin
-from tests.support.reference_registry import reference_registry
+from tests.support.reference_registry import dispatcher_with_overlay, reference_registry
 
 
 def _tuner() -> Tuner:
@@ -188,10 +188,7 @@ def test_a_whole_tune_ranks_the_small_batch_by_the_step(stepped_tune):
 
 def test_the_overlay_round_trips_and_the_dispatcher_and_explain_decide_by_the_step(stepped_tune):
     folder, catalog, text, _ = stepped_tune
-    (folder / "measured").mkdir(exist_ok=True)
-    (folder / "measured" / "ci-cpu.yaml").write_text(text)
-    (folder / "registry.yaml").write_text(REGISTRY + "    measured: measured/ci-cpu.yaml\n")
-    dispatcher = build_dispatcher(load_registry(folder / "registry.yaml"), catalog, cluster="ci-cpu")
+    dispatcher = dispatcher_with_overlay(folder, REGISTRY, text, catalog)
     preference = dispatcher.document.measured["ci-cpu"].find(Op.TOPK, DECODE)[1]
     assert preference == parse_measured(text).find(Op.TOPK, DECODE)[1]
     small = dispatcher.decide(Op.TOPK, DECODE, batch_size=2)

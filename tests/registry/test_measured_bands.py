@@ -9,16 +9,12 @@ from dispatch.contract.errors import RegistryError
 from dispatch.contract.key import Op
 from dispatch.registry.measured import parse_measured
 from dispatch.registry.measured_bands import band_index, band_label, batch_size_of
+from tests.support.overlay_refusals import assert_refused_at, line_of as _line
 from tests.support.banded import FLATTEN, NATIVE, OVERLAY, VERIFY
 
 PATH = "measured/banded.yaml"
 FIRST_ORDER = f"order: [{FLATTEN}, {NATIVE}]"
 SECOND_ORDER = f"        order: [{NATIVE}, {FLATTEN}]\n"
-
-
-def _line(text: str, fragment: str, occurrence: int = 0) -> int:
-    lines = [number for number, line in enumerate(text.splitlines(), 1) if fragment in line]
-    return lines[occurrence]
 
 
 def test_the_valid_form_is_read_with_each_bands_shapes():
@@ -70,10 +66,7 @@ def test_each_invalid_form_names_file_line_and_key(name):
     change, (fragment, occurrence), location, message = INVALID[name]
     text = change(OVERLAY)
     assert text != OVERLAY
-    with pytest.raises(RegistryError) as raised:
-        parse_measured(text, PATH)
-    at = f"{PATH}:{_line(text, fragment, occurrence)}: ops.paged_mqa_logits.preferences[0].{location}: "
-    assert any(line.startswith(at) and message in line for line in str(raised.value).splitlines()), str(raised.value)
+    assert_refused_at(text, PATH, fragment, occurrence, f"ops.paged_mqa_logits.preferences[0].{location}", message)
 
 
 def test_a_bound_that_is_not_a_positive_int_is_refused_at_its_line():

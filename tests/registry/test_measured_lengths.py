@@ -14,15 +14,12 @@ from dispatch.contract.key import Op
 from dispatch.deciding.runtime import DEFAULT_REGISTRY, load_dispatcher
 from dispatch.registry.measured import load_measured, parse_measured
 from dispatch.registry.measured_bands import length_bound, length_label, mean_len_of
+from tests.support.overlay_refusals import assert_refused_at
 from tests.support.length_banded import FLATTEN, NATIVE, OVERLAY, VERIFY
 
 PATH = "measured/banded.yaml"
 SHORT = f"          order: [{FLATTEN}, {NATIVE}]\n"  # the L~256 sub-band's
 LONG = f"          order: [{NATIVE}, {FLATTEN}]\n"  # the L~1K sub-band's
-
-
-def _line(text: str, fragment: str, occurrence: int = 0) -> int:
-    return [number for number, line in enumerate(text.splitlines(), 1) if fragment in line][occurrence]
 
 
 def test_the_valid_form_is_read_with_each_sub_bands_shapes():
@@ -71,10 +68,7 @@ def test_each_invalid_form_names_file_line_and_key(name):
     change, (fragment, occurrence), location, message = INVALID[name]
     text = change(OVERLAY)
     assert text != OVERLAY
-    with pytest.raises(RegistryError) as raised:
-        parse_measured(text, PATH)
-    at = f"{PATH}:{_line(text, fragment, occurrence)}: ops.paged_mqa_logits.preferences[0].{location}: "
-    assert any(line.startswith(at) and message in line for line in str(raised.value).splitlines()), str(raised.value)
+    assert_refused_at(text, PATH, fragment, occurrence, f"ops.paged_mqa_logits.preferences[0].{location}", message)
 
 
 def test_a_tie_within_one_percent_is_accepted_in_a_sub_band_and_past_it_refused():

@@ -14,16 +14,13 @@ import pytest
 from dispatch.contract.errors import RegistryError
 from dispatch.contract.key import Op
 from dispatch.registry.measured import load_measured, parse_measured
+from tests.support.overlay_refusals import assert_refused_at
 from tests.support.cli_session import clean_environment, run  # noqa: F401 (clean_environment: an autouse fixture)
 from tests.support.step_ranked import DECODE, LARGE, OVERLAY, SMALL, write_stepped
 
 PATH = "measured/stepped.yaml"
 STEP_TIMES = "median_us: {triton: 30.0, torch.reference: 25.0}"
 STEP_BAND = "        order: [torch.reference, triton]\n        ranked_by: step\n"
-
-
-def _line(text: str, fragment: str, occurrence: int = 0) -> int:
-    return [number for number, line in enumerate(text.splitlines(), 1) if fragment in line][occurrence]
 
 
 def test_a_band_ranked_by_the_step_rests_on_the_steps_times():
@@ -84,10 +81,8 @@ def test_each_invalid_form_names_file_line_and_key(name):
     change, (fragment, occurrence), (location, message) = INVALID[name]
     text = change(OVERLAY)
     assert text != OVERLAY
-    with pytest.raises(RegistryError) as raised:
-        parse_measured(text, PATH)
-    at = f"{PATH}:{_line(text, fragment, occurrence)}: ops.topk.preferences[0]{'.' + location if location else ''}: "
-    assert any(line.startswith(at) and message in line for line in str(raised.value).splitlines()), str(raised.value)
+    assert_refused_at(text, PATH, fragment, occurrence, f"ops.topk.preferences[0]{'.' + location if location else ''}",
+                      message)
 
 
 def test_a_step_band_with_no_step_times_at_all_is_refused():

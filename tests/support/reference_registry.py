@@ -20,3 +20,15 @@ ops:
     fallback: [torch.reference]
 clusters:
 {clusters}"""
+
+
+def dispatcher_with_overlay(folder, registry: str, overlay: str, catalog, cluster: str = "ci-cpu"):
+    """A dispatcher over `registry` (text whose last cluster is `cluster`) with `overlay` written as that
+    cluster's measured overlay in `folder` and included by it, as a tune's output is adopted."""
+    from dispatch.deciding.runtime import build_dispatcher
+    from dispatch.registry.document import load_registry
+
+    (folder / "measured").mkdir(exist_ok=True)
+    (folder / "measured" / f"{cluster}.yaml").write_text(overlay)
+    (folder / "registry.yaml").write_text(registry + f"    measured: measured/{cluster}.yaml\n")
+    return build_dispatcher(load_registry(folder / "registry.yaml"), catalog, cluster=cluster)
