@@ -99,18 +99,16 @@ def chunk_tensors(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkT
     return chunk_tensors_from_ranges(metadata, chunks)
 
 
-def chunk_tensors_from_ranges(metadata: RaggedMetadata, chunks: list[Chunk],
-                              lengths: torch.Tensor | None = None) -> tuple[ChunkTensors, ...]:
+def chunk_tensors_from_ranges(metadata: RaggedMetadata, chunks: list[Chunk]) -> tuple[ChunkTensors, ...]:
     """The device form, from the metadata's rows' ks / ke (any device: tests hold it equal to the host
-    form and to the one launch's views) and `lengths`, their ke - ks where the caller has them."""
+    form and to the one launch's views)."""
     # Each torch call costs a GPU host 3-8 us: one split per per-row tensor whatever the chunk count (none
     # for one chunk), then per chunk its pair's unbind and, past key 0, one subtraction.
     if not chunks:
         return ()
     ranges = metadata.ranges
-    if lengths is None:
-        ks, ke = ranges.unbind()
-        lengths = torch.sub(ke, ks)
+    ks, ke = ranges.unbind()
+    lengths = torch.sub(ke, ks)
     sizes = [c.row_end - c.row_begin for c in chunks]
     one = len(chunks) == 1
     pairs = (ranges,) if one else ranges.split_with_sizes(sizes, 1)
