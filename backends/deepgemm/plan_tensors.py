@@ -33,7 +33,7 @@ def deepgemm_plan_tensors(impl: "DeepGemmPagedLogits", *, seq_lens, page_table, 
 
     slots = impl.schedule_slots(module, seq_lens.device)  # get_num_sms() each batch: set_num_sms may move it
     pool = -1 if num_kv_blocks is None else num_kv_blocks
-    context_lens, flags, safe_table, lens, fill, _prefix, schedule = extension.deepgemm_prepare(
+    context_lens, flags, safe_table, lens, fill, readable, _prefix, schedule = extension.deepgemm_prepare(
         seq_lens, page_table, next_n, pool, max_context_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, slots,
         rule.clamp_request)
     if (context_lens.data_ptr() | safe_table.data_ptr() | schedule.data_ptr()) % VECTOR_BYTES:
@@ -41,7 +41,7 @@ def deepgemm_plan_tensors(impl: "DeepGemmPagedLogits", *, seq_lens, page_table, 
         # misaligned vector load in DeepGEMM's kernel, which ends the process.
         return None
     guard = page_guard(context_lens, page_table, max_context_len, flags, safe_table, lens, fill, num_kv_blocks)
-    return PlanTensors(context_lens, flags, DeepGemmState(schedule, guard))
+    return PlanTensors(context_lens, flags, DeepGemmState(schedule, guard), readable)
 
 
 @functools.lru_cache(maxsize=8)

@@ -62,10 +62,11 @@ class V2Plan:
 
 
 def prepare_v2(module: ModuleType, plan) -> V2Plan:
-    """Once per batch: plan_topk_v2 over the plan's token lengths, cut to its logits' width."""
-    source = plan.token_lengths
-    lengths = source.clamp(0, plan.max_context_len).to(torch.int32)
-    return V2Plan(module.plan_topk_v2(lengths), lengths, source.data_ptr(), plan.max_context_len)
+    """Once per batch: plan_topk_v2 over the plan's token lengths, cut to its logits' width (the plan's
+    one launch wrote them so where it ran: no clamp on the host's path then)."""
+    lengths = plan.readable_token_lengths()
+    # (token_lengths is a view of context_lens: the same address, without a reshape on the host's path)
+    return V2Plan(module.plan_topk_v2(lengths), lengths, plan.context_lens.data_ptr(), plan.max_context_len)
 
 
 def refresh_v2(captured: V2Plan, fresh: V2Plan) -> None:

@@ -75,6 +75,7 @@ struct GuardArgs {
   int32_t* safe_table;  // [R, pages]
   int32_t* lens;        // [R, N]
   float* fill;          // [R * N]
+  int32_t* readable;    // [R * N]: min(visible length, max_context_len)
   int32_t* error_flags;
   int64_t num_blocks;  // < 0: no guard now (the first layer call guards)
   int32_t max_context_len;
@@ -89,7 +90,13 @@ template <typename Length>
 __device__ void lengths_and_guard(const Length* seq_lens, int32_t* context_lens, int next_n, const GuardArgs& g,
                                   int* scratch) {
   const int64_t row = blockIdx.x;
-  if (threadIdx.x < next_n) context_lens[row * next_n + threadIdx.x] = visible(seq_lens, row, next_n, threadIdx.x);
+  if (threadIdx.x < next_n) {
+    const int32_t seen = visible(seq_lens, row, next_n, threadIdx.x);
+    context_lens[row * next_n + threadIdx.x] = seen;
+    // What a top-k may read of the token's logits row (its width is max_context_len): a length past the
+    // bound is flagged by the guard, and cut here, so a kernel that trusts its lengths stays inside.
+    g.readable[row * next_n + threadIdx.x] = min(seen, g.max_context_len);
+  }
   if (g.num_blocks < 0) return;
   int first_bad = kNoBadPage;
   for (int page = threadIdx.x; page < g.pages; page += kThreads) {
@@ -284,12 +291,18 @@ struct Carver {
   // The plan's shared outputs (lengths, flags, the guard's three) and then a schedule's `pieces`.
   static Carver of(int64_t rows, int64_t next_n, int64_t pages, std::initializer_list<int64_t> pieces,
                    const at::TensorOptions& options) {
-    int64_t words = aligned(rows * next_n) + aligned(1) + aligned(rows * pages) + 2 * aligned(rows * next_n);
+    int64_t words = aligned(rows * next_n) + aligned(1) + aligned(rows * pages) + 3 * aligned(rows * next_n);
     for (int64_t piece : pieces) words += aligned(piece);
     return Carver{at::empty({words}, options)};
   }
-  at::Tensor take(int64_t words) {
-    auto view = buffer.narrow(0, at, words);
+  at::Tensor take(int64_t words) { return take(words, {words}, {1}); }
+  // Each piece a tensor over the buffer's storage made directly, not through a dispatched view op:
+  // each ATen call costs the host ~1 us, every batch. Int and float pieces that autograd never sees.
+  at::Tensor take(int64_t words, at::IntArrayRef sizes, at::IntArrayRef strides,
+                  caffe2::TypeMeta dtype = caffe2::TypeMeta::Make<int32_t>()) {
+    const int64_t per = static_cast<int64_t>(dtype.itemsize()) / 4;  // words an element spans
+    auto view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(), dtype);
+    view.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, at / per);
     at += aligned(words);
     return view;
   }
@@ -310,15 +323,17 @@ void check_inputs(const at::Tensor& seq_lens, const at::Tensor& table, int64_t n
 }
 
 // The outputs both schedules share, carved first and in this order into `out`: context_lens [B, N],
-// error_flags [1], safe_table [B, pages], lens [B, N], fill fp32 [B*N]; the guard's arguments over them.
+// error_flags [1], safe_table [B, pages], lens [B, N], fill fp32 [B*N], readable lengths [B*N]; the
+// guard's arguments over them.
 GuardArgs shared_outputs(Carver& carve, const at::Tensor& table, int64_t rows, int64_t next_n, int64_t num_blocks,
                          int64_t max_context_len, int64_t pages, int64_t block_kv, int64_t bad_page,
                          int64_t past_bound, std::vector<at::Tensor>& out) {
-  out.push_back(carve.take(rows * next_n).view({rows, next_n}));
+  out.push_back(carve.take(rows * next_n, {rows, next_n}, {next_n, 1}));
   out.push_back(carve.take(1));
-  out.push_back(carve.take(rows * pages).view({rows, pages}));
-  out.push_back(carve.take(rows * next_n).view({rows, next_n}));
-  out.push_back(carve.take(rows * next_n).view(at::kFloat));
+  out.push_back(carve.take(rows * pages, {rows, pages}, {pages, 1}));
+  out.push_back(carve.take(rows * next_n, {rows, next_n}, {next_n, 1}));
+  out.push_back(carve.take(rows * next_n, {rows * next_n}, {1}, caffe2::TypeMeta::Make<float>()));
+  out.push_back(carve.take(rows * next_n));
   GuardArgs g;
   g.table = table.data_ptr<int32_t>();
   g.stride_table_row = table.stride(0);
@@ -326,6 +341,7 @@ GuardArgs shared_outputs(Carver& carve, const at::Tensor& table, int64_t rows, i
   g.safe_table = out[2].data_ptr<int32_t>();
   g.lens = out[3].data_ptr<int32_t>();
   g.fill = out[4].data_ptr<float>();
+  g.readable = out[5].data_ptr<int32_t>();
   g.num_blocks = num_blocks;
   g.max_context_len = static_cast<int32_t>(max_context_len);
   g.pages = static_cast<int32_t>(pages);
@@ -336,7 +352,7 @@ GuardArgs shared_outputs(Carver& carve, const at::Tensor& table, int64_t rows, i
 }
 
 // Returns [context_lens [B, N], error_flags [1], safe_table [B, pages], lens [B, N], fill fp32 [B*N],
-// prefix [B + 1], schedule [slots + 1, 2]] for DeepGEMM's SM90 paged kernels.
+// readable [B*N], prefix [B + 1], schedule [slots + 1, 2]] for DeepGEMM's SM90 paged kernels.
 std::vector<at::Tensor> deepgemm_prepare(at::Tensor seq_lens, at::Tensor table, int64_t next_n,
                                             int64_t num_blocks, int64_t max_context_len, int64_t block_kv,
                                             int64_t bad_page, int64_t past_bound, int64_t slots, bool clamp_request) {
@@ -350,7 +366,7 @@ std::vector<at::Tensor> deepgemm_prepare(at::Tensor seq_lens, at::Tensor table, 
                                      bad_page, past_bound, out);
   auto context_lens = out[0];
   auto prefix = carve.take(rows + 1);
-  auto schedule = carve.take((slots + 1) * 2).view({slots + 1, 2});
+  auto schedule = carve.take((slots + 1) * 2, {slots + 1, 2}, {2, 1});
   out.push_back(prefix);
   out.push_back(schedule);
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -373,7 +389,7 @@ std::vector<at::Tensor> deepgemm_prepare(at::Tensor seq_lens, at::Tensor table, 
   return out;
 }
 
-// Returns [context_lens, error_flags, safe_table, lens, fill, cost_prefix int64 [V], work_pages [V],
+// Returns [context_lens, error_flags, safe_table, lens, fill, readable, cost_prefix int64 [V], work_pages [V],
 // bounds [P + 1, 2]] for the Triton paged logits kernel.
 std::vector<at::Tensor> triton_prepare(at::Tensor seq_lens, at::Tensor table, int64_t next_n,
                                           int64_t num_blocks, int64_t max_context_len, int64_t block_kv,
@@ -389,9 +405,9 @@ std::vector<at::Tensor> triton_prepare(at::Tensor seq_lens, at::Tensor table, in
   const GuardArgs g = shared_outputs(carve, table, rows, next_n, num_blocks, max_context_len, pages, block_kv,
                                      bad_page, past_bound, out);
   auto context_lens = out[0];
-  auto cost_prefix = carve.take(2 * work_rows).view(at::kLong);  // on its own boundary, so 8-byte aligned
+  auto cost_prefix = carve.take(2 * work_rows, {work_rows}, {1}, caffe2::TypeMeta::Make<int64_t>());  // 8-byte aligned: on its own boundary
   auto work_pages = carve.take(work_rows);
-  auto bounds = carve.take((programs + 1) * 2).view({programs + 1, 2});
+  auto bounds = carve.take((programs + 1) * 2, {programs + 1, 2}, {2, 1});
   out.push_back(cost_prefix);
   out.push_back(work_pages);
   out.push_back(bounds);

@@ -26,13 +26,13 @@ def triton_plan_tensors(*, seq_lens, page_table, next_n: int, max_context_len: i
         return None
     programs, tokens = launch_shape(next_n, seq_lens.device, triton_interpreter_on())
     pool = -1 if num_kv_blocks is None else num_kv_blocks
-    context_lens, flags, safe_table, lens, fill, cost_prefix, work_pages, bounds = extension.triton_prepare(
+    context_lens, flags, safe_table, lens, fill, readable, cost_prefix, work_pages, bounds = extension.triton_prepare(
         seq_lens, page_table, next_n, pool, max_context_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, programs, tokens,
         COMPUTE_COST, FILL_COST)
     guard = page_guard(context_lens, page_table, max_context_len, flags, safe_table, lens, fill, num_kv_blocks)
     schedule = PagedSchedule(context_lens=context_lens, tokens=tokens, width=max_context_len, block_kv=BLOCK_KV,
                              bounds=bounds, cost_prefix=cost_prefix, work_pages=work_pages)
-    return PlanTensors(context_lens, flags, TritonPagedState(guard, schedule))
+    return PlanTensors(context_lens, flags, TritonPagedState(guard, schedule), readable)
 
 
 @functools.lru_cache(maxsize=64)

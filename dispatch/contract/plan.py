@@ -76,6 +76,9 @@ class PlanTensors:
     context_lens: torch.Tensor
     error_flags: torch.Tensor
     state: Any
+    # int32 [B*N]: each token's visible length cut to max_context_len (PagedPlan.readable_lengths), where
+    # the one call writes it beside the lengths; None: a top-k that needs it clamps the lengths itself.
+    readable_lengths: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,6 +97,9 @@ class PagedPlan(DecidedPlan):
     # int32 [1] on the plan's device, zeroed here, ORed into by backends (dispatch/contract/bounds.py bits).
     error_flags: torch.Tensor | None = None
     num_kv_blocks: int | None = None  # PagedBatch.num_kv_blocks: the pool the page table must index
+    # int32 [B*N] or None: token_lengths cut to max_context_len, where the logits backend's one launch
+    # wrote them (PlanTensors); read through readable_token_lengths(), which clamps where it did not.
+    readable_lengths: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.error_flags is None:
@@ -116,6 +122,14 @@ class PagedPlan(DecidedPlan):
     def token_lengths(self) -> torch.Tensor:
         """int32 [B*N]: each token's visible length, request-major (the logits' row order); a view."""
         return self.context_lens.reshape(-1)
+
+    def readable_token_lengths(self) -> torch.Tensor:
+        """int32 [B*N]: token_lengths cut to max_context_len, the logits rows' width, so a kernel that
+        trusts its lengths never reads past a row (a longer length is the engine's error, flagged by the
+        guard). Written by the plan's one launch where it ran; else one clamp, here."""
+        if self.readable_lengths is not None:
+            return self.readable_lengths
+        return self.token_lengths.clamp(0, self.max_context_len).to(torch.int32)
 
     def q_in_layout(self, q_tokens: torch.Tensor) -> torch.Tensor:
         """View per-token q [B*N, H, D] (request-major) as the decided layout's q."""

@@ -161,6 +161,21 @@ def test_paged_v2_uses_the_routing_plan_built_once_per_batch():
     assert [sorted(r) for r in out.tolist()] == [sorted(r) for r in want.tolist()]
 
 
+def test_paged_v2_plans_over_the_plans_readable_lengths_where_its_one_launch_wrote_them():
+    """A plan that carries readable lengths (the one launch's) hands them to plan_topk_v2 as they are;
+    one without them gets token_lengths cut to the logits' width, the same values."""
+    backends, calls = engine_backends()
+    backend = backends["sglang.topk_v2"]
+    plan = plan_with_topk(backend, torch.tensor([2500, 40, 3000], dtype=torch.int32), next_n=2, max_seq_len=2600)
+    (cut,) = calls["v2"].calls
+    assert cut.args[0].tolist() == plan.token_lengths.clamp(max=2600).tolist() and cut.args[0].dtype == torch.int32
+    written = plan.token_lengths.clamp(max=2600).to(torch.int32)
+    with_them = dataclasses.replace(plan, readable_lengths=written)
+    state = backend.prepare(with_them)
+    assert calls["v2"].calls[-1].args[0] is written and state.lengths is written
+    assert state.source_ptr == with_them.token_lengths.data_ptr()  # a layer's call is still known as the plan's
+
+
 def test_paged_v2_state_refreshed_in_place_is_followed_like_a_graph_replay():
     backends, calls = engine_backends()
     backend = backends["sglang.topk_v2"]

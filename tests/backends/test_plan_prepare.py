@@ -1,10 +1,11 @@
 """The plan's one-launch prepare (backends/shared/plan_prepare.cu) against the Triton launches it stands in
-for: the same lengths, error flags, page guard (safe table, mask lengths, fill) and schedule (the Triton
-kernel's cuts; DeepGEMM's SM90 rule, both variants), exactly (both sides compute the same integers; the
-fill compared NaN for NaN), at ragged lengths, several batch sizes (one past a CTA's 256 threads) and
-next_n, the pool given and deferred, and hostile input: entries outside the pool, lengths past
-max_seq_len, negative, zero and int64 past 2^31, a table wider than needed and one sliced from a wider
-one. Then build_plan with it against build_plan without it, and the guard deferred to the first layer."""
+for: the same lengths, error flags, page guard (safe table, mask lengths, fill), readable lengths (a
+top-k's, cut to max_seq_len) and schedule (the Triton kernel's cuts; DeepGEMM's SM90 rule, both
+variants), exactly (both sides compute the same integers; the fill compared NaN for NaN), at ragged
+lengths, several batch sizes (one past a CTA's 256 threads) and next_n, the pool given and deferred, and
+hostile input: entries outside the pool, lengths past max_seq_len, negative, zero and int64 past 2^31, a
+table wider than needed and one sliced from a wider one. Then build_plan with it against build_plan
+without it, and the guard deferred to the first layer."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def test_triton_plan_tensors_equal_the_triton_launches(extension, batch, next_n,
             theirs.guard.launch(pool)
         torch.cuda.synchronize()
         assert torch.equal(made.context_lens, theirs.guard.context_lens) and made.error_flags is made.state.guard.error_flags
+        readable = _plan(seq, table, next_n, max_len, given).readable_token_lengths()  # the clamp it stands in for
+        assert made.readable_lengths.dtype == torch.int32 and torch.equal(made.readable_lengths, readable)
         _same_guard(made.state.guard, theirs.guard)
         if hostile:
             assert int(made.error_flags) & BAD_PAGE and int(made.error_flags) & LENGTH_PAST_BOUND
@@ -107,9 +110,10 @@ def test_deepgemm_plan_launch_equals_the_triton_launch(extension, rule, batch, n
     for seed, dtype in ((0, torch.int32), (1, torch.int64)):
         seq, table, max_len, pool = _batch(batch, next_n, seed + slots, hostile=hostile, max_len=70000, pool=90000,
                                            dtype=dtype)
-        context_lens, flags, safe, lens, fill, prefix, schedule = extension.deepgemm_prepare(
+        context_lens, flags, safe, lens, fill, readable, prefix, schedule = extension.deepgemm_prepare(
             seq, table, next_n, pool, max_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, slots, rule.clamp_request)
         plan = _plan(seq, table, next_n, max_len, pool)
+        assert torch.equal(readable, plan.readable_token_lengths())
         guard = PageGuard.allocate(plan.context_lens, table, max_len, plan.error_flags)
         theirs = DeepGemmSchedule.allocate(plan.context_lens, slots, rule)
         launch_guard_and_schedule(guard, theirs, pool)
@@ -158,3 +162,5 @@ def test_build_plan_through_the_one_launch_equals_build_plan_without_it(extensio
         _same_guard(ours, theirs)
         assert torch.equal(fast.state.schedule.bounds, slow.state.schedule.bounds)
         assert torch.equal(fast.block_table, slow.block_table) and torch.equal(fast.page_rows, slow.page_rows)
+        assert fast.readable_lengths is not None and slow.readable_lengths is None
+        assert torch.equal(fast.readable_token_lengths(), slow.readable_token_lengths())

@@ -55,7 +55,8 @@ class Recorder:
         if self.answer == "raise":
             raise RuntimeError("the launch failed")
         lens = visible_lengths(batch["seq_lens"], batch["next_n"]) + 0  # a fresh tensor the plan must carry
-        return PlanTensors(lens, torch.full((1,), 7, dtype=torch.int32), {"made": "in one call"})
+        readable = lens.reshape(-1).clamp(max=batch["max_context_len"]) + 0
+        return PlanTensors(lens, torch.full((1,), 7, dtype=torch.int32), {"made": "in one call"}, readable)
 
     def prepare(self, plan):
         self.prepared.append(plan)
@@ -84,6 +85,7 @@ def test_the_plan_carries_what_plan_tensors_made_and_skips_that_prepare():
     assert int(plan.error_flags) == 7 and plan.block_table is PAGES
     assert torch.equal(plan.context_lens, visible_lengths(SEQ_LENS, 2))
     assert recorder.topk_saw == [plan.context_lens]  # the other ops prepare on the very tensors
+    assert plan.readable_token_lengths() is plan.readable_lengths and plan.readable_lengths is not None
 
 
 def test_none_takes_the_usual_path():
@@ -92,6 +94,21 @@ def test_none_takes_the_usual_path():
     assert len(recorder.asked) == 1 and recorder.asked[0]["num_kv_blocks"] is None
     assert len(recorder.prepared) == 1 and recorder.prepared[0].context_lens is plan.context_lens
     assert plan.state == {"made": "by prepare"} and int(plan.error_flags) == 0
+    assert plan.readable_lengths is None  # the usual path cuts the lengths where a top-k asks
+
+
+def test_readable_lengths_are_the_token_lengths_cut_to_the_logits_width_on_either_path():
+    """A past-bound length (the engine's error, flagged by the guard) is cut to max_context_len, so a
+    top-k that trusts its lengths reads inside its row; the one call's tensor and the usual path's clamp
+    hold the same values."""
+    hostile = _batch()
+    # Request 1 (length 9) past the bound, after the batch's own check: lengths on a GPU are not read there.
+    object.__setattr__(hostile, "max_seq_len", 7)
+    for answer in ("tensors", None):
+        plan = build_plan(Recorder(answer=answer).chooser(), hostile, kv_fp8_dtype="e4m3fn")
+        readable = plan.readable_token_lengths()
+        assert readable.dtype == torch.int32
+        assert readable.tolist() == [4, 5, 7, 7, 2, 3], answer
 
 
 def test_a_flatten_decision_and_a_what_if_never_ask():
