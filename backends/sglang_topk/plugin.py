@@ -16,6 +16,7 @@ here imports torch or sglang until a probe or a run needs it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -40,20 +41,25 @@ class _Adapter:
         self._run_name, self._load = run_name, load
 
     def run(self, *args, **kwargs):
-        from backends.sglang_topk import adapter
-
-        return getattr(adapter, self._run_name)(self._load(), *args, **kwargs)
+        return getattr(_adapter(), self._run_name)(self._load(), *args, **kwargs)
 
     def prepare(self, plan):
-        from backends.sglang_topk.adapter import prepare_v2
-
-        return prepare_v2(self._load(), plan)
+        return _adapter().prepare_v2(self._load(), plan)
 
     @staticmethod
     def refresh_state(captured, fresh) -> None:
         from backends.sglang_topk.adapter import refresh_v2
 
         refresh_v2(captured, fresh)
+
+
+@functools.cache
+def _adapter() -> ModuleType:
+    # Imported once, at the first call (it imports torch): a function-level import costs a GPU host
+    # ~1-3 us, and every batch's plan and every layer's call come through here.
+    from backends.sglang_topk import adapter
+
+    return adapter
 
 
 def sglang_topk_backends(

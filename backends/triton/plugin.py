@@ -3,6 +3,7 @@ lists these backends, and their probe says why they cannot run."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -71,9 +72,15 @@ def prepare_logits(plan):
 
 def logits_plan_tensors(**batch):
     """The plan's lengths, flags and this state in one launch, where it can (backends/triton/plan_tensors.py)."""
+    return _plan_tensors()(**batch)
+
+
+@functools.cache
+def _plan_tensors():
+    # Imported once, on the first plan: a function-level import costs a GPU host ~2-3 us every batch.
     from backends.triton.plan_tensors import triton_plan_tensors
 
-    return triton_plan_tensors(**batch)
+    return triton_plan_tensors
 
 
 def refresh_logits(captured, fresh) -> None:

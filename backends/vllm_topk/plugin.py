@@ -16,7 +16,9 @@ backend and the reason. Nothing here imports torch or vllm until a probe or a ru
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from types import ModuleType
 
 from backends.engine_probe import distribution_version, probe_for
 from dispatch.contract import ALL_MODES, PAGED_MODES, Arch, Backend, Layout, Op, Support, Verified, hookimpl
@@ -39,13 +41,19 @@ _TABLE = (
 
 
 def import_vllm_ops():
-    """torch.ops._C once vLLM's extension has registered its ops (importing vllm._custom_ops loads it)."""
-    import importlib
+    """torch.ops._C once vLLM's extension has registered its ops (importing vllm._custom_ops loads it);
+    kept after the first success, since every adapter call asks (importlib's lookup costs a GPU host ~4 us)."""
+    if not _VLLM_OPS:
+        import importlib
 
-    import torch
+        import torch
 
-    importlib.import_module("vllm._custom_ops")
-    return torch.ops._C
+        importlib.import_module("vllm._custom_ops")  # a failed import raises and is retried next call
+        _VLLM_OPS.append(torch.ops._C)
+    return _VLLM_OPS[0]
+
+
+_VLLM_OPS: list = []
 
 
 class _Adapter:
@@ -55,9 +63,15 @@ class _Adapter:
         self._run_name, self._load = run_name, load
 
     def run(self, *args, **kwargs):
-        from backends.vllm_topk import adapter
+        return getattr(_adapter(), self._run_name)(self._load(), *args, **kwargs)
 
-        return getattr(adapter, self._run_name)(self._load(), *args, **kwargs)
+
+@functools.cache
+def _adapter() -> ModuleType:
+    # Imported once, at the first call (it imports torch): every layer's call comes through here.
+    from backends.vllm_topk import adapter
+
+    return adapter
 
 
 def vllm_topk_backends(load: Callable[[], object] = import_vllm_ops) -> list[Backend]:

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from backends.engine_probe import engine_topk_availability
+from backends.engine_probe import engine_topk_availability, import_module
 from backends.reference.plugin import register_backends as register_reference
 from backends.reference.topk import topk_indices as reference_topk
 from backends.sglang_topk.plugin import sglang_topk_backends
@@ -373,6 +373,28 @@ def test_registering_imports_neither_torch_nor_the_engines():
     assert out[0] == str(sorted(["sglang.topk_v2", "sglang.topk_v2.ragged", "sglang.fast_topk", "vllm.persistent_topk",
                                  "vllm.cooperative_topk", "vllm.top_k_per_row", "vllm.auto"]))
     assert out[1] == "[]"
+
+
+def test_a_modules_loader_imports_it_once_and_retries_a_failed_import(monkeypatch):
+    """Adapters load their engine's module on every call: the loader keeps it after the first import,
+    and an import that failed (an engine installed later) is tried again, never remembered as missing."""
+    import importlib
+    import types
+
+    tried = []
+    module = types.ModuleType("engine_stand_in")
+
+    def importing(name):
+        tried.append(name)
+        if len(tried) == 1:
+            raise ImportError("not installed yet")
+        return module
+
+    monkeypatch.setattr(importlib, "import_module", importing)
+    load = import_module("engine_stand_in")
+    with pytest.raises(ImportError):
+        load()
+    assert load() is module and load() is module and tried == ["engine_stand_in"] * 2
 
 
 def test_supports_name_the_modes_each_serves():
