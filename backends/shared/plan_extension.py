@@ -107,9 +107,10 @@ def page_guard(context_lens, page_table, max_context_len: int, error_flags, safe
                num_kv_blocks: int | None):
     """The PageGuard the kernel's outputs make: launched when the pool was known, else left for the first
     layer call to guard (PageGuard.for_cache), into the same outputs, as the Triton path's is."""
-    return _page_guard_type()(context_lens=context_lens, block_table=page_table, max_context_len=max_context_len,
-                     error_flags=error_flags, block_kv=BLOCK_KV, safe_table=safe_table, lens=lens, fill=fill,
-                     num_blocks=num_kv_blocks)
+    guard = _page_guard_type()
+    return guard(context_lens=context_lens, block_table=page_table, max_context_len=max_context_len,
+                 error_flags=error_flags, block_kv=BLOCK_KV, safe_table=safe_table, lens=lens, fill=fill,
+                 num_blocks=num_kv_blocks)
 
 
 @functools.cache
