@@ -96,7 +96,9 @@ def _paged_path(plan, batch) -> str:
     if logits.impl.plan_tensors is None:
         return f"logits `{logits.backend}`{selected}"
     if logits_plan_tensors(logits, batch) is not None:
-        return f"logits `{logits.backend}`, one C++ launch{selected}"
+        # Timed alone too (its C++ call and the Python that wraps the tensors), beside the top-k's share.
+        seconds = time_host(lambda: logits_plan_tensors(logits, batch), repeats=PAGED_REPEATS, warmup=20)
+        return f"logits `{logits.backend}`, one C++ launch ({seconds * 1e6:.1f} us alone){selected}"
     # Why not (not built here, or this batch not taken) is the backend's to say: `backends --warm` prints it.
     return (f"logits `{logits.backend}`, Triton launches (its one launch is not built here or does not take this "
             f"batch){selected}")
