@@ -42,10 +42,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
+from backends.deepgemm.state import DeepGemmState
 from dispatch.contract import (
     BLOCK_KV,
     DtypeMismatchError,
@@ -56,9 +56,6 @@ from dispatch.contract import (
     debug_bounds_on,
     readable_width,
 )
-
-if TYPE_CHECKING:
-    from backends.shared.page_guard import PageGuard
 
 MODULE_NAME = "deep_gemm"
 SCHEDULE = "get_paged_mqa_logits_metadata"
@@ -215,14 +212,6 @@ def mask_past_lengths(
     if fill is None:
         return logits.masked_fill_(~visible, float("-inf"))
     return torch.where(visible, logits, fill.reshape(-1, 1), out=logits)
-
-
-@dataclass(frozen=True)
-class DeepGemmState:
-    """A plan's per-batch DeepGEMM state."""
-
-    schedule: torch.Tensor  # int32 [num_sms + 1, 2], built from plan.context_lens itself
-    guard: "PageGuard"  # the batch's page guard: safe table, mask lengths and fill
 
 
 @dataclass(frozen=True)

@@ -6,19 +6,28 @@ takes the Triton launches of DeepGemmPagedLogits.prepare, which compute the same
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from backends.deepgemm.state import DeepGemmState
 from backends.shared.plan_extension import loaded, page_guard, servable
 from dispatch.contract import BAD_PAGE, BLOCK_KV, LENGTH_PAST_BOUND, Layout, PlanTensors
 
 VECTOR_BYTES = 16  # the widest load DeepGEMM's SM90 kernels make from the lengths, the table, the schedule
 
-if TYPE_CHECKING:
-    from backends.deepgemm.adapter import DeepGemmPagedLogits
+
+class PagedLogits(Protocol):
+    """What this reads of the paged backend (backends/deepgemm/adapter.py's DeepGemmPagedLogits)."""
+
+    layout: Layout
+    load: Callable[[], ModuleType]
+    sm90_schedule: bool
+
+    def schedule_slots(self, module: ModuleType, device) -> int: ...
 
 
-def deepgemm_plan_tensors(impl: "DeepGemmPagedLogits", *, seq_lens, page_table, next_n: int, max_context_len: int,
+def deepgemm_plan_tensors(impl: PagedLogits, *, seq_lens, page_table, next_n: int, max_context_len: int,
                           num_kv_blocks: int | None) -> PlanTensors | None:
     extension = loaded()
     if extension is None or impl.layout is not Layout.NATIVE or not impl.sm90_schedule:
@@ -29,8 +38,6 @@ def deepgemm_plan_tensors(impl: "DeepGemmPagedLogits", *, seq_lens, page_table, 
     rule = _rule_of(module)
     if rule is None or not rule.serves(next_n):
         return None
-    from backends.deepgemm.adapter import DeepGemmState
-
     slots = impl.schedule_slots(module, seq_lens.device)  # get_num_sms() each batch: set_num_sms may move it
     pool = -1 if num_kv_blocks is None else num_kv_blocks
     context_lens, flags, safe_table, lens, fill, readable, _prefix, schedule = extension.deepgemm_prepare(
