@@ -76,7 +76,9 @@ def refresh_captured_plan(captured: PagedPlan, batch: PagedBatch, fresh: PagedPl
     written, and a backend's refresh that raises puts the previous batch back."""
     check_replayable(captured, batch, fresh)
     width = fresh.block_table.shape[1]
-    before = captured.context_lens.clone(), captured.block_table[:, :width].clone()
+    readable = captured.readable_lengths
+    before = (captured.context_lens.clone(), captured.block_table[:, :width].clone(),
+              None if readable is None else readable.clone())
     try:
         _write(captured, fresh, width)
     except BaseException:
@@ -84,6 +86,8 @@ def refresh_captured_plan(captured: PagedPlan, batch: PagedBatch, fresh: PagedPl
         # old batch back and rebuild every state from it, so guard and schedule match it again.
         captured.context_lens.copy_(before[0])
         captured.block_table[:, :width].copy_(before[1])
+        if readable is not None:
+            readable.copy_(before[2])
         for op, state in captured.states.items():
             captured.decision(op).impl.refresh_state(state, state)
         raise
@@ -93,6 +97,8 @@ def _write(captured: PagedPlan, fresh: PagedPlan, width: int) -> None:
     # Columns past a request's pages are never read (lengths bound every read), so stale ones stay.
     captured.context_lens.copy_(fresh.context_lens)
     captured.block_table[:, :width].copy_(fresh.block_table)
+    if captured.readable_lengths is not None:  # (the one launch's, at capture: kept equal to the lengths')
+        captured.readable_lengths.copy_(fresh.readable_token_lengths())
     # Each backend with per-batch state rewrites its captured state in place (check_replayable has
     # refused a backend that has state but no way to refresh it).
     for op, state in captured.states.items():

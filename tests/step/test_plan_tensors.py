@@ -159,3 +159,33 @@ def test_a_built_library_that_does_not_load_leaves_the_triton_launches(monkeypat
     assert plan_extension.loaded() is None
     assert plan_extension.logits_warm_up(Availability.yes)() == Availability(
         True, "plans take the Triton launches: its built library did not load: ImportError: undefined symbol in broken.so")
+
+
+def test_a_graph_update_rewrites_the_captured_plans_readable_lengths_or_puts_them_back():
+    """A captured plan made by the one call keeps its readable lengths equal to its lengths: an update
+    writes the fresh batch's into them in place, and one a backend refuses puts the old ones back."""
+    from dispatch.engines.graphs import refresh_captured_plan
+
+    chooser = Recorder().chooser()
+    refused = []
+
+    def refresh_state(captured_state, fresh_state):
+        if refused and fresh_state is not captured_state:
+            raise RuntimeError("refused")
+
+    captured = _refreshable(build_plan(chooser, _batch(), kv_fp8_dtype="e4m3fn"), refresh_state)
+    readable = captured.readable_lengths
+    shorter = dataclasses.replace(_batch(), seq_lens=torch.tensor([3, 4, 2], dtype=torch.int32))
+    refresh_captured_plan(captured, shorter, build_plan(chooser, shorter, kv_fp8_dtype="e4m3fn"))
+    assert captured.readable_lengths is readable and readable.tolist() == [2, 3, 3, 4, 1, 2]
+    before, refused[:] = readable.clone(), [True]
+    with pytest.raises(RuntimeError, match="refused"):
+        refresh_captured_plan(captured, _batch(), build_plan(chooser, _batch(), kv_fp8_dtype="e4m3fn"))
+    assert torch.equal(readable, before)
+
+
+def _refreshable(plan, refresh_state):
+    """`plan` whose backends with a per-batch state refresh it through `refresh_state`."""
+    decisions = {op: dataclasses.replace(decision, impl=dataclasses.replace(decision.impl, refresh_state=refresh_state))
+                 for op, decision in plan.decisions.items()}
+    return dataclasses.replace(plan, decisions=decisions)
