@@ -76,9 +76,7 @@ def refresh_captured_plan(captured: PagedPlan, batch: PagedBatch, fresh: PagedPl
     written, and a backend's refresh that raises puts the previous batch back."""
     check_replayable(captured, batch, fresh)
     width = fresh.block_table.shape[1]
-    readable = captured.readable_lengths
-    before = (captured.context_lens.clone(), captured.block_table[:, :width].clone(),
-              None if readable is None else readable.clone())
+    before = captured.context_lens.clone(), captured.block_table[:, :width].clone()
     try:
         _write(captured, fresh, width)
     except BaseException:
@@ -86,8 +84,8 @@ def refresh_captured_plan(captured: PagedPlan, batch: PagedBatch, fresh: PagedPl
         # old batch back and rebuild every state from it, so guard and schedule match it again.
         captured.context_lens.copy_(before[0])
         captured.block_table[:, :width].copy_(before[1])
-        if readable is not None:
-            readable.copy_(before[2])
+        if captured.readable_lengths is not None:  # cut from the lengths put back (no copy kept on the way in)
+            captured.readable_lengths.copy_(captured.token_lengths.clamp(0, captured.max_context_len))
         for op, state in captured.states.items():
             captured.decision(op).impl.refresh_state(state, state)
         raise
