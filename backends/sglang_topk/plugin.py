@@ -16,7 +16,6 @@ here imports torch or sglang until a probe or a run needs it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -53,13 +52,9 @@ class _Adapter:
         refresh_v2(captured, fresh)
 
 
-@functools.cache
-def _adapter() -> ModuleType:
-    # Imported once, at the first call (it imports torch): a function-level import costs a GPU host
-    # ~1-3 us, and every batch's plan and every layer's call come through here.
-    from backends.sglang_topk import adapter
-
-    return adapter
+# Imported at the first call (it imports torch), then kept by the loader: every batch's plan and
+# every layer's call come through here.
+_adapter = import_module("backends.sglang_topk.adapter")
 
 
 def sglang_topk_backends(

@@ -16,11 +16,9 @@ backend and the reason. Nothing here imports torch or vllm until a probe or a ru
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from types import ModuleType
 
-from backends.engine_probe import distribution_version, probe_for
+from backends.engine_probe import distribution_version, import_module, probe_for
 from dispatch.contract import ALL_MODES, PAGED_MODES, Arch, Backend, Layout, Op, Support, Verified, hookimpl
 
 VLLM_ARCHS = frozenset({Arch.SM80, Arch.SM89, Arch.SM90, Arch.SM100, Arch.SM120})
@@ -41,19 +39,15 @@ _TABLE = (
 
 
 def import_vllm_ops():
-    """torch.ops._C once vLLM's extension has registered its ops (importing vllm._custom_ops loads it);
-    kept after the first success, since every adapter call asks (importlib's lookup costs a GPU host ~4 us)."""
-    if not _VLLM_OPS:
-        import importlib
+    """torch.ops._C once vLLM's extension has registered its ops (importing vllm._custom_ops loads it;
+    its loader keeps the module, since every adapter call asks)."""
+    _custom_ops()
+    import torch
 
-        import torch
-
-        importlib.import_module("vllm._custom_ops")  # a failed import raises and is retried next call
-        _VLLM_OPS.append(torch.ops._C)
-    return _VLLM_OPS[0]
+    return torch.ops._C
 
 
-_VLLM_OPS: list = []
+_custom_ops = import_module("vllm._custom_ops")
 
 
 class _Adapter:
@@ -66,12 +60,8 @@ class _Adapter:
         return getattr(_adapter(), self._run_name)(self._load(), *args, **kwargs)
 
 
-@functools.cache
-def _adapter() -> ModuleType:
-    # Imported once, at the first call (it imports torch): every layer's call comes through here.
-    from backends.vllm_topk import adapter
-
-    return adapter
+# Imported at the first call (it imports torch), then kept by the loader: every layer's call comes through here.
+_adapter = import_module("backends.vllm_topk.adapter")
 
 
 def vllm_topk_backends(load: Callable[[], object] = import_vllm_ops) -> list[Backend]:
