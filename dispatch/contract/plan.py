@@ -127,8 +127,10 @@ class PagedPlan(DecidedPlan):
         """int32 [B*N]: token_lengths cut to max_context_len, the logits rows' width, so a kernel that
         trusts its lengths never reads past a row (a longer length is the engine's error, flagged by the
         guard). Written by the plan's one launch where it ran; else one clamp, here."""
-        if self.readable_lengths is not None:
-            return self.readable_lengths
+        return self.readable_lengths if self.readable_lengths is not None else self.cut_token_lengths()
+
+    def cut_token_lengths(self) -> torch.Tensor:
+        """token_lengths cut to max_context_len, computed now (one clamp): what readable_lengths holds."""
         return self.token_lengths.clamp(0, self.max_context_len).to(torch.int32)
 
     def q_in_layout(self, q_tokens: torch.Tensor) -> torch.Tensor:

@@ -166,11 +166,8 @@ class Dispatcher:
         or None where no length can matter: a batch's many lengths then share one decision."""
         if batch_size is None or not self._bounds:
             return None
-        found = []
-        for op in ops:
-            bounds = self._bounds.get((op, key))
-            found.append(bounds[1][band_index(bounds[0], batch_size)] if bounds is not None else ())
-        return tuple(found) if any(found) else None
+        found = tuple(self.band_lengths(op, key, batch_size) for op in ops)
+        return found if any(found) else None
 
     def _band_of(self, op: Op, key: DispatchKey, batch_size: int,
                  max_seq_len: int | None) -> tuple[int | None, int | None]:

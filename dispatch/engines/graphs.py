@@ -85,7 +85,7 @@ def refresh_captured_plan(captured: PagedPlan, batch: PagedBatch, fresh: PagedPl
         captured.context_lens.copy_(before[0])
         captured.block_table[:, :width].copy_(before[1])
         if captured.readable_lengths is not None:  # cut from the lengths put back (no copy kept on the way in)
-            captured.readable_lengths.copy_(captured.token_lengths.clamp(0, captured.max_context_len))
+            captured.readable_lengths.copy_(captured.cut_token_lengths())
         for op, state in captured.states.items():
             captured.decision(op).impl.refresh_state(state, state)
         raise
