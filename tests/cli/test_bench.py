@@ -129,23 +129,12 @@ def test_host_time_reports_each_plan_against_its_target(capsys):
 def test_host_time_names_a_top_k_with_a_per_batch_plan_and_times_that_plan_alone(monkeypatch):
     """Where the decided top-k builds a per-batch state (SGLang's v2 plans its rows), the paged line says
     its plan includes it and times it alone over the same plan, so a figure says what it is made of."""
-    import dataclasses
-
     from dispatch.bench import host_time
     from dispatch.deciding.runtime import load_dispatcher
-    from dispatch.step import paged_plan
 
     dispatcher = load_dispatcher(arch="cpu")
-    real_build = paged_plan.build_plan
     prepared = []
-
-    def build_plan(*args, **kwargs):
-        plan = real_build(*args, **kwargs)
-        topk = plan.decision(Op.TOPK)
-        impl = dataclasses.replace(topk.impl, prepare=lambda plan: prepared.append(plan))
-        return dataclasses.replace(plan, decisions={**plan.decisions, Op.TOPK: dataclasses.replace(topk, impl=impl)})
-
-    monkeypatch.setattr(paged_plan, "build_plan", build_plan)
+    _plans_whose_backend_has(monkeypatch, Op.TOPK, prepare=lambda plan: prepared.append(plan))
     times = host_time.plan_host_times(dispatcher, device="cpu", fp8_dtype=Fp8Dtype.E4M3FN)
     for entry in times[:2]:
         assert entry.path.startswith("logits `torch.reference`; top-k `torch.reference`, its per-batch plan included; "
@@ -157,31 +146,37 @@ def test_host_time_names_a_top_k_with_a_per_batch_plan_and_times_that_plan_alone
 def test_host_time_times_the_logits_one_launch_alone_where_plans_take_it(monkeypatch):
     """Where the decided logits backend makes the plan's tensors in one C++ call, the paged line says so
     and times that call alone (with the Python that wraps its tensors), beside the top-k's share."""
-    import dataclasses
-
     from dispatch.bench import host_time
     from dispatch.deciding.runtime import load_dispatcher
-    from dispatch.step import paged_plan
 
     dispatcher = load_dispatcher(arch="cpu")
-    real_build = paged_plan.build_plan
     made = []
 
     def plan_tensors(**batch):
         made.append(batch)
         return object()  # anything but None: the path the one launch takes
 
-    def build_plan(*args, **kwargs):
-        plan = real_build(*args, **kwargs)
-        logits = plan.decision(Op.PAGED_MQA_LOGITS)
-        impl = dataclasses.replace(logits.impl, plan_tensors=plan_tensors)
-        return dataclasses.replace(plan, decisions={**plan.decisions,
-                                                    Op.PAGED_MQA_LOGITS: dataclasses.replace(logits, impl=impl)})
-
-    monkeypatch.setattr(paged_plan, "build_plan", build_plan)
+    _plans_whose_backend_has(monkeypatch, Op.PAGED_MQA_LOGITS, plan_tensors=plan_tensors)
     times = host_time.plan_host_times(dispatcher, device="cpu", fp8_dtype=Fp8Dtype.E4M3FN)
     for entry in times[:2]:
         assert entry.path.startswith("logits `torch.reference`, one C++ launch ("), entry.path
         assert entry.path.endswith(" us alone); top-k `torch.reference`"), entry.path
         assert float(entry.path.split("(")[1].split(" ")[0]) > 0
     assert len(made) >= 2 * host_time.PAGED_REPEATS
+
+
+def _plans_whose_backend_has(monkeypatch, op, **entries):
+    """build_plan's plans, their `op` decision's backend given `entries` (a prepare, a plan_tensors)."""
+    import dataclasses
+
+    from dispatch.step import paged_plan
+
+    real_build = paged_plan.build_plan
+
+    def build_plan(*args, **kwargs):
+        plan = real_build(*args, **kwargs)
+        decision = plan.decision(op)
+        impl = dataclasses.replace(decision.impl, **entries)
+        return dataclasses.replace(plan, decisions={**plan.decisions, op: dataclasses.replace(decision, impl=impl)})
+
+    monkeypatch.setattr(paged_plan, "build_plan", build_plan)
