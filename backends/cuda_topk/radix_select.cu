@@ -7,12 +7,12 @@
 // - short rows (n <= kCandCap): the row read once into registers (kCandCap / T keys a thread, scalar
 //   coalesced loads, so any start or stride), then the exact radix select over those registers.
 // - longer rows, the filtered pass: a sample of kSample keys (four adjacent keys at each of kSpots
-//   spots spread over the row) gives a cut at the lower edge of the top-11-bit bin
-//   holding the sample's r-th largest (r a few standard deviations past what the sample expects above
-//   the k-th largest key); the row streamed once from HBM with 16-byte loads (the next ones in flight while
-//   the current ones are filed), every key at or above the cut appended to a shared-memory list (a
-//   thread's 4 x kUnroll keys take their slots with one warp scan and one shared atomic per warp); a list of
-//   at least k keys is read into registers and takes the same radix select.
+//   spots spread over the row) gives a cut at the sample's r-th largest key (r four standard
+//   deviations past what the sample expects above the k-th largest key); the row streamed once from
+//   HBM with 16-byte loads (the next ones in flight while the current ones are filed), every key at
+//   or above the cut appended to a shared-memory list (a thread's 4 x kUnroll keys take their slots
+//   with one warp scan and one shared atomic per warp); a list of at least k keys is read into
+//   registers and takes the same radix select.
 // The select over registers visits only the register slots that hold entries (a 2.4K-key row at 1024
 // threads: 3 of 8).
 // The radix select: 11 + 11 + 10-bit digits; each round one histogram (shared atomics; the next
@@ -43,6 +43,7 @@ constexpr int kSample = 1024;   // keys the cut samples from a long row
 constexpr int kSpots = 256;     // where the sample's keys are read: four adjacent keys at each
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
+constexpr int kExactCutKeys = 256;  // the most sample keys of the cut's bin ranked for the exact cut
 
 // The kernel's two instances, chosen per call on the host (radix_topk.py's `instance`).
 // Wide: an 8192-entry list (the filtered pass's 2-7K on rows to 98K; a threshold bin's 1-3K), two
@@ -77,6 +78,7 @@ struct alignas(16) Shared {
   int selectable;
   int bin;
   int above;
+  uint32_t cut;  // candidate_cut's exact cut, from the thread whose key it is
 };
 
 struct Params {
@@ -256,29 +258,64 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const S& s,
 // The cut for the filtered pass over a long row (n > kCandCap): a key at or above it is a candidate.
 // kSample keys from kSpots spots spread over the row, kSample / kSpots adjacent keys at each (adjacent
 // lanes read one 32-byte sector: a quarter of the DRAM accesses of kSample scattered keys, whose
-// loads held 9% of the stall samples at 512 x 49K on the H200). The cut is the lower edge of the
-// top-11-bit bin holding the sample's r-th largest, r a few standard deviations past the
-// k * kSample / n the sample expects above the k-th largest key. 0: no cut (the sample holds too few
-// numbers), so the row takes the full select. Leaves s.hist[0] cleared.
+// loads held 9% of the stall samples at 512 x 49K on the H200). The cut is the sample's r-th largest
+// key itself, r four standard deviations past the k * kSample / n the sample expects above the k-th
+// largest key: found by its top-11-bit bin, then by each of that bin's sample keys counting the ones
+// above it. The lower edge of that bin (the cut until 2026-12-02) let in up to a quarter octave more
+// keys, as many more as the bin edges happened to allow: on the logits the step produces, rows that
+// overflowed the list took the full select, and at 256 x 98K the kernel ran 111 us against 40 with this
+// cut (H200, docs/benchmarks.md). Where the bin holds more sample keys than kExactCutKeys (a crowded
+// sample), its lower edge is still the cut. 0: no cut (the sample holds too few numbers), so the row
+// takes the full select. Leaves s.hist[0] cleared.
 template <int T, class S>
 __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
   constexpr int kAt = kSample / kSpots;
+  static_assert(kExactCutKeys <= T && kSample <= S::kCandCap, "a thread per ranked key; the sample fits the list");
   const int step = v.n / kSpots;  // >= kCandCap / kSpots > kAt: the spots never overlap
+  // The sample is kept in the (still empty) list's keys for the exact cut: in registers across the
+  // threshold search it spilled the short-list instance.
 #pragma unroll
   for (int j = threadIdx.x; j < kSample; j += T) {
     const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
-    atomicAdd(&s.hist[0][ordered_key(v.src[i]) >> 21], 1);
+    const uint32_t key = ordered_key(v.src[i]);
+    s.cand_key[j] = key;
+    atomicAdd(&s.hist[0][key >> 21], 1);
   }
   __syncthreads();
   const int numbers = kSample - s.hist[0][0];
   const float expect = static_cast<float>(k) * kSample / v.n;
-  const int rank = min(static_cast<int>(ceilf(expect + 3.0f * sqrtf(expect))) + 4, kSample);
+  const int rank = min(static_cast<int>(ceilf(expect + 4.0f * sqrtf(expect))) + 4, kSample);
   uint32_t cut = 0u;
   if (numbers >= rank) {  // block-uniform: every thread read the same counts
     find_threshold<T>(s, s.hist[0], rank, kBins);
-    cut = static_cast<uint32_t>(s.bin) << 21;
+    const int bin = s.bin;
+    const int in_bin = s.hist[0][bin];
+    const int need = rank - s.above;  // the cut is the need-th largest of the bin's sample keys
+    cut = static_cast<uint32_t>(bin) << 21;
+    if (bin > 0 && in_bin <= kExactCutKeys) {  // block-uniform; bin 0 holds only NaN
+      // The bin's sample keys into the list's positions, then each ranks itself among them, ties by slot.
+      uint32_t* in_cut_bin = reinterpret_cast<uint32_t*>(s.cand_pos);
+#pragma unroll
+      for (int j = threadIdx.x; j < kSample; j += T) {
+        const uint32_t key = s.cand_key[j];
+        if (static_cast<int>(key >> 21) == bin) in_cut_bin[atomicAdd(&s.eq_count, 1)] = key;
+      }
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < in_bin) {
+        const uint32_t mine = in_cut_bin[threadIdx.x];
+        int before = 0;
+        for (int e = 0; e < in_bin; ++e) {
+          const uint32_t other = in_cut_bin[e];
+          before += other > mine || (other == mine && e < static_cast<int>(threadIdx.x));
+        }
+        if (before == need - 1) s.cut = mine;
+      }
+      __syncthreads();
+      cut = s.cut;
+      if (threadIdx.x == 0) s.eq_count = 0;  // read again only by the select, syncs later
+    }
   }
-  __syncthreads();
+  __syncthreads();  // the list's scratch read before collect_candidates writes it
   clear_bins<T>(s.hist[0], kBins);
   return cut;  // the sync after collect_candidates orders the clearing before the next histogram
 }

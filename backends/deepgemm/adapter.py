@@ -1,9 +1,10 @@
-"""DeepGEMM behind dispatch: the one import of deep_gemm, the bridge over its API generations, the
-input checks its extension would assert, and its two backends: paged MQA logits (prepare and run)
-and ragged MQA logits for extend batches (fp8_mqa_logits; API notes at its section below).
+"""DeepGEMM behind dispatch: the bridge over its API generations, the input checks its extension would
+assert, and its two backends: paged MQA logits (prepare and run) and ragged MQA logits for extend
+batches (fp8_mqa_logits; API notes at its section below).
 
-deep_gemm is imported only when a backend is probed, prepared or run (never at module load): the
-packaged builds link libtorch and load CUDA libraries, which fails or is slow where they cannot run.
+deep_gemm is imported only when a backend is probed, prepared or run, never at module load (plugin.py's
+`import_deep_gemm` imports it then and keeps it): the packaged builds link libtorch and load CUDA
+libraries, which fails or is slow where they cannot run.
 A build works only with the torch whose headers it was compiled against (it calls libtorch's inline
 accessors). On torch 2.11 + CUDA 13 (H200, 2026-11-29): sgl-deep-gemm 0.1.3 to 0.1.5 and
 tokenspeed-deepgemm 2.3.0 to 2.5.0.post20260629 run; later builds of either were compiled for a newer torch.
@@ -37,7 +38,6 @@ on the host before the launch and raises).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,8 @@ from types import ModuleType
 
 import torch
 
+# At module level: a function-level import costs a GPU host 1-3 us, and every batch's plan comes through it.
+from backends.deepgemm.plan_tensors import deepgemm_plan_tensors
 from backends.deepgemm.state import DeepGemmState
 from dispatch.contract import (
     BLOCK_KV,
@@ -57,7 +59,6 @@ from dispatch.contract import (
     readable_width,
 )
 
-MODULE_NAME = "deep_gemm"
 SCHEDULE = "get_paged_mqa_logits_metadata"
 LOGITS_FP8_FP4 = "fp8_fp4_paged_mqa_logits"
 LOGITS_FP8 = "fp8_paged_mqa_logits"
@@ -66,11 +67,6 @@ HEAD_COUNTS = (32, 64)
 
 
 # --- the library ------------------------------------------------------------------------------------
-
-
-def import_deep_gemm() -> ModuleType:
-    """The deep_gemm module. Raises ImportError (or OSError) when it is missing or fails to load."""
-    return importlib.import_module(MODULE_NAME)
 
 
 def version_of(module: ModuleType) -> str:
@@ -249,8 +245,6 @@ class DeepGemmPagedLogits:
 
     def plan_tensors(self, **batch):
         """The plan's lengths, flags and this state in one launch, where it can (backends/deepgemm/plan_tensors.py)."""
-        from backends.deepgemm.plan_tensors import deepgemm_plan_tensors
-
         return deepgemm_plan_tensors(self, **batch)
 
     def schedule_slots(self, module: ModuleType, device: torch.device) -> int:

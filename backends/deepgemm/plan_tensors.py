@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Protocol
 
 from backends.deepgemm.state import DeepGemmState
-from backends.shared.plan_extension import loaded, page_guard, servable
+from backends.shared.plan_extension import loaded, page_guard
 from dispatch.contract import BAD_PAGE, BLOCK_KV, LENGTH_PAST_BOUND, Layout, PlanTensors
 
 VECTOR_BYTES = 16  # the widest load DeepGEMM's SM90 kernels make from the lengths, the table, the schedule
@@ -32,17 +32,17 @@ def deepgemm_plan_tensors(impl: PagedLogits, *, seq_lens, page_table, next_n: in
     extension = loaded()
     if extension is None or impl.layout is not Layout.NATIVE or not impl.sm90_schedule:
         return None
-    if not servable(seq_lens, page_table, next_n, max_context_len):
-        return None
     module = impl.load()
     rule = _rule_of(module)
     if rule is None or not rule.serves(next_n):
         return None
     slots = impl.schedule_slots(module, seq_lens.device)  # get_num_sms() each batch: set_num_sms may move it
     pool = -1 if num_kv_blocks is None else num_kv_blocks
-    context_lens, flags, safe_table, lens, fill, readable, _prefix, schedule = extension.deepgemm_prepare(
-        seq_lens, page_table, next_n, pool, max_context_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, slots,
-        rule.clamp_request)
+    outputs = extension.deepgemm_prepare(seq_lens, page_table, next_n, pool, max_context_len, BLOCK_KV, BAD_PAGE,
+                                         LENGTH_PAST_BOUND, slots, rule.clamp_request)
+    if not outputs:  # a batch the launch does not take (plan_prepare.cu's servable)
+        return None
+    context_lens, flags, safe_table, lens, fill, readable, _prefix, schedule = outputs
     if (context_lens.data_ptr() | safe_table.data_ptr() | schedule.data_ptr()) % VECTOR_BYTES:
         # Never by construction (plan_prepare.cu aligns every output): a check that costs ~1 us, beside a
         # misaligned vector load in DeepGEMM's kernel, which ends the process.

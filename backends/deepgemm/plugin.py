@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from backends.engine_probe import import_module
 from backends.shared.plan_extension import logits_warm_up
 from dispatch.contract import (
     PAGED_MODES,
@@ -64,12 +65,11 @@ _TABLE = (
 )
 
 
-# The adapter imports torch; registering must not (`validate` runs without torch), so the adapter, deep_gemm
-# and torch are imported when a probe or a backend first runs.
-def import_deep_gemm() -> ModuleType:
-    from backends.deepgemm.adapter import import_deep_gemm as load
-
-    return load()
+# deep_gemm (a CUDA extension, which imports torch) is imported when a probe or a backend first runs, since
+# registering must not (`validate` runs without torch), and then kept: importlib's lookup of a module
+# already imported costs a GPU host ~4 us, and every batch's plan loads it (plan_tensors.py). ImportError or
+# OSError where it is missing or fails to load, retried at the next call.
+import_deep_gemm = import_module("deep_gemm")
 
 
 class _OnFirstUse:

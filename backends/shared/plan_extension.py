@@ -1,6 +1,7 @@
 """plan_prepare.cu, compiled with torch's C++-extension tooling like `cuda.radix` (the same cache, lock,
 failure marker and bounded child build: backends/cuda_topk/build.py), and the cheap question build_plan
-asks every batch: is it loaded?
+asks every batch: is it loaded? (Whether it serves a batch, the launch itself answers: its prepares
+return no tensors for a batch it does not take, and the plan then takes the Triton launches.)
 
 It is an accelerator of the host, never a choice of path: a paged logits backend whose plan it can
 build (backends/deepgemm/plan_tensors.py, backends/triton/plan_tensors.py) gets the same tensors, bit
@@ -86,21 +87,6 @@ def warm() -> Availability:
         _Loaded.module, _Loaded.why_not = None, f"its built library did not load: {type(error).__name__}: {error}"
         return Availability.no(_Loaded.why_not)
     return Availability.yes()
-
-
-MAX_NEXT_N = 32  # the kernel flags a row's tokens with one warp's ballot
-
-
-def servable(seq_lens, page_table, next_n: int, max_context_len: int) -> bool:
-    """Whether the kernel takes this batch as the Triton path would (host facts only, no sync); where it
-    does not, the Triton path runs and raises its own located error for input it refuses."""
-    import torch
-
-    return (seq_lens.is_cuda and seq_lens.dim() == 1 and seq_lens.dtype in (torch.int32, torch.int64)
-            and seq_lens.is_contiguous() and page_table.device == seq_lens.device and page_table.dim() == 2
-            and page_table.dtype == torch.int32 and (page_table.shape[1] <= 1 or page_table.stride(1) == 1)
-            and 1 <= next_n <= MAX_NEXT_N and 0 < seq_lens.shape[0] < 2**25
-            and page_table.shape[1] >= -(-max_context_len // BLOCK_KV))
 
 
 def page_guard(context_lens, page_table, max_context_len: int, error_flags, safe_table, lens, fill,

@@ -308,18 +308,20 @@ struct Carver {
   }
 };
 
-void check_inputs(const at::Tensor& seq_lens, const at::Tensor& table, int64_t next_n, int64_t pages) {
-  TORCH_CHECK(seq_lens.is_cuda() && table.is_cuda(), "plan_prepare: seq_lens and page_table must be CUDA tensors");
-  TORCH_CHECK(seq_lens.device() == table.device(), "plan_prepare: seq_lens and page_table must be on one device");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "plan_prepare: seq_lens must be a contiguous [B] tensor");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
-              "plan_prepare: seq_lens must be int32 or int64");
-  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.size(0) == seq_lens.size(0),
-              "plan_prepare: page_table must be int32 [B, M]");
-  TORCH_CHECK(table.size(1) <= 1 || table.stride(1) == 1, "plan_prepare: page_table must be contiguous along its pages");
-  TORCH_CHECK(table.size(1) >= pages, "plan_prepare: page_table has fewer pages than max_context_len needs");
-  TORCH_CHECK(next_n >= 1 && next_n <= 32, "plan_prepare: next_n must be in [1, 32]");
-  TORCH_CHECK(seq_lens.size(0) < INT32_MAX / 64, "plan_prepare: too many requests");
+// Whether the launch takes this batch as the Triton path would; where it does not, the prepare returns
+// no tensors and the plan takes the Triton launches, which raise their own located error for input they
+// refuse. Asked here, not by Python: the same questions cost a GPU's host ~3-4 us a batch in Python.
+bool servable(const at::Tensor& seq_lens, const at::Tensor& table, int64_t next_n, int64_t pages) {
+  return seq_lens.is_cuda() && seq_lens.dim() == 1 &&
+         (seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong) && seq_lens.is_contiguous() &&
+         table.device() == seq_lens.device() && table.dim() == 2 && table.scalar_type() == at::kInt &&
+         (table.size(1) <= 1 || table.stride(1) == 1) && next_n >= 1 && next_n <= 32 && seq_lens.size(0) > 0 &&
+         seq_lens.size(0) < INT32_MAX / 64 && table.size(1) >= pages;
+}
+
+// What a served batch must also hold (a PagedBatch holds it where it was built).
+void check_inputs(const at::Tensor& seq_lens, const at::Tensor& table) {
+  TORCH_CHECK(table.size(0) == seq_lens.size(0), "plan_prepare: page_table must have one row per request");
 }
 
 // The outputs both schedules share, carved first and in this order into `out`: context_lens [B, N],
@@ -352,12 +354,14 @@ GuardArgs shared_outputs(Carver& carve, const at::Tensor& table, int64_t rows, i
 }
 
 // Returns [context_lens [B, N], error_flags [1], safe_table [B, pages], lens [B, N], fill fp32 [B*N],
-// readable [B*N], prefix [B + 1], schedule [slots + 1, 2]] for DeepGEMM's SM90 paged kernels.
+// readable [B*N], prefix [B + 1], schedule [slots + 1, 2]] for DeepGEMM's SM90 paged kernels; [] where
+// the batch is not servable().
 std::vector<at::Tensor> deepgemm_prepare(at::Tensor seq_lens, at::Tensor table, int64_t next_n,
                                             int64_t num_blocks, int64_t max_context_len, int64_t block_kv,
                                             int64_t bad_page, int64_t past_bound, int64_t slots, bool clamp_request) {
   const int64_t rows = seq_lens.size(0), pages = (max_context_len + block_kv - 1) / block_kv;
-  check_inputs(seq_lens, table, next_n, pages);
+  if (!servable(seq_lens, table, next_n, pages)) return {};
+  check_inputs(seq_lens, table);
   TORCH_CHECK(slots >= 1, "plan_prepare: the schedule needs at least one slot");
   const c10::cuda::CUDAGuard device_guard(seq_lens.device());
   Carver carve = Carver::of(rows, next_n, pages, {rows + 1, (slots + 1) * 2}, table.options());
@@ -390,13 +394,14 @@ std::vector<at::Tensor> deepgemm_prepare(at::Tensor seq_lens, at::Tensor table, 
 }
 
 // Returns [context_lens, error_flags, safe_table, lens, fill, readable, cost_prefix int64 [V], work_pages [V],
-// bounds [P + 1, 2]] for the Triton paged logits kernel.
+// bounds [P + 1, 2]] for the Triton paged logits kernel; [] where the batch is not servable().
 std::vector<at::Tensor> triton_prepare(at::Tensor seq_lens, at::Tensor table, int64_t next_n,
                                           int64_t num_blocks, int64_t max_context_len, int64_t block_kv,
                                           int64_t bad_page, int64_t past_bound, int64_t programs, int64_t tokens,
                                           int64_t compute_cost, int64_t fill_cost) {
   const int64_t rows = seq_lens.size(0), pages = (max_context_len + block_kv - 1) / block_kv;
-  check_inputs(seq_lens, table, next_n, pages);
+  if (!servable(seq_lens, table, next_n, pages)) return {};
+  check_inputs(seq_lens, table);
   TORCH_CHECK(programs >= 1 && tokens >= 1, "plan_prepare: the schedule needs programs and tokens >= 1");
   const c10::cuda::CUDAGuard device_guard(seq_lens.device());
   const int64_t groups = (next_n + tokens - 1) / tokens, work_rows = rows * groups;

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from backends.shared.plan_extension import loaded, page_guard, servable
+from backends.shared.plan_extension import loaded, page_guard
 from backends.triton.paged_mqa_logits import default_config, work_row_tokens
 from backends.triton.paged_schedule import COMPUTE_COST, FILL_COST, PagedSchedule, program_count
 from backends.triton.paged_state import TritonPagedState
@@ -22,13 +22,15 @@ from dispatch.contract import BAD_PAGE, BLOCK_KV, LENGTH_PAST_BOUND, PlanTensors
 def triton_plan_tensors(*, seq_lens, page_table, next_n: int, max_context_len: int,
                         num_kv_blocks: int | None) -> PlanTensors | None:
     extension = loaded()
-    if extension is None or not servable(seq_lens, page_table, next_n, max_context_len):
+    if extension is None:
         return None
     programs, tokens = launch_shape(next_n, seq_lens.device, triton_interpreter_on())
     pool = -1 if num_kv_blocks is None else num_kv_blocks
-    context_lens, flags, safe_table, lens, fill, readable, cost_prefix, work_pages, bounds = extension.triton_prepare(
-        seq_lens, page_table, next_n, pool, max_context_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, programs, tokens,
-        COMPUTE_COST, FILL_COST)
+    outputs = extension.triton_prepare(seq_lens, page_table, next_n, pool, max_context_len, BLOCK_KV, BAD_PAGE,
+                                       LENGTH_PAST_BOUND, programs, tokens, COMPUTE_COST, FILL_COST)
+    if not outputs:  # a batch the launch does not take (plan_prepare.cu's servable)
+        return None
+    context_lens, flags, safe_table, lens, fill, readable, cost_prefix, work_pages, bounds = outputs
     guard = page_guard(context_lens, page_table, max_context_len, flags, safe_table, lens, fill, num_kv_blocks)
     schedule = PagedSchedule(context_lens=context_lens, tokens=tokens, width=max_context_len, block_kv=BLOCK_KV,
                              bounds=bounds, cost_prefix=cost_prefix, work_pages=work_pages)

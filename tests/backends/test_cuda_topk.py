@@ -141,6 +141,60 @@ def test_rows_that_crowd_a_value_binned_digit(width, cta):
     check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
 
 
+def sample_positions(n: int) -> torch.Tensor:
+    """Where candidate_cut (radix_select.cu) samples a row of n keys: 4 adjacent keys at 256 spots."""
+    j = torch.arange(1024)
+    step = n // 256
+    return (j // 4) * step + step // 2 + j % 4
+
+
+def exact_cut_rows(n: int, gen) -> torch.Tensor:
+    """Rows of n keys (past every list, so the sampled cut runs) whose sample is placed, each with 3000
+    keys outside the sample above the cut (so the list holds at least k): the cut's bin (the sample's
+    86th largest at n = 40000, k = 2048) holding 256 sample keys (ranked: the exact cut) or 257 (its
+    lower edge is the cut); 100 sample keys of one value, tied with 3000 more in the row (the cut is that
+    value, ties and all); a sample far above the rest (the cut leaves fewer than k: the full select);
+    the row's other keys crowding the cut's bin (the list overflows: the full select)."""
+    at = sample_positions(n)
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[at] = False
+    outside = outside.nonzero().flatten()
+
+    def row(high: int, in_bin: torch.Tensor, rest: tuple[float, float], above: int = 3000,
+            ties: int = 0) -> torch.Tensor:
+        out = rest[0] + (rest[1] - rest[0]) * torch.rand(n, generator=gen)
+        spots = outside[torch.randperm(outside.numel(), generator=gen)[:above + ties]]
+        out[spots[:above]] = 2.0 + 8.0 * torch.rand(above, generator=gen)
+        if ties:
+            out[spots[above:]] = float(in_bin[0])
+        sample = torch.cat([100.0 + torch.rand(high, generator=gen), in_bin,
+                            -10.0 - torch.rand(1024 - high - in_bin.numel(), generator=gen)])
+        out[at[torch.randperm(1024, generator=gen)]] = sample
+        return out
+
+    def band(count: int) -> torch.Tensor:  # distinct values inside the one 11-bit bin [1.0, 1.25)
+        return 1.0 + 0.24 * torch.rand(count, generator=gen)
+
+    return torch.stack([
+        row(50, band(256), (-5.0, 0.9)),
+        row(50, band(257), (-5.0, 0.9)),
+        row(50, torch.full((100,), 1.1), (-5.0, 0.9), above=0, ties=3000),
+        row(1024, torch.empty(0), (-1.0, 1.0), above=0),
+        row(50, band(256), (1.0, 1.25)),
+    ])
+
+
+@gpu
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
+def test_the_sampled_cut_exact_crowded_tied_and_misjudged(cta):
+    """The filtered pass's cut is the sample's r-th largest key (its bin's sample keys ranked), or its
+    bin's lower edge where the bin is crowded: exact either way, and where the cut leaves fewer than k."""
+    for n in (40000, 12000):
+        logits = exact_cut_rows(n, torch.Generator().manual_seed(n))
+        lengths = torch.full((logits.shape[0],), n, dtype=torch.int32)
+        check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
+
+
 def signed_zero_rows(rows, width, gen):
     """A sixth of each row positive, a third +0.0, a third -0.0, a sixth negative: a long row's sampled
     cut lands at +0.0's key, and the list (the positives and both zeros) fits in the 8192 entries."""

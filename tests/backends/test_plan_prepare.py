@@ -136,6 +136,44 @@ def test_every_output_starts_where_a_tensor_of_its_own_would(extension, batch, n
         assert [t.data_ptr() % 512 for t in outputs] == [0] * len(outputs)
 
 
+def _not_taken():
+    """(what is wrong, seq_lens, page_table, next_n, max_len): batches the Triton launches take or refuse themselves."""
+    seq, table, max_len, _ = _batch(4, 2, 7, hostile=False)
+    wide = torch.zeros(4, table.shape[1] * 2, dtype=torch.int32, device="cuda")
+    return [
+        ("lengths on the CPU", seq.cpu(), table, 2, max_len),
+        ("int16 lengths", seq.to(torch.int16), table, 2, max_len),
+        ("strided lengths", torch.stack([seq, seq], 1)[:, 0], table, 2, max_len),
+        ("[B, 1] lengths", seq[:, None], table, 2, max_len),
+        ("int64 table", seq, table.long(), 2, max_len),
+        ("table strided along its pages", seq, wide[:, ::2], 2, max_len),
+        ("table narrower than max_seq_len needs", seq, table[:, :-1], 2, max_len),
+        ("next_n 0", seq, table, 0, max_len),
+        ("next_n 33", seq, table, 33, max_len),
+        ("no requests", seq[:0], table[:0], 2, max_len),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_a_batch_the_launch_does_not_take_gets_no_tensors(extension, case):
+    """Which batches it serves, the launch answers itself (plan_prepare.cu's servable, the questions the
+    Triton path would raise on): no tensors, nothing launched, and the plan takes the Triton launches."""
+    what, seq, table, next_n, max_len = _not_taken()[case]
+    assert extension.triton_prepare(seq, table, next_n, 64, max_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, 264, 4,
+                                    16, 1) == [], what
+    assert extension.deepgemm_prepare(seq, table, next_n, 64, max_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, 66,
+                                      True) == [], what
+    if next_n >= 1:  # (a PagedBatch refuses next_n 0 where it is built)
+        assert triton_plan_tensors(seq_lens=seq, page_table=table, next_n=next_n, max_context_len=max_len,
+                                   num_kv_blocks=64) is None, what
+
+
+def test_a_table_with_other_rows_than_the_lengths_is_refused(extension):
+    seq, table, max_len, pool = _batch(4, 2, 3, hostile=False)
+    with pytest.raises(RuntimeError, match="one row per request"):
+        extension.triton_prepare(seq, table[:3], 2, pool, max_len, BLOCK_KV, BAD_PAGE, LENGTH_PAST_BOUND, 264, 4, 16, 1)
+
+
 def test_build_plan_through_the_one_launch_equals_build_plan_without_it(extension, monkeypatch):
     """The decided Triton backend's plan, made by its one launch, against the same plan with the
     extension hidden: every tensor the layers read is equal, and the deferred guard guards at the first

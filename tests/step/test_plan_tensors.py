@@ -189,3 +189,43 @@ def _refreshable(plan, refresh_state):
     decisions = {op: dataclasses.replace(decision, impl=dataclasses.replace(decision.impl, refresh_state=refresh_state))
                  for op, decision in plan.decisions.items()}
     return dataclasses.replace(plan, decisions=decisions)
+
+
+class _Refusing:
+    """The built launch where it does not take a batch (plan_prepare.cu's servable): no tensors."""
+
+    def __init__(self):
+        self.calls = []
+
+    def triton_prepare(self, *args):
+        self.calls.append(args)
+        return []
+
+    deepgemm_prepare = triton_prepare
+
+
+def test_a_batch_the_launch_does_not_take_sends_the_plan_to_the_triton_launches(monkeypatch):
+    """Which batches the one launch serves is its own question, asked in C++ (each Python tensor query
+    costs a GPU's host a fraction of a microsecond, every batch): an empty answer is None, both paths."""
+    from backends.deepgemm import plan_tensors as deepgemm_tensors
+    from backends.deepgemm.guard_and_schedule import ScheduleRule
+    from backends.triton.plan_tensors import triton_plan_tensors
+
+    refusing = _Refusing()
+    monkeypatch.setattr("backends.triton.plan_tensors.loaded", lambda: refusing)
+    monkeypatch.setattr(deepgemm_tensors, "loaded", lambda: refusing)
+    monkeypatch.setattr(deepgemm_tensors, "_rule_of", lambda module: ScheduleRule(False, None, "test"))
+    batch = dict(seq_lens=SEQ_LENS, page_table=PAGES, next_n=2, max_context_len=9, num_kv_blocks=64)
+    assert triton_plan_tensors(**batch) is None
+
+    class Paged:
+        layout, sm90_schedule = Layout.NATIVE, True
+
+        def load(self):
+            return object()
+
+        def schedule_slots(self, module, device):
+            return 4
+
+    assert deepgemm_tensors.deepgemm_plan_tensors(Paged(), **batch) is None
+    assert len(refusing.calls) == 2 and all(call[0] is SEQ_LENS and call[1] is PAGES for call in refusing.calls)
