@@ -4,21 +4,25 @@
 // at T = 512 or 1024 threads (at <= 64 registers a thread two 512-thread CTAs share an SM, so one
 // row's select overlaps another row's read), and ShortList (a 4096-entry list, three 512-thread CTAs
 // an SM) for many rows of at most ~24K keys. Per row:
-// - short rows (n <= kCandCap): the row read once into registers (kCandCap / T keys a thread, scalar
-//   coalesced loads, so any start or stride), then the exact radix select over those registers.
+// - short rows (n <= kShortPer * T: 16384 keys at 1024 threads, 8192 at 512, 4096 in the short-list
+//   instance): the row read once into registers (scalar coalesced loads, so any start or stride), then
+//   the exact radix select over those registers.
 // - longer rows, the filtered pass: a sample of kSample keys (four adjacent keys at each of kSpots
 //   spots spread over the row) gives a cut at the sample's r-th largest key (r four standard
 //   deviations past what the sample expects above the k-th largest key); the row streamed once from
-//   HBM with 16-byte loads (the next ones in flight while the current ones are filed), every key at
-//   or above the cut appended to a shared-memory list (a thread's 4 x kUnroll keys take their slots
-//   with one warp scan and one shared atomic per warp); a list of at least k keys is read into
-//   registers and takes the same radix select.
+//   HBM with 16-byte loads (the next ones in flight while the current ones are filed), every key at or
+//   above the cut appended to a shared-memory list (a thread's 4 x kUnroll keys take their slots with
+//   one warp scan and one shared atomic per warp); a list of at least k keys is read into registers and
+//   takes the same radix select.
 // The select over registers visits only the register slots that hold entries (a 2.4K-key row at 1024
 // threads: 3 of 8).
-// The radix select: 11 + 11 + 10-bit digits; each round one histogram (shared atomics; the next
-// round's histogram cleared meanwhile, two buffers) and one threshold search (a warp scan, then every
-// warp sums the warps before it itself: two block-wide syncs), so three syncs a digit; then the keys
-// above the k-th largest key T and the first of those equal to T still needed (ties: any will do).
+// The radix select: up to three digits of the keys' window (a short row: 11 + 11 + 10 bits of the key;
+// a candidate list: the 11 bits below its width of [cut, its largest key], then the next 11, then the
+// rest); each round one histogram (shared atomics; the next round's histogram cleared meanwhile, two
+// buffers) and one threshold search (a warp scan, then every warp sums the warps before it itself: two
+// block-wide syncs), so three syncs a digit, and no further round once the threshold bin holds just the
+// keys still needed; then the keys above that bin and the first of its keys still needed (ties: any
+// will do), each thread's output slots from one block-wide scan of its counts.
 // Keys are the order-preserving uint32 form of the fp32 bits, NaN -> 0 (below -inf's key, so never
 // selected).
 // Otherwise (the sample misjudged the row, the list overflowed, too few numbers) the full select: a
@@ -26,7 +30,7 @@
 // threshold bin's keys as the list, or the row itself when they overflow it.
 // Rows with no more than k selectable (non-NaN) keys write every such position, then -1.
 // Output positions are relative to the row's start, or physical KV slots through the page table.
-// Slots inside a row are taken by atomics, so a row's positions are in no order.
+// A row's positions are in no promised order (some slots are taken by atomics).
 // No host sync, no allocation: CUDA-graph safe; nothing outside [start, start + n) of a row, the
 // lengths, starts, page rows or the page table's [0, pages) columns of a row is read.
 
@@ -49,7 +53,8 @@ constexpr int kExactCutKeys = 256;  // the most sample keys of the cut's bin ran
 // Wide: an 8192-entry list (the filtered pass's 2-7K on rows to 98K; a threshold bin's 1-3K), two
 // 512-thread CTAs an SM (<= 64 registers a thread) or one of 1024.
 struct Wide {
-  static constexpr int kCandCap = 8192;  // candidates kept as a list; rows to this length sit in registers
+  static constexpr int kCandCap = 8192;  // candidates kept as a list
+  static constexpr int kShortPer = 16;   // keys a thread holds of a short row: 8192 at 512 threads, 16384 at 1024
   static constexpr int kUnroll = 4;      // 16-byte loads each thread has in flight in the load passes
   static constexpr int blocks(int threads) { return 1024 / threads; }
 };
@@ -60,6 +65,7 @@ struct Wide {
 // and at 512 x 24.5K (round 6, benchmark-history): its second round cost more than the overflows it saved.
 struct ShortList {
   static constexpr int kCandCap = 4096;
+  static constexpr int kShortPer = 8;
   static constexpr int kUnroll = 2;
   static constexpr int blocks(int) { return 3; }
 };
@@ -78,6 +84,8 @@ struct alignas(16) Shared {
   int selectable;
   int bin;
   int above;
+  int in_bin;         // find_threshold's bin: its entries
+  uint32_t cand_max;  // the list's largest key
   uint32_t cut;  // candidate_cut's exact cut, from the thread whose key it is
 };
 
@@ -138,24 +146,12 @@ __device__ __forceinline__ void clear_bins(int* hist, int bins) {
   for (int b = threadIdx.x; b < bins; b += T) hist[b] = 0;
 }
 
-// The bin b (of `bins`, ascending key order) of `hist` holding the need-th largest of its entries
-// (1 <= need <= their total), and how many entries lie in bins above b: s.bin, s.above. Two block-wide
-// syncs: each thread scans its kOwn bins, a warp scan, the warps' totals published once; every warp
-// then sums the warps before it itself (no second scan by warp 0 and no sync for it).
+// The sum of `mine` over the threads before this one (one warp scan, the warps' totals published once,
+// every warp summing the warps before it itself): one block-wide sync. s.warp_sums must be free.
 template <int T, class S>
-__device__ void find_threshold(S& s, const int* hist, int need, int bins) {
-  constexpr int kOwn = kBins / T;  // bins a thread owns: descending positions kOwn*t .. kOwn*t + kOwn - 1
-  const int t = threadIdx.x;
-  const int lane = t & 31, warp = t >> 5;
-  const int b_hi = bins - 1 - kOwn * t;
-  int h[kOwn];
-  int sum = 0;
-#pragma unroll
-  for (int e = 0; e < kOwn; ++e) {
-    h[e] = b_hi - e >= 0 ? hist[b_hi - e] : 0;
-    sum += h[e];
-  }
-  int inclusive = sum;
+__device__ __forceinline__ int block_exclusive_sum(S& s, int mine) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = mine;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
@@ -166,12 +162,31 @@ __device__ void find_threshold(S& s, const int* hist, int need, int bins) {
   int earlier = lane < warp ? s.warp_sums[lane] : 0;
 #pragma unroll
   for (int d = 16; d >= 1; d >>= 1) earlier += __shfl_xor_sync(0xFFFFFFFFu, earlier, d);
-  int before = earlier + inclusive - sum;
+  return earlier + inclusive - mine;
+}
+
+// The bin b (of `bins`, ascending key order) of `hist` holding the need-th largest of its entries
+// (1 <= need <= their total), how many entries lie in bins above b and how many in it: s.bin, s.above,
+// s.in_bin. Two block-wide syncs: each thread scans its kOwn bins, then block_exclusive_sum.
+template <int T, class S>
+__device__ void find_threshold(S& s, const int* hist, int need, int bins) {
+  constexpr int kOwn = kBins / T;  // bins a thread owns: descending positions kOwn*t .. kOwn*t + kOwn - 1
+  const int t = threadIdx.x;
+  const int b_hi = bins - 1 - kOwn * t;
+  int h[kOwn];
+  int sum = 0;
+#pragma unroll
+  for (int e = 0; e < kOwn; ++e) {
+    h[e] = b_hi - e >= 0 ? hist[b_hi - e] : 0;
+    sum += h[e];
+  }
+  int before = block_exclusive_sum<T>(s, sum);
 #pragma unroll
   for (int e = 0; e < kOwn; ++e) {
     if (before < need && need <= before + h[e]) {
       s.bin = b_hi - e;
       s.above = before;
+      s.in_bin = h[e];
     }
     before += h[e];
   }
@@ -188,6 +203,10 @@ struct RowView {
   __device__ __forceinline__ uint32_t key(int i) const {
     return i < stage_cap ? stage[i + pad] : ordered_key(src[i]);
   }
+  // The keys before the first 16-byte-aligned one (at most 3); the row's 16-byte vectors start there.
+  __device__ __forceinline__ int head() const { return min(n, (4 - pad) & 3); }
+  __device__ __forceinline__ int vectors() const { return (n - head()) / 4; }
+  __device__ __forceinline__ const float4* body() const { return reinterpret_cast<const float4*>(src + head()); }
 };
 
 // The full select's first pass: stage and count. The body is 16-byte loads from the first 16-byte-aligned key on; the keys
@@ -196,15 +215,15 @@ template <int T, int kUnroll>
 __device__ void load_row(const RowView& v, uint32_t* stage, int* hist) {
   const int t = threadIdx.x;
   const int n = v.n;
-  const int head = min(n, (4 - v.pad) & 3);
+  const int head = v.head();
   auto one = [&](int i) {
     const uint32_t key = ordered_key(v.src[i]);
     if (i < v.stage_cap) stage[i + v.pad] = key;
     atomicAdd(&hist[key >> 21], 1);
   };
   if (t < head) one(t);
-  const int vectors = (n - head) / 4;
-  const float4* body = reinterpret_cast<const float4*>(v.src + head);
+  const int vectors = v.vectors();
+  const float4* body = v.body();
   for (int base = 0; base < vectors; base += T * kUnroll) {
     float4 x[kUnroll];
 #pragma unroll
@@ -296,9 +315,11 @@ __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
       // The bin's sample keys into the list's positions, then each ranks itself among them, ties by slot.
       uint32_t* in_cut_bin = reinterpret_cast<uint32_t*>(s.cand_pos);
 #pragma unroll
-      for (int j = threadIdx.x; j < kSample; j += T) {
+      for (int j = threadIdx.x; j < kSample; j += T) {  // warp-uniform: kSample is a multiple of T
         const uint32_t key = s.cand_key[j];
-        if (static_cast<int>(key >> 21) == bin) in_cut_bin[atomicAdd(&s.eq_count, 1)] = key;
+        const bool in = static_cast<int>(key >> 21) == bin;
+        const int slot = warp_slot(in, &s.eq_count);
+        if (in) in_cut_bin[slot] = key;
       }
       __syncthreads();
       if (static_cast<int>(threadIdx.x) < in_bin) {
@@ -320,18 +341,20 @@ __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
   return cut;  // the sync after collect_candidates orders the clearing before the next histogram
 }
 
-// The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut`
-// appended to the candidate list (slots past kCandCap counted, not written). Keys are compared as
-// keys: the float compare (only the taken ones turned into keys) was 0.1-1.6 us slower on the H200
-// (benchmark-history, round 4). The next kUnroll loads are in flight while the current ones are filed.
+// The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut` appended
+// to the candidate list (slots past kCandCap counted, not written), the largest in s.cand_max. Keys are
+// compared as keys: the float compare (only the taken ones turned into keys) was 0.1-1.6 us slower on the
+// H200 (benchmark-history, round 4). The next kUnroll loads are in flight while the current ones are filed.
 template <int T, class S>
 __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
   constexpr int kUnroll = S::Config::kUnroll;
   const int t = threadIdx.x;
   const int n = v.n;
-  const int head = min(n, (4 - v.pad) & 3);
+  const int head = v.head();
+  uint32_t top = 0u;  // the largest key this thread took: the select's window ends there
   auto offer = [&](bool in, uint32_t key, int pos) {  // warp-uniform
     const bool take = in && key >= cut;
+    if (take) top = max(top, key);
     const int c = warp_slot(take, &s.cand_count);
     if (take && c < S::kCandCap) {
       s.cand_key[c] = key;
@@ -339,8 +362,8 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
     }
   };
   offer(t < head, t < head ? ordered_key(v.src[t]) : 0u, t);
-  const int vectors = (n - head) / 4;
-  const float4* body = reinterpret_cast<const float4*>(v.src + head);
+  const int vectors = v.vectors();
+  const float4* body = v.body();
   const int lane = t & 31;
   float4 next[kUnroll];
 #pragma unroll
@@ -387,6 +410,7 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
 #pragma unroll
     for (int e = 0; e < 4 * kUnroll; ++e) {
       if ((taken >> e) & 1u) {
+        top = max(top, keys[e]);
         if (slot < S::kCandCap) {
           s.cand_key[slot] = keys[e];
           s.cand_pos[slot] = head + 4 * (base + (e / 4) * T + t) + e % 4;
@@ -397,23 +421,31 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
   }
   const int tail = head + 4 * vectors + t;
   offer(tail < n, tail < n ? ordered_key(v.src[tail]) : 0u, tail);
+  top = __reduce_max_sync(0xFFFFFFFFu, top);
+  if (lane == 0 && top != 0u) atomicMax(&s.cand_max, top);
 }
 
 // The k largest of the `count` keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key
-// 0 for NaN and for entries past the end) into out_row: three radix rounds over the registers, then the
-// keys above the threshold and the first `need` equal to it; where no more than k are selectable
+// 0 for NaN and for entries past the end) into out_row: up to three radix rounds over the registers,
+// then the keys above the threshold bin and the first `need` in it; where no more than k are selectable
 // (non-NaN), all of them, then -1. pos(i) is entry i's position in the row. s.hist[0] is clear on entry.
+// The keys lie in the window [lo, lo + 2^(s1 + 11)): the first digit is (key - lo) >> s1, the next the
+// (at most) 11 bits below it, the last the rest. A short row's window is every key (lo 0, s1 21: the top
+// 11 bits of the key, then 11, then 10). A candidate list's is [cut, its largest key], a few octaves at
+// most, so its first digit spreads the list over the bins and the second usually isolates the k-th
+// key. A round whose threshold bin holds just the keys still needed ends the search: the whole bin is
+// taken (on the H200's step logits, 2026-12-02, the third round took 0.6-0.8 us of a row's 10-20).
 // Every loop stops at the first register slot past `count` (j * T >= count: no thread holds an entry
 // there). The bound is block-uniform, so the warp-wide slot claims stay uniform. A 2.4K-key row at
 // 1024 threads visits 3 of its 8 slots, and a list of 3.5K keys at 512 threads 7 of 16.
 template <int T, bool kHasPages, class S, int kPer, typename Pos>
 __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count, int k, int* out_row,
-                                    const PageRow& pr, int block_size, Pos pos) {
+                                    const PageRow& pr, int block_size, Pos pos, uint32_t lo, int s1) {
   const int t = threadIdx.x;
   int mine = 0;
 #pragma unroll
   for (int j = 0; j < kPer && j * T < count; ++j) {
-    if (key[j] != 0u) atomicAdd(&s.hist[0][key[j] >> 21], 1);
+    if (key[j] != 0u) atomicAdd(&s.hist[0][(key[j] - lo) >> s1], 1);
     mine += key[j] != 0u;
   }
 #pragma unroll
@@ -432,43 +464,71 @@ __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count
     for (int i = selectable + t; i < k; i += T) out_row[i] = -1;
     return;
   }
+  // The threshold bin so far: the keys whose (key - lo) >> shift is prefix. Every test is block-uniform.
   find_threshold<T>(s, s.hist[0], k, kBins);
-  const uint32_t b1 = s.bin;
+  uint32_t prefix = s.bin;
+  int shift = s1;
   int need = k - s.above;
+  bool found = shift == 0 || s.in_bin == need;
 
+  if (!found) {
+    const int next = max(shift - 11, 0);
+    const uint32_t digits = (1u << (shift - next)) - 1u;
 #pragma unroll
-  for (int j = 0; j < kPer && j * T < count; ++j)
-    if (key[j] != 0u && (key[j] >> 21) == b1) atomicAdd(&s.hist[1][(key[j] >> 10) & 0x7FF], 1);
-  clear_bins<T>(s.hist[0], kLastBins);  // round 1's readers are past find_threshold's last sync
-  __syncthreads();
-  find_threshold<T>(s, s.hist[1], need, kBins);
-  const uint32_t prefix = (b1 << 21) | (static_cast<uint32_t>(s.bin) << 10);
-  need -= s.above;
-
+    for (int j = 0; j < kPer && j * T < count; ++j)
+      if (key[j] != 0u && ((key[j] - lo) >> shift) == prefix)
+        atomicAdd(&s.hist[1][((key[j] - lo) >> next) & digits], 1);
+    clear_bins<T>(s.hist[0], kLastBins);  // round 1's readers are past find_threshold's last sync
+    __syncthreads();
+    find_threshold<T>(s, s.hist[1], need, static_cast<int>(digits) + 1);
+    prefix = (prefix << (shift - next)) | static_cast<uint32_t>(s.bin);
+    shift = next;
+    need -= s.above;
+    found = shift == 0 || s.in_bin == need;
+  }
+  if (!found) {  // shift <= 10: the window is at most 32 bits wide, so s1 <= 21
+    const uint32_t digits = (1u << shift) - 1u;
 #pragma unroll
-  for (int j = 0; j < kPer && j * T < count; ++j)
-    if ((key[j] >> 10) == (prefix >> 10)) atomicAdd(&s.hist[0][key[j] & 0x3FF], 1);
-  __syncthreads();
-  find_threshold<T>(s, s.hist[0], need, kLastBins);
-  const uint32_t threshold = prefix | static_cast<uint32_t>(s.bin);
-  need -= s.above;  // keys equal to the threshold still needed, >= 1
+    for (int j = 0; j < kPer && j * T < count; ++j)
+      if (key[j] != 0u && ((key[j] - lo) >> shift) == prefix) atomicAdd(&s.hist[0][(key[j] - lo) & digits], 1);
+    __syncthreads();
+    find_threshold<T>(s, s.hist[0], need, static_cast<int>(digits) + 1);
+    prefix = (prefix << shift) | static_cast<uint32_t>(s.bin);
+    shift = 0;
+    need -= s.above;
+  }
+  // need >= 1 of the bin's keys are still needed: all of them where the search ended early.
 
+  // Every thread's output slots from one block-wide scan of its counts, the keys above the threshold
+  // bin in the low 16 bits and those in it in the high ones (each total <= kPer * T = 16384). Slots
+  // claimed by shared atomics on two counters, one claim per warp and register slot, took 1.0-1.7 us
+  // of a row's 10-20 (thread 0's clocks, H200, 2026-12-02).
+  int counts = 0;
 #pragma unroll
   for (int j = 0; j < kPer && j * T < count; ++j) {
-    const bool above = key[j] > threshold;
-    const int slot = warp_slot(above, &s.out_count);
-    if (above) out_row[slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
-    const bool equal = key[j] == threshold;
-    const int e = warp_slot(equal, &s.eq_count);
-    if (equal && e < need) out_row[k - need + e] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
+    const uint32_t digit = (key[j] - lo) >> shift;
+    counts += key[j] != 0u ? static_cast<int>(digit > prefix) + (static_cast<int>(digit == prefix) << 16) : 0;
+  }
+  const int before = block_exclusive_sum<T>(s, counts);
+  int above_slot = before & 0xFFFF;
+  int equal_slot = before >> 16;
+#pragma unroll
+  for (int j = 0; j < kPer && j * T < count; ++j) {
+    const bool live = key[j] != 0u;
+    const uint32_t digit = (key[j] - lo) >> shift;
+    if (live && digit > prefix) {
+      out_row[above_slot++] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
+    } else if (live && digit == prefix) {
+      if (equal_slot < need) out_row[k - need + equal_slot] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
+      ++equal_slot;
+    }
   }
 }
 
-// A short row (n <= kCandCap) read once into registers with coalesced scalar loads (any start, any
+// A short row (n <= kPer * T) read once into registers with coalesced scalar loads (any start, any
 // stride), then selected there.
-template <int T, bool kHasPages, class S>
+template <int T, bool kHasPages, int kPer, class S>
 __device__ void short_row(const RowView& v, S& s, int k, int* out_row, const PageRow& pr, int block_size) {
-  constexpr int kPer = S::kCandCap / T;
   const int t = threadIdx.x;
   uint32_t key[kPer];
 #pragma unroll
@@ -476,7 +536,7 @@ __device__ void short_row(const RowView& v, S& s, int k, int* out_row, const Pag
     const int i = t + j * T;
     key[j] = i < v.n ? ordered_key(__ldg(v.src + i)) : 0u;
   }
-  select_in_registers<T, kHasPages>(s, key, v.n, k, out_row, pr, block_size, [](int i) { return i; });
+  select_in_registers<T, kHasPages>(s, key, v.n, k, out_row, pr, block_size, [](int i) { return i; }, 0u, 21);
 }
 
 // The full select (rows the filtered pass cannot serve: a sample that misjudged the row, a list that
@@ -567,6 +627,7 @@ __device__ void reset(S& s) {
     s.cand_count = 0;
     s.eq_count = 0;
     s.selectable = 0;
+    s.cand_max = 0u;
   }
   __syncthreads();
 }
@@ -606,10 +667,20 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
     pr.pages = ok ? p.table_pages : 0;
   }
 
+  constexpr int kShortCap = C::kShortPer * T;
+  static_assert(kShortCap >= kCandCap, "a row too long to sit in registers is longer than the list");
+  const bool is_short = p.filtered && n <= kShortCap;
   reset<T>(s);
   constexpr int kPer = kCandCap / T;
-  if (p.filtered && n <= kCandCap) {
-    short_row<T, kHasPages>(v, s, k, out_row, pr, p.block_size);
+  if (is_short) {
+    // A row the list would hold takes kCandCap / T registers' loops; only a longer one all kShortPer. At
+    // 1024 threads, 16 keys a thread for every short row cost rows of 2K keys 0.3-0.5 us (H200, 2026-12-02).
+    constexpr int kListPer = kCandCap / T;
+    if (kListPer == C::kShortPer || n <= kCandCap) {
+      short_row<T, kHasPages, kListPer>(v, s, k, out_row, pr, p.block_size);
+    } else {
+      short_row<T, kHasPages, C::kShortPer>(v, s, k, out_row, pr, p.block_size);
+    }
     return;
   }
   const uint32_t cut = p.filtered ? candidate_cut<T>(v, s, k) : 0u;
@@ -624,8 +695,11 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
         const int i = t + j * T;
         key[j] = i < count ? s.cand_key[i] : 0u;
       }
+      // The window [cut, the list's largest key]: its first digit's shift from the window's width.
+      const uint32_t width = s.cand_max - cut;
+      const int s1 = max(0, 32 - __clz(width) - 11);
       select_in_registers<T, kHasPages>(s, key, count, k, out_row, pr, p.block_size,
-                                        [&](int i) { return s.cand_pos[i]; });
+                                        [&](int i) { return s.cand_pos[i]; }, cut, s1);
       return;
     }
     __syncthreads();

@@ -130,15 +130,46 @@ def crowded_rows(width, gen):
 
 
 # Round 8 (docs/internal/benchmark-history.md) built a fine first digit against these rows; the kernel
-# kept is exact on them too. Rows of 3000 and 8192 keys sit in registers; at 30000 the filtered pass's
-# list (or the full select, where the short list overflows) selects.
+# kept is exact on them too. Rows of 3000 and 8192 keys sit in registers (and of 16384 at 1024 threads,
+# the most a thread's 16 keys hold there); at 30000 and 40000 the filtered pass's list (or the full select,
+# where the short list overflows) selects, its digits over [cut, the list's largest key].
 @gpu
-@pytest.mark.parametrize("width", [3000, 8192, 30000])
+@pytest.mark.parametrize("width", [3000, 8192, 16384, 30000, 40000])
 @pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
 def test_rows_that_crowd_a_value_binned_digit(width, cta):
     logits = crowded_rows(width, torch.Generator().manual_seed(width))
     lengths = torch.full((logits.shape[0],), width, dtype=torch.int32)
     check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
+
+
+def list_window_rows(n: int, gen) -> torch.Tensor:
+    """Rows of n keys whose candidate list spans a window [cut, its largest key] of every width: 3000
+    keys one ulp apart above the rest (a window of a few thousand keys: one digit and ties), 3000 keys of
+    one value (a window of one key), a cut among negative keys with 100 keys near the float maximum (a
+    window crossing the sign: the widest digits), and a list whose threshold bin holds just the keys
+    still needed after one round (the search ends there)."""
+    def below() -> torch.Tensor:
+        return -10.0 - torch.rand(n, generator=gen)
+
+    def place(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        row[torch.randperm(n, generator=gen)[: values.numel()]] = values
+        return row
+
+    ulps = torch.arange(3000, dtype=torch.int32) + torch.tensor(1.0).view(torch.int32)
+    wide = torch.randn(n, generator=gen) - 10.0
+    wide[torch.randperm(n, generator=gen)[:100]] = 3.0e38 * torch.rand(100, generator=gen)
+    spaced = torch.cat([torch.full((1000,), 4.0), 4.0 + torch.arange(1, 1049) * 0.5, torch.full((2000,), 1.5)])
+    return torch.stack([place(below(), ulps.view(torch.float32)), place(below(), torch.full((3000,), 5.0)), wide,
+                        place(below(), spaced)])
+
+
+@gpu
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
+def test_the_list_window_from_one_key_to_both_signs(cta):
+    for n in (40000, 20000):
+        logits = list_window_rows(n, torch.Generator().manual_seed(n))
+        lengths = torch.full((logits.shape[0],), n, dtype=torch.int32)
+        check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
 
 
 def sample_positions(n: int) -> torch.Tensor:

@@ -34,9 +34,9 @@ def test_a_batch_size_shows_its_bands_choice_and_why(capsys):
     assert "  by length: rows <= 12K: sglang.topk_v2; rows > 12K: cuda.radix (--max-seq-len L explains one)" in block
     assert "(geometric mean over 2 shapes)" in block and "at B=32 N=2 L~32K" in block and "B=8 N=2" not in block
     # At B <= 32 the 2026-12-02 tune ranked the top-k by the whole step: the evidence and the losers say so.
-    assert "  evidence: measured in the step on NVIDIA H200, 2026-12-02, B=32: sglang.topk_v2 43.3 us" in block
+    assert "  evidence: measured in the step on NVIDIA H200, 2026-12-02, B=32: sglang.topk_v2 43.5 us" in block
     assert _rejected(block)["cuda.radix"] == (
-        "measured slower in the step at B=32: 44.8 us vs 43.3 us (sglang.topk_v2, geometric mean over 2 shapes)"
+        "measured slower in the step at B=32: 44.1 us vs 43.5 us (sglang.topk_v2, geometric mean over 2 shapes)"
     )
 
 
@@ -58,7 +58,7 @@ def test_without_a_batch_size_the_keys_choice_and_every_bands_are_listed(capsys)
     code, out, err = run(capsys, "explain", *H200_VERIFY, "--op", "topk")
     assert code == 0, err
     block = _block(out, "topk")
-    assert "  chosen:   sglang.topk_v2\n" in block and "  by:       cluster `h200-mtp` measured[0] (" in block
+    assert "  chosen:   cuda.radix\n" in block and "  by:       cluster `h200-mtp` measured[0] (" in block
     assert ("  by batch: B <= 1: sglang.topk_v2; 1 < B <= 8: sglang.topk_v2 (rows <= 12K: sglang.topk_v2, "
             "rows > 12K: triton); 8 < B <= 32: sglang.topk_v2 (rows <= 12K: sglang.topk_v2, rows > 12K: cuda.radix); "
             "32 < B <= 128: cuda.radix (rows <= 12K: sglang.topk_v2, rows > 12K: cuda.radix); B > 128: cuda.radix "

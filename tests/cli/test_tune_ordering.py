@@ -103,7 +103,6 @@ SHIPPED_SUB_BANDS = {
     ("paged_mqa_logits", 1, 1): [(3072, "triton"), (12288, "triton"), (49152, "deepgemm.sm90")],
     ("paged_mqa_logits", 2, 1): [(12288, "triton"), (49152, "deepgemm.sm90")],
     ("topk", 1, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
-    ("topk", 1, 128): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
     ("topk", 2, 8): [(12288, "sglang.topk_v2"), (49152, "triton")],
     ("topk", 2, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
     ("topk", 2, 128): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
@@ -142,8 +141,8 @@ def test_the_shipped_h200_bands_are_what_tune_derives_from_its_recorded_times():
     # Top-k at next_n 1, 2 and 4 (ranked by the step up to B = 32, so always banded) and the paged logits at
     # next_n 1 and 2, where the Triton kernel wins at B = 1 and DeepGEMM's above.
     assert banded == 5
-    # The 2026-12-02 18:35 tune: SGLang's v2 leads where rows are held in its registers (L~8K: rows <= 12K)
-    # and another kernel at L~32K; the paged logits' Triton kernel leads at short rows at B = 1.
+    # The 2026-12-02 22:05 tune: SGLang's v2 leads where rows are held in its registers (L~8K: rows <= 12K)
+    # and another kernel at L~32K, except at next_n 1 with 32 < B <= 128, where cuda.radix leads at both; the paged logits' Triton kernel leads at short rows at B = 1.
     assert subs == SHIPPED_SUB_BANDS, subs
     topk = {p.key.next_n: p for p in overlay.ops[Op.TOPK].preferences if ForwardMode.EXTEND not in p.key.forward_mode}
     assert [b.order[0] for b in topk[2].bands] == ["sglang.topk_v2"] * 3 + ["cuda.radix", "cuda.radix"]

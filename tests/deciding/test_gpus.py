@@ -98,10 +98,11 @@ def test_gpus_decides_each_gpu_from_the_registry(capsys):
     assert h200["verified"] == "measured on an H200"
     # The H200 overlay's top-k bands that decide otherwise than each key's own order are named beside it.
     assert h200["decided"]["top-k"] == (
-        "decode: sglang.topk_v2 (8 < B <= 32, rows > 12K: cuda.radix; B > 32, rows > 12K: cuda.radix), MTP next_n 2: "
-        "sglang.topk_v2 (32 < B <= 128: cuda.radix; B > 128: cuda.radix; 1 < B <= 8, rows > 12K: triton; "
-        "8 < B <= 32, rows > 12K: cuda.radix; 32 < B <= 128, rows <= 12K: sglang.topk_v2), MTP next_n 4: "
-        "sglang.topk_v2 (32 < B <= 64: cuda.radix; B > 64: cuda.radix; 1 < B <= 8, rows > 12K: cuda.radix; "
+        "decode: sglang.topk_v2 (8 < B <= 32: cuda.radix; B > 32: cuda.radix; 8 < B <= 32, rows <= 12K: "
+        "sglang.topk_v2), MTP next_n 2: cuda.radix (B <= 1: sglang.topk_v2; 1 < B <= 8: sglang.topk_v2; "
+        "8 < B <= 32: sglang.topk_v2; 1 < B <= 8, rows > 12K: triton; 8 < B <= 32, rows > 12K: cuda.radix; "
+        "32 < B <= 128, rows <= 12K: sglang.topk_v2), MTP next_n 4: cuda.radix (B <= 1: sglang.topk_v2; "
+        "1 < B <= 8: sglang.topk_v2; 8 < B <= 32: sglang.topk_v2; 1 < B <= 8, rows > 12K: cuda.radix; "
         "8 < B <= 32, rows > 12K: cuda.radix; B > 64, rows <= 12K: sglang.topk_v2), extend: cuda.radix"
     )
     assert rows["B200"]["decided"]["decode"] == "deepgemm.sm100"
