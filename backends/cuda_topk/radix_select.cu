@@ -308,7 +308,7 @@ __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
   if (numbers >= rank) {  // block-uniform: every thread read the same counts
     find_threshold<T>(s, s.hist[0], rank, kBins);
     const int bin = s.bin;
-    const int in_bin = s.hist[0][bin];
+    const int in_bin = s.in_bin;
     const int need = rank - s.above;  // the cut is the need-th largest of the bin's sample keys
     cut = static_cast<uint32_t>(bin) << 21;
     if (bin > 0 && in_bin <= kExactCutKeys) {  // block-uniform; bin 0 holds only NaN
@@ -671,13 +671,12 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
   static_assert(kShortCap >= kCandCap, "a row too long to sit in registers is longer than the list");
   const bool is_short = p.filtered && n <= kShortCap;
   reset<T>(s);
-  constexpr int kPer = kCandCap / T;
+  constexpr int kPer = kCandCap / T;  // a list's keys a thread
   if (is_short) {
-    // A row the list would hold takes kCandCap / T registers' loops; only a longer one all kShortPer. At
-    // 1024 threads, 16 keys a thread for every short row cost rows of 2K keys 0.3-0.5 us (H200, 2026-12-02).
-    constexpr int kListPer = kCandCap / T;
-    if (kListPer == C::kShortPer || n <= kCandCap) {
-      short_row<T, kHasPages, kListPer>(v, s, k, out_row, pr, p.block_size);
+    // A row the list would hold takes kPer registers' loops; only a longer one all kShortPer. At 1024
+    // threads, 16 keys a thread for every short row cost rows of 2K keys 0.3-0.5 us (H200, 2026-12-02).
+    if (kPer == C::kShortPer || n <= kCandCap) {
+      short_row<T, kHasPages, kPer>(v, s, k, out_row, pr, p.block_size);
     } else {
       short_row<T, kHasPages, C::kShortPer>(v, s, k, out_row, pr, p.block_size);
     }
