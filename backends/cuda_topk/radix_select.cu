@@ -10,10 +10,10 @@
 // - longer rows, the filtered pass: a sample of kSample keys (four adjacent keys at each of kSpots
 //   spots spread over the row) gives a cut at the sample's r-th largest key (r four standard
 //   deviations past what the sample expects above the k-th largest key); the row streamed once from
-//   HBM with 16-byte loads (the next ones in flight while the current ones are filed), every key at or
-//   above the cut appended to a shared-memory list (a thread's 4 x kUnroll keys take their slots with
-//   one warp scan and one shared atomic per warp); a list of at least k keys is read into registers and
-//   takes the same radix select.
+//   HBM with 16-byte loads (the first ones issued behind the sample's, the next ones in flight while the
+//   current ones are filed), every value at or above the cut (a float compare) appended as its key to a
+//   shared-memory list (a thread's 4 x kUnroll values take their slots with one warp scan and one shared
+//   atomic per warp); a list of at least k keys is read into registers and takes the same radix select.
 // The select over registers visits only the register slots that hold entries (a 2.4K-key row at 1024
 // threads: 3 of 8).
 // The radix select: up to three digits of the keys' window (a short row: 11 + 11 + 10 bits of the key;
@@ -285,18 +285,30 @@ __device__ __forceinline__ void for_each_candidate(const RowView& v, const S& s,
 // overflowed the list took the full select, and at 256 x 98K the kernel ran 111 us against 40 with this
 // cut (H200, docs/benchmarks.md). Where the bin holds more sample keys than kExactCutKeys (a crowded
 // sample), its lower edge is still the cut. 0: no cut (the sample holds too few numbers), so the row
-// takes the full select. Leaves s.hist[0] cleared.
-template <int T, class S>
-__device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
+// takes the full select. early_loads() is called once the sample's loads are issued. Leaves s.hist[0] cleared.
+template <int T, class S, typename Early>
+__device__ uint32_t candidate_cut(const RowView& v, S& s, int k, Early early_loads) {
   constexpr int kAt = kSample / kSpots;
   static_assert(kExactCutKeys <= T && kSample <= S::kCandCap, "a thread per ranked key; the sample fits the list");
+  static_assert(kSample % T == 0, "every thread reads the same number of sample keys");
   const int step = v.n / kSpots;  // >= kCandCap / kSpots > kAt: the spots never overlap
   // The sample is kept in the (still empty) list's keys for the exact cut: in registers across the
   // threshold search it spilled the short-list instance.
+  constexpr int kMine = kSample / T;
+  float x[kMine];
 #pragma unroll
-  for (int j = threadIdx.x; j < kSample; j += T) {
+  for (int e = 0; e < kMine; ++e) {
+    const int j = threadIdx.x + e * T;
     const int64_t i = static_cast<int64_t>(j / kAt) * step + step / 2 + j % kAt;
-    const uint32_t key = ordered_key(v.src[i]);
+    x[e] = v.src[i];
+  }
+  // The filtered pass's first loads, issued behind the sample's so they fly while the cut is found
+  // (the whole row prefetched to L2 before the sample made the sample wait behind it: benchmark-history).
+  early_loads();
+#pragma unroll
+  for (int e = 0; e < kMine; ++e) {
+    const int j = threadIdx.x + e * T;
+    const uint32_t key = ordered_key(x[e]);
     s.cand_key[j] = key;
     atomicAdd(&s.hist[0][key >> 21], 1);
   }
@@ -342,16 +354,23 @@ __device__ uint32_t candidate_cut(const RowView& v, S& s, int k) {
 }
 
 // The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut` appended
-// to the candidate list (slots past kCandCap counted, not written), the largest in s.cand_max. Keys are
-// compared as keys: the float compare (only the taken ones turned into keys) was 0.1-1.6 us slower on the
-// H200 (benchmark-history, round 4). The next kUnroll loads are in flight while the current ones are filed.
+// to the candidate list (slots past kCandCap counted, not written), the largest in s.cand_max. The values
+// are compared as floats and only the taken ones turned into keys: the stream issues instructions at
+// about half the schedulers' rate (ncu, H200, 2026-12-03), and a key for every value cost 1.5 us at
+// 512 x 49K and 1.6 at 256 x 98K (the keys' compare of round 4 won when each key took its own slot).
+// The next kUnroll loads are in flight while the current ones are filed; the first of them (`first`)
+// were issued behind the sample's, before the cut was known.
 template <int T, class S>
-__device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
+__device__ void collect_candidates(const RowView& v, S& s, uint32_t cut, const float4 (&first)[S::Config::kUnroll]) {
   constexpr int kUnroll = S::Config::kUnroll;
   const int t = threadIdx.x;
   const int n = v.n;
   const int head = v.head();
   uint32_t top = 0u;  // the largest key this thread took: the select's window ends there
+  // Compared as floats: x >= cut_value exactly when x is no NaN and its key >= cut (the caller has
+  // moved a cut at +0.0's key to -0.0's, where the float compare cannot tell the zeros apart).
+  const float cut_value = cut <= 0x007FFFFFu ? -INFINITY
+                          : __uint_as_float((cut & 0x80000000u) ? (cut & 0x7FFFFFFFu) : ~cut);
   auto offer = [&](bool in, uint32_t key, int pos) {  // warp-uniform
     const bool take = in && key >= cut;
     if (take) top = max(top, key);
@@ -361,16 +380,13 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
       s.cand_pos[c] = pos;
     }
   };
-  offer(t < head, t < head ? ordered_key(v.src[t]) : 0u, t);
+  offer(t < head, t < head ? ordered_key(v.src[t]) : 0u, t);  // the few keys before the vectors, as keys
   const int vectors = v.vectors();
   const float4* body = v.body();
   const int lane = t & 31;
   float4 next[kUnroll];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int j = u * T + t;
-    next[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+  for (int u = 0; u < kUnroll; ++u) next[u] = first[u];
   for (int base = 0; base < vectors; base += T * kUnroll) {
     float4 x[kUnroll];
 #pragma unroll
@@ -379,13 +395,13 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
       const int j = base + T * kUnroll + u * T + t;
       next[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    uint32_t keys[4 * kUnroll];
+    float vals[4 * kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      keys[4 * u] = ordered_key(x[u].x);
-      keys[4 * u + 1] = ordered_key(x[u].y);
-      keys[4 * u + 2] = ordered_key(x[u].z);
-      keys[4 * u + 3] = ordered_key(x[u].w);
+      vals[4 * u] = x[u].x;
+      vals[4 * u + 1] = x[u].y;
+      vals[4 * u + 2] = x[u].z;
+      vals[4 * u + 3] = x[u].w;
     }
     // A thread's 4 * kUnroll keys take their slots together: one warp scan and one shared atomic per
     // warp for 512 keys (a slot counter per key serialises the CTA's warps on one address).
@@ -394,7 +410,7 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
     for (int u = 0; u < kUnroll; ++u) {
       const bool in = base + u * T + t < vectors;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && keys[4 * u + c] >= cut) << (4 * u + c);
+      for (int c = 0; c < 4; ++c) taken |= static_cast<unsigned>(in && vals[4 * u + c] >= cut_value) << (4 * u + c);
     }
     const int mine = __popc(taken);
     int inclusive = mine;
@@ -410,9 +426,10 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut) {
 #pragma unroll
     for (int e = 0; e < 4 * kUnroll; ++e) {
       if ((taken >> e) & 1u) {
-        top = max(top, keys[e]);
+        const uint32_t key = ordered_key(vals[e]);
+        top = max(top, key);
         if (slot < S::kCandCap) {
-          s.cand_key[slot] = keys[e];
+          s.cand_key[slot] = key;
           s.cand_pos[slot] = head + 4 * (base + (e / 4) * T + t) + e % 4;
         }
         ++slot;
@@ -682,9 +699,22 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
     }
     return;
   }
-  const uint32_t cut = p.filtered ? candidate_cut<T>(v, s, k) : 0u;
+  // The filtered pass's first kUnroll vectors a thread, loaded while candidate_cut works (a full select
+  // that follows drops them and reads the row itself).
+  float4 first[C::kUnroll];
+  auto early_loads = [&]() {
+    const int vectors = v.vectors();
+    const float4* body = v.body();
+#pragma unroll
+    for (int u = 0; u < C::kUnroll; ++u) {
+      const int j = u * T + t;
+      first[u] = j < vectors ? __ldg(body + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  uint32_t cut = p.filtered ? candidate_cut<T>(v, s, k, early_loads) : 0u;
   if (cut != 0u) {
-    collect_candidates<T>(v, s, cut);
+    if (cut == 0x80000000u) cut = 0x7FFFFFFFu;  // +0.0's key: -0.0 too (collect_candidates compares floats)
+    collect_candidates<T>(v, s, cut, first);
     __syncthreads();
     const int count = s.cand_count;
     if (count <= kCandCap && count >= k) {

@@ -11,7 +11,8 @@ sub-band's; the prefer list, disabled backends and pinning are unchanged.
 A candidate is eligible when it is not disabled, supports the key and (when checked) is available on
 this machine. The first eligible candidate wins; every other registered backend of the
 op is listed with the reason it lost (a measured one: "measured slower: 202.6 us vs 161.9 us", or
-in a band "measured slower at B=8: 17.1 us vs 12.2 us").
+in a band "measured slower at B=8: 17.1 us vs 12.2 us"; one within MEASURED_TIE of the chosen one,
+"measured level", since the rules' order broke the tie).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dispatch.contract.decision import Decision, Evidence, Rejection
 from dispatch.contract.errors import InvalidBatchError, NoBackendError
 from dispatch.contract.key import Arch, DispatchKey, Op
 from dispatch.registry.document import RegistryDocument
+from dispatch.registry.measured import MEASURED_TIE
 from dispatch.registry.measured_bands import band_index, band_label, batch_size_of, length_label
 
 logger = logging.getLogger("dispatch")
@@ -374,6 +376,9 @@ class Dispatcher:
         if length is not None:
             at += f", {length_label(preference.bands[band].length_bounds, length)}"
         over = "" if len(shapes) == 1 else f", geometric mean over {len(shapes)} shapes"
+        if mean(backend) <= mean(chosen) * (1 + MEASURED_TIE):  # a tie, this one perhaps a hair faster
+            return (f"measured level{at}: {mean(backend):.1f} us vs {mean(chosen):.1f} us ({chosen}{over}), within "
+                    f"{MEASURED_TIE:.0%}, where the rules' order puts {chosen} first")
         return f"measured slower{at}: {mean(backend):.1f} us vs {mean(chosen):.1f} us ({chosen}{over})"
 
     def _why_ineligible(self, backend: Backend, key: DispatchKey, *, respect_disabled: bool = True) -> str | None:

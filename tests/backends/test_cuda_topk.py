@@ -226,24 +226,27 @@ def test_the_sampled_cut_exact_crowded_tied_and_misjudged(cta):
         check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
 
 
-def signed_zero_rows(rows, width, gen):
-    """A sixth of each row positive, a third +0.0, a third -0.0, a sixth negative: a long row's sampled
-    cut lands at +0.0's key, and the list (the positives and both zeros) fits in the 8192 entries."""
-    pick = torch.randint(0, 6, (rows, width), generator=gen)
+def signed_zero_rows(rows, width, gen, positive=1 / 6, zeros=2 / 3):
+    """Each row: a `positive` share of positive values, a `zeros` share of zeros (+0.0 and -0.0 alike),
+    the rest negative. With positives short of k, a long row's sampled cut lands at +0.0's key, and the
+    list (the positives and both zeros) fits in the 8192 entries."""
+    u = torch.rand(rows, width, generator=gen)
     noise = torch.randn(rows, width, generator=gen).abs()
-    zeros = torch.where(pick < 3, torch.zeros(()), torch.full((), -0.0))
-    return torch.where(pick == 0, noise + 1, torch.where(pick < 5, zeros, -noise - 1))
+    zero = torch.where(u < positive + zeros / 2, torch.zeros(()), torch.full((), -0.0))
+    return torch.where(u < positive, noise + 1, torch.where(u < positive + zeros, zero, -noise - 1))
 
 
 @gpu
 @CTAS
-def test_a_cut_at_plus_zero_takes_both_zeros(cta):
-    # A cut at +0.0's key leaves -0.0 out of the list (its key is one lower); the k largest then take
-    # zeros of either sign wherever they rank, equal values (the check compares values, as torch.topk's
-    # ties do).
+# 9100 keys: the filtered pass at 512 threads (registers at 1024); 20000: the filtered pass at both.
+@pytest.mark.parametrize(("width", "positive", "zeros"), [(9100, 1 / 6, 2 / 3), (20000, 0.095, 0.25)])
+def test_a_cut_at_plus_zero_takes_both_zeros(cta, width, positive, zeros):
+    # The filtered pass compares floats, where -0.0 == +0.0: a cut at +0.0's key is moved to -0.0's, so
+    # the list holds both zeros and no key below its window. The k largest then take zeros of either
+    # sign wherever they rank, equal values (the check compares values, as torch.topk's ties do).
     gen = torch.Generator().manual_seed(11)
-    logits = signed_zero_rows(4, 9100, gen)
-    lengths = torch.tensor([9100, 9000, 8800, 9050], dtype=torch.int32)
+    logits = signed_zero_rows(4, width, gen, positive, zeros)
+    lengths = torch.tensor([width, width - 100, width - 300, width - 50], dtype=torch.int32)
     check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
 
 
