@@ -13,9 +13,10 @@ DSA indexer runs on CUDA:
   NaN rule) maps them through dispatch's [P, M] table and page_rows at no extra read. Its host checks: fp32, unit column stride, a row
   stride that is a multiple of 4 floats (16-byte loads), 0 < k <= 2048, metadata [rows + 1, 2].
 - `topk_transform_ragged_v2(scores, seq_lens, out_offsets=, out_indices=, row_starts=)`: row r's
-  top-k of scores[r, ks : ks + seq_lens[r]] written as position + out_offsets[r] (-1 padded); it
-  writes -inf into the <= 3 columns ahead of each unaligned window (its 16-byte read base pulls them
-  in), which this adapter puts back, so the caller's logits come out unchanged.
+  top-k of scores[r, ks : ks + seq_lens[r]] written as position + out_offsets[r] (-1 padded); for a row
+  longer than k it writes its padding value (a quiet NaN in 0.5.23's `topk_impl.cuh`) into the <= 3
+  columns ahead of an unaligned window (its 16-byte read base pulls them in), which this adapter puts
+  back, so the caller's logits come out unchanged.
 Both read seq_lens as uint32 and trust them: lengths are clamped to each row's window first.
 
 sgl-kernel's `fast_topk_v2(score, lengths, topk, row_starts=None)`: the older AOT kernel (one 1024-thread

@@ -21,8 +21,12 @@
 
 vLLM fills its top-k buffer with -1 before these run, so the adapter hands them a -1-filled output. The
 radix kernels' workspace is scratch, as vLLM's workspace manager hands it (uninitialised, shared):
-persistent_topk zeroes its radix row states itself (a stream-ordered memset, every call) and
-cooperative_topk writes its tie buffer before reading it, so it is allocated, not filled.
+persistent_topk touches it only on its rows-split-over-CTAs path (at most 32 rows on the H200), whose
+row states it zeroes itself (a stream-ordered memset), and cooperative_topk (rows x 2048 x 8 bytes, so
+1 MiB holds 64 rows) writes its tie buffer before reading it, so it is allocated, not filled.
+max_seq_len is the logits' width: vLLM passes the batch's longest length, which is the width of the
+[rows, max_context_len] logits dispatch's paged plans hand it (a wider buffer would send
+persistent_topk down its long-row kernels for short rows: slower, still exact).
 Lengths are clamped to each row's window first (the kernels trust them). NaN ranks above +inf in
 their radix keys; the common finish (backends/adapted_topk.py) turns a selected NaN into -1, and
 applies sorted=True and the page transform as torch ops.
