@@ -355,9 +355,9 @@ __device__ uint32_t candidate_cut(const RowView& v, S& s, int k, Early early_loa
 
 // The filtered pass: the row streamed once from HBM with 16-byte loads, every key at or above `cut` appended
 // to the candidate list (slots past kCandCap counted, not written), the largest in s.cand_max. The values
-// are compared as floats and only the taken ones turned into keys: the stream issues instructions at
-// about half the schedulers' rate (ncu, H200, 2026-12-03), and a key for every value cost 1.5 us at
-// 512 x 49K and 1.6 at 256 x 98K (the keys' compare of round 4 won when each key took its own slot).
+// are compared as floats and only the taken ones turned into keys: a key for every value cost 1.5 us at
+// 512 x 49K and 1.6 at 256 x 98K (H200, 2026-12-03; round 4 had measured the float compare 0.1-1.6 us
+// slower, in an earlier form of this loop).
 // The next kUnroll loads are in flight while the current ones are filed; the first of them (`first`)
 // were issued behind the sample's, before the cut was known.
 template <int T, class S>
