@@ -77,7 +77,9 @@ def refresh_v2(captured: V2Plan, fresh: V2Plan) -> None:
 
 
 def run_v2_paged(module: ModuleType, logits, lengths, k, *, starts=None, page_table=None, page_rows=None,
-                 block_size=64, sorted=False, state: V2Plan | None = None):
+                 block_size=64, sorted=False, state: V2Plan | None = None, engine: bool = False):
+    """The contract's call; `engine=True` (the backend's `engine_run`) returns the kernel's own positions as
+    SGLang gets them, without the finish: a selected NaN stays, no sort, no page transform."""
     rows, width = logits.shape
     V2_PAGED.check(rows, k, starts=starts is not None)
     if rows == 0 or width == 0:
@@ -90,6 +92,8 @@ def run_v2_paged(module: ModuleType, logits, lengths, k, *, starts=None, page_ta
     # The kernel's own page transform is not used: the finish turns a selected NaN into -1 and maps the
     # positions through the table in the same pass, so asking the kernel for slots would only add a write.
     module.topk_transform_paged_v2(scores, lens, None, raw, block_size, metadata)
+    if engine:
+        return raw
     return finish(scores, lens, raw, page_table=page_table, page_rows=page_rows, block_size=block_size,
                   sorted=sorted)
 

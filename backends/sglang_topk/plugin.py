@@ -42,6 +42,10 @@ class _Adapter:
     def run(self, *args, **kwargs):
         return getattr(_adapter(), self._run_name)(self._load(), *args, **kwargs)
 
+    def engine_run(self, *args, **kwargs):
+        """The same call without dispatch's finish: the kernel as its engine calls it (bench only)."""
+        return getattr(_adapter(), self._run_name)(self._load(), *args, engine=True, **kwargs)
+
     def prepare(self, plan):
         return _adapter().prepare_v2(self._load(), plan)
 
@@ -70,6 +74,7 @@ def sglang_topk_backends(
             layout=Layout.ROWS,
             supports=Support(archs=SGLANG_ARCHS, forward_modes=PAGED_MODES),
             run=paged.run,
+            engine_run=paged.engine_run,
             probe=probe_for(load_v2, V2_MODULE, V2_PAGED_SYMBOLS, SGLANG_ARCHS),
             prepare=paged.prepare,
             refresh_state=paged.refresh_state,

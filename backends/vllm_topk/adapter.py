@@ -52,6 +52,8 @@ AUTO = CallLimits("vllm.auto", k_max=PER_ROW_MAX_K)
 
 
 def run_persistent(ops, logits, lengths, k, **options):
+    """Every run here takes `engine=True` (the backend's `engine_run`): the kernel's own output as vLLM gets
+    it, without the finish (a selected NaN stays, no sort, no page transform)."""
     return _radix(ops.persistent_topk, PERSISTENT, logits, lengths, k, **options)
 
 
@@ -79,7 +81,7 @@ def _cooperative_loads(logits) -> bool:
 
 
 def run_per_row(ops, logits, lengths, k, *, starts=None, page_table=None, page_rows=None, block_size=64,
-                sorted=False):
+                sorted=False, engine=False):
     rows, width = logits.shape
     PER_ROW.check(rows, k, starts=starts is not None)
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
@@ -91,12 +93,14 @@ def run_per_row(ops, logits, lengths, k, *, starts=None, page_table=None, page_r
         ops.top_k_per_row_decode(logits, 1, lens, out, rows, logits.stride(0), logits.stride(1), k)
     else:
         ops.top_k_per_row_prefill(logits, first, first + lens, out, rows, logits.stride(0), logits.stride(1), k)
+    if engine:
+        return out
     return finish(logits, lens, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                   sorted=sorted, starts=first)
 
 
 def _radix(kernel, limits: CallLimits, logits, lengths, k, *, starts=None, page_table=None, page_rows=None,
-           block_size=64, sorted=False, row_multiple: int = 1):
+           block_size=64, sorted=False, row_multiple: int = 1, engine=False):
     rows, width = logits.shape
     limits.check(rows, k, starts=starts is not None)
     out = torch.full((rows, k), -1, dtype=torch.int32, device=logits.device)
@@ -106,5 +110,7 @@ def _radix(kernel, limits: CallLimits, logits, lengths, k, *, starts=None, page_
     lens = clamped_lengths(scores, lengths, None)
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=logits.device)  # the kernels' scratch
     kernel(scores, lens, out, workspace, k, width)  # width: the host bound of every (clamped) length
+    if engine:
+        return out
     return finish(scores, lens, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                   sorted=sorted)

@@ -59,6 +59,10 @@ class _Adapter:
     def run(self, *args, **kwargs):
         return getattr(_adapter(), self._run_name)(self._load(), *args, **kwargs)
 
+    def engine_run(self, *args, **kwargs):
+        """The same call without dispatch's finish: the kernel as its engine calls it (bench only)."""
+        return getattr(_adapter(), self._run_name)(self._load(), *args, engine=True, **kwargs)
+
 
 # Imported at the first call (it imports torch), then kept by the loader: every layer's call comes through here.
 _adapter = import_module("backends.vllm_topk.adapter")
@@ -73,6 +77,7 @@ def vllm_topk_backends(load: Callable[[], object] = import_vllm_ops) -> list[Bac
             layout=Layout.ROWS,
             supports=Support(archs=archs, forward_modes=modes),
             run=_Adapter(run_name, load).run,
+            engine_run=_Adapter(run_name, load).engine_run,
             probe=probe_for(load, MODULE, symbols, archs),
             version=distribution_version("vllm"),
             # vLLM's kernel sources are not in its wheel: built from its 0.33.0 sdist outside the repo, they ran

@@ -46,6 +46,10 @@ STEP_CHECK_ROWS = 128
 _WHOLE = 1 << 62  # a budget no batch reaches: one chunk (op-level rows run the kernel on the whole batch)
 
 
+# The label of an engine kernel's own call in `bench --op topk` (its engine_run, beside its backend's row).
+ENGINE_CALL = "(engine's call)"
+
+
 @dataclass
 class Row:
     op: str
@@ -232,9 +236,12 @@ def bench_topk(
     repeats: int,
     wanted: set[str] | None,
     budget_s: float | None = None,
+    engine_calls: bool = False,
 ) -> list[Row]:
     """Top-k alone, per eligible backend, on the logits the decided logits backend gives this workload,
-    over the plan's per-token lengths; checked against torch.topk."""
+    over the plan's per-token lengths; checked against torch.topk. With `engine_calls` (`bench`, not tune:
+    these rows are no backends), each engine kernel also gets a row `NAME (engine's call)`: its
+    `engine_run`, the kernel as its engine calls it, without dispatch's finish."""
     mode = shape.forward_mode
     key = DispatchKey(dispatcher.target_arch, mode, shape.next_n, fp8_dtype)
     candidates = eligible_candidates(dispatcher, Op.TOPK, key, wanted)
@@ -256,6 +263,16 @@ def bench_topk(
         check_then_time(row, lambda plan=plan: topk(plan, logits, k),
                         lambda out, plan=plan: compare_topk(out, logits, plan.token_lengths, k),
                         on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
+        decision = plan.decision(Op.TOPK)
+        if engine_calls and decision.impl.engine_run is not None:
+            own = Row(Op.TOPK.value, f"{name} {ENGINE_CALL}", plan.topk.layout.value, label, bytes=bytes_,
+                      floor_seconds=floor)
+            rows.append(own)
+            state = {"state": plan.state_of(Op.TOPK)} if plan.state_of(Op.TOPK) is not None else {}
+            check_then_time(own, lambda decision=decision, plan=plan, state=state: call_backend(
+                                decision, logits, plan.token_lengths, k, entry=decision.impl.engine_run, **state),
+                            lambda out, plan=plan: compare_topk(out, logits, plan.token_lengths, k),
+                            on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
 
 
@@ -468,7 +485,8 @@ def _logits_jobs(run: BenchRun):
 
 
 def _topk_jobs(run: BenchRun):
-    return [(f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(run.dispatcher, shape, run.fp8, k=k, **run.common))
+    return [(f"{shape.label()} k={k}", lambda shape=shape, k=k: bench_topk(run.dispatcher, shape, run.fp8, k=k,
+                                                                          engine_calls=True, **run.common))
             for shape in run.logits_shapes for k in run.ks]
 
 

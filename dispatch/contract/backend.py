@@ -98,6 +98,9 @@ class Backend:
     native paged logits backend with a `prepare`: the plan's lengths and error flags and that backend's
     state in one host call (dispatch.contract.plan.PlanTensors), or None where it cannot here (the plan
     then computes the lengths and calls `prepare`). Whichever way, the tensors must be the same.
+    `engine_run`, optional for an engine's kernel behind an adapter: `run`'s call without dispatch's part
+    (the finish that applies the NaN rule, the sort, the page transform): the kernel as its engine calls
+    it, so `bench` can time what the engine itself pays beside what dispatch pays. Never dispatched.
     """
 
     name: str
@@ -110,6 +113,7 @@ class Backend:
     prepare: Callable[..., Any] | None = None
     refresh_state: Callable[[Any, Any], None] | None = None
     plan_tensors: Callable[..., Any] | None = None
+    engine_run: Callable[..., Any] | None = None
     version: str = ""
     description: str = ""
     # How it was verified on each arch (`python -m dispatch gpus` prints it); archs left out: UNDECLARED.

@@ -552,3 +552,27 @@ def test_real_engine_kernels_replay_in_a_cuda_graph_on_fresh_logits():
         graph.replay()
         want = reference_topk(logits, lengths, 2048)
         assert values_of(logits.cpu(), out.cpu(), None) == values_of(logits.cpu(), want.cpu(), None), backend.name
+
+
+ENGINE_RUNS = ["sglang.topk_v2", "vllm.persistent_topk", "vllm.cooperative_topk", "vllm.top_k_per_row", "vllm.auto"]
+
+
+@pytest.mark.parametrize("name", ENGINE_RUNS)
+def test_engine_run_is_the_kernels_own_call_without_the_finish(name):
+    """`engine_run` (bench's "engine's call" row) hands back what the engine itself gets from the kernel: the
+    same selection where no NaN is visible, and a NaN the kernel ranked first left selected (the finish that
+    `run` adds turns it into -1)."""
+    backends, _ = engine_backends()
+    logits, _, _ = ragged_rows(3, 2600, starts=False, seed=11)
+    lengths = torch.tensor([2600, 2500, 900], dtype=torch.int32)
+    logits[1, 7] = float("nan")
+    own = backends[name].engine_run(logits, lengths, 512)
+    served = backends[name].run(logits, lengths, 512)
+    assert own.dtype == torch.int32 and own.shape == served.shape == (3, 512)
+    assert values_of(logits[[0, 2]], own[[0, 2]], None) == values_of(logits[[0, 2]], served[[0, 2]], None)
+    assert 7 in own[1].tolist() and 7 not in served[1].tolist()
+
+
+def test_only_the_paged_and_vllm_kernels_have_an_engine_call():
+    backends, _ = engine_backends()
+    assert sorted(name for name, backend in backends.items() if backend.engine_run is not None) == sorted(ENGINE_RUNS)

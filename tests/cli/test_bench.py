@@ -180,3 +180,42 @@ def _plans_whose_backend_has(monkeypatch, op, **entries):
         return dataclasses.replace(plan, decisions={**plan.decisions, op: dataclasses.replace(decision, impl=impl)})
 
     monkeypatch.setattr(paged_plan, "build_plan", build_plan)
+
+
+def test_an_engine_kernels_own_call_is_timed_beside_its_backend_in_bench_not_in_tune(monkeypatch):
+    """A top-k backend with an `engine_run` (an engine's kernel behind an adapter) gets a second row in
+    `bench --op topk`, "NAME (engine's call)": the kernel as its engine calls it, checked and timed beside
+    the backend's own row, over the same logits and the plan's lengths and state. tune's call of the same
+    function (engine_calls left False) gets no such row, so no overlay can name one."""
+    import dataclasses
+
+    from backends.reference.topk import topk_indices
+    from dispatch.bench import runner
+    from dispatch.bench.workload import LogitsShape
+    from dispatch.deciding.runtime import load_dispatcher
+
+    calls = []
+
+    def engine_run(logits, lengths, k, **kwargs):
+        calls.append((lengths, k, kwargs))
+        return topk_indices(logits, lengths, k)
+
+    real_build = runner.build_plan
+
+    def build_plan(*args, **kwargs):
+        plan = real_build(*args, **kwargs)
+        decision = plan.decision(Op.TOPK)
+        impl = dataclasses.replace(decision.impl, engine_run=engine_run)
+        return dataclasses.replace(plan, decisions={**plan.decisions, Op.TOPK: dataclasses.replace(decision, impl=impl)})
+
+    monkeypatch.setattr(runner, "build_plan", build_plan)
+    dispatcher = load_dispatcher(arch="cpu")
+    bench = dict(k=64, device="cpu", ceilings=None, repeats=1, wanted={"torch.reference"})
+    rows = runner.bench_topk(dispatcher, LogitsShape(2, 2, 256), Fp8Dtype.E4M3FN, engine_calls=True, **bench)
+    by_name = {row.backend: row for row in rows}
+    assert set(by_name) == {"torch.reference", f"torch.reference {runner.ENGINE_CALL}"}
+    assert all(row.check == "ok" and row.seconds > 0 for row in rows)
+    assert calls and all(k == 64 and lengths.shape == (4,) and kwargs == {} for lengths, k, kwargs in calls)
+    calls.clear()
+    rows = runner.bench_topk(dispatcher, LogitsShape(2, 2, 256), Fp8Dtype.E4M3FN, **bench)
+    assert [row.backend for row in rows] == ["torch.reference"] and not calls
