@@ -29,7 +29,8 @@ max_seq_len is the logits' width: vLLM passes the batch's longest length, which 
 persistent_topk down its long-row kernels for short rows: slower, still exact).
 Lengths are clamped to each row's window first (the kernels trust them). NaN ranks above +inf in
 their radix keys; the common finish (backends/adapted_topk.py) turns a selected NaN into -1, and
-applies sorted=True and the page transform as torch ops.
+applies sorted=True and the page transform as torch ops. Every run here also takes `engine=True` (the
+backend's `engine_run`, for bench): the kernel's own output as vLLM gets it, without that finish.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ AUTO = CallLimits("vllm.auto", k_max=PER_ROW_MAX_K)
 
 
 def run_persistent(ops, logits, lengths, k, **options):
-    """Every run here takes `engine=True` (the backend's `engine_run`): the kernel's own output as vLLM gets
-    it, without the finish (a selected NaN stays, no sort, no page transform)."""
     return _radix(ops.persistent_topk, PERSISTENT, logits, lengths, k, **options)
 
 

@@ -263,12 +263,13 @@ def bench_topk(
         check_then_time(row, lambda plan=plan: topk(plan, logits, k),
                         lambda out, plan=plan: compare_topk(out, logits, plan.token_lengths, k),
                         on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
-        decision = plan.decision(Op.TOPK)
+        decision = plan.topk
         if engine_calls and decision.impl.engine_run is not None:
-            own = Row(Op.TOPK.value, f"{name} {ENGINE_CALL}", plan.topk.layout.value, label, bytes=bytes_,
+            own = Row(Op.TOPK.value, f"{name} {ENGINE_CALL}", decision.layout.value, label, bytes=bytes_,
                       floor_seconds=floor)
             rows.append(own)
-            state = {"state": plan.state_of(Op.TOPK)} if plan.state_of(Op.TOPK) is not None else {}
+            built = plan.state_of(Op.TOPK)  # its per-batch state, passed as topk_rows passes it to `run`
+            state = {} if built is None else {"state": built}
             check_then_time(own, lambda decision=decision, plan=plan, state=state: call_backend(
                                 decision, logits, plan.token_lengths, k, entry=decision.impl.engine_run, **state),
                             lambda out, plan=plan: compare_topk(out, logits, plan.token_lengths, k),
