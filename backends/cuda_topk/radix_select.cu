@@ -21,8 +21,9 @@
 // rest); each round one histogram (shared atomics; the next round's histogram cleared meanwhile, two
 // buffers) and one threshold search (a warp scan, then every warp sums the warps before it itself: two
 // block-wide syncs), so three syncs a digit, and no further round once the threshold bin holds just the
-// keys still needed; then the keys above that bin and the first of its keys still needed (ties: any
-// will do), each thread's output slots from one block-wide scan of its counts.
+// keys still needed, or at most 32 keys, which are then ranked against each other; then the keys above
+// that bin and the first of its keys still needed (ties: any will do), each thread's output slots from
+// one block-wide scan of its counts.
 // Keys are the order-preserving uint32 form of the fp32 bits, NaN -> 0 (below -inf's key, so never
 // selected).
 // Otherwise (the sample misjudged the row, the list overflowed, too few numbers) the full select: a
@@ -48,6 +49,7 @@ constexpr int kSpots = 256;     // where the sample's keys are read: four adjace
 constexpr int kBins = 2048;       // the first two rounds' digits: 11 bits
 constexpr int kLastBins = 1024;   // the last round's: 10 bits
 constexpr int kExactCutKeys = 256;  // the most sample keys of the cut's bin ranked for the exact cut
+constexpr int kTieRank = 32;        // the largest threshold bin select_in_registers finishes by ranking
 
 // The kernel's two instances, chosen per call on the host (radix_topk.py's `instance`).
 // Wide: an 8192-entry list (the filtered pass's 2-7K on rows to 98K; a threshold bin's 1-3K), two
@@ -87,6 +89,9 @@ struct alignas(16) Shared {
   int in_bin;         // find_threshold's bin: its entries
   uint32_t cand_max;  // the list's largest key
   uint32_t cut;  // candidate_cut's exact cut, from the thread whose key it is
+  uint32_t tie_key[kTieRank];  // a small threshold bin's keys and positions, ranked by rank_finish
+  int tie_pos[kTieRank];
+  int tie_count;
 };
 
 struct Params {
@@ -442,6 +447,49 @@ __device__ void collect_candidates(const RowView& v, S& s, uint32_t cut, const f
   if (lane == 0 && top != 0u) atomicMax(&s.cand_max, top);
 }
 
+// The select's end where the threshold bin (the keys whose (key - lo) >> shift is prefix) holds at most
+// kTieRank: the keys above it take the slots after the earlier threads' (one block-wide scan), the bin's
+// keys are listed in shared memory, and each of them counts the listed keys ranked before it (greater, or
+// equal at a lower list slot); the `need` first take the last `need` slots. One block-wide sync. Against
+// the next radix round (H200, 2026-12-03, bench's step logits, one run): 0.2-1.9 us faster at 128 x 49K
+// to 512 x 49K, 0.4 at 64 x 12K, 5.6 us on 4096 prefill rows; a bound of 64 was no faster, one of 256
+// up to 2.2 us slower at short rows (each of its threads ranks against 256 keys).
+template <int T, bool kHasPages, class S, int kPer, typename Pos>
+__device__ __forceinline__ void rank_finish(S& s, const uint32_t (&key)[kPer], int count, int k, int need,
+                                            int* out_row, const PageRow& pr, int block_size, Pos pos, uint32_t lo,
+                                            int shift, uint32_t prefix) {
+  const int t = threadIdx.x;
+  int counts = 0;
+#pragma unroll
+  for (int j = 0; j < kPer && j * T < count; ++j) {
+    const bool live = key[j] != 0u;
+    const uint32_t digit = (key[j] - lo) >> shift;
+    counts += live && digit > prefix;
+    const bool tie = live && digit == prefix;
+    const int slot = warp_slot(tie, &s.tie_count);
+    if (tie) {
+      s.tie_key[slot] = key[j];
+      s.tie_pos[slot] = pos(t + j * T);
+    }
+  }
+  int above_slot = block_exclusive_sum<T>(s, counts);  // its sync also completes the bin's list
+#pragma unroll
+  for (int j = 0; j < kPer && j * T < count; ++j) {
+    const uint32_t digit = (key[j] - lo) >> shift;
+    if (key[j] != 0u && digit > prefix) out_row[above_slot++] = slot_value<kHasPages>(pos(t + j * T), pr, block_size);
+  }
+  const int ties = s.tie_count;
+  for (int i = t; i < ties; i += T) {
+    const uint32_t mine = s.tie_key[i];
+    int before = 0;
+    for (int e = 0; e < ties; ++e) {
+      const uint32_t other = s.tie_key[e];
+      before += other > mine || (other == mine && e < i);
+    }
+    if (before < need) out_row[k - need + before] = slot_value<kHasPages>(s.tie_pos[i], pr, block_size);
+  }
+}
+
 // The k largest of the `count` keys a CTA holds in registers (thread t's key[j] is entry t + j * T; key
 // 0 for NaN and for entries past the end) into out_row: up to three radix rounds over the registers,
 // then the keys above the threshold bin and the first `need` in it; where no more than k are selectable
@@ -487,6 +535,10 @@ __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count
   int shift = s1;
   int need = k - s.above;
   bool found = shift == 0 || s.in_bin == need;
+  if (!found && s.in_bin <= kTieRank) {  // block-uniform
+    rank_finish<T, kHasPages>(s, key, count, k, need, out_row, pr, block_size, pos, lo, shift, prefix);
+    return;
+  }
 
   if (!found) {
     const int next = max(shift - 11, 0);
@@ -502,6 +554,10 @@ __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count
     shift = next;
     need -= s.above;
     found = shift == 0 || s.in_bin == need;
+  }
+  if (!found && s.in_bin <= kTieRank) {  // block-uniform
+    rank_finish<T, kHasPages>(s, key, count, k, need, out_row, pr, block_size, pos, lo, shift, prefix);
+    return;
   }
   if (!found) {  // shift <= 10: the window is at most 32 bits wide, so s1 <= 21
     const uint32_t digits = (1u << shift) - 1u;
@@ -645,6 +701,7 @@ __device__ void reset(S& s) {
     s.eq_count = 0;
     s.selectable = 0;
     s.cand_max = 0u;
+    s.tie_count = 0;
   }
   __syncthreads();
 }
