@@ -219,3 +219,13 @@ def test_an_engine_kernels_own_call_is_timed_beside_its_backend_in_bench_not_in_
     calls.clear()
     rows = runner.bench_topk(dispatcher, LogitsShape(2, 2, 256), Fp8Dtype.E4M3FN, **bench)
     assert [row.backend for row in rows] == ["torch.reference"] and not calls
+
+
+def test_a_refused_shape_is_listed_without_failing_the_run():
+    from dispatch.bench.command import exit_code
+    from dispatch.bench.runner import UNSERVED
+
+    refused = {"check": f"{UNSERVED}: UnservedCallError: 128 rows is past its 64 (one cluster wave)"}
+    assert exit_code([{"check": "ok"}, refused]) == 0
+    assert exit_code([{"check": "ok"}, refused, {"check": "failed: RuntimeError: boom"}]) == 1
+    assert exit_code([{"check": "1 of 4 rows differ from torch.topk"}]) == 1
