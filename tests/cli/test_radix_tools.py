@@ -1,0 +1,34 @@
+"""The `cuda.radix` timing tools' CPU-side parts: the phase-stamped copy of the kernel's source keeps every
+line of it and stamps every point (so the tool fails loudly, never silently, when the kernel changes), and
+the timing tool refuses a machine without a GPU and an unknown shape."""
+
+import pytest
+
+from tools import radix_phase_stamps, time_radix_variants
+
+
+def test_the_stamped_copy_keeps_the_source_and_stamps_every_point():
+    source = radix_phase_stamps.SOURCE.read_text()
+    copy = radix_phase_stamps.stamped(source)
+    for slot, _, _, _ in radix_phase_stamps.POINTS:
+        assert f"  stamp({slot});\n" in copy
+    assert 'm.def("stamps"' in copy and 'm.def("radix_topk"' in copy
+    # Without the stamps, their array and the two exports, the copy is the source, byte for byte.
+    undone = copy.replace(radix_phase_stamps.HEADER, "namespace {\n", 1)
+    undone = undone.replace(radix_phase_stamps.EXPORTS, "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n", 1)
+    assert "".join(line for line in undone.splitlines(keepends=True) if not line.startswith("  stamp(")) == source
+
+
+def test_a_point_whose_line_is_gone_is_refused_by_name():
+    source = radix_phase_stamps.SOURCE.read_text().replace("  if (cut != 0u) {\n", "  if (cut > 0u) {\n")
+    with pytest.raises(ValueError, match=r"point 3 \(cut\)"):
+        radix_phase_stamps.stamped(source)
+
+
+def test_the_timing_tool_needs_a_gpu_and_known_shapes(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        time_radix_variants.main(["x.cu", "--shapes", "7x7K"])
+    assert "unknown shapes ['7x7K']" in capsys.readouterr().err
+    monkeypatch.setattr(time_radix_variants.torch.cuda, "is_available", lambda: False)
+    assert time_radix_variants.main(["x.cu", "--shapes", "64x12K"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
