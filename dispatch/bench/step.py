@@ -3,7 +3,9 @@
 backends (Q quant as decided); the combinations that are SGLang's and vLLM's own stacks on this GPU
 (dispatch/bench/engine_stacks.py) are marked, where their backends are eligible. Each stage is also
 timed alone on the same plan in the same run, so the step reads against its own parts and against the
-sum of their floors. `tune` ranks the top-k at small batches by the step with each candidate in turn
+sum of their floors. An engine's stack whose top-k is an engine kernel gets a second row, "... (engine's
+call)": the same Q quant and logits, then the kernel as its engine calls it (its backend's `engine_run`,
+without dispatch's finish), so the engines' rows are not charged for dispatch's adapter. `tune` ranks the top-k at small batches by the step with each candidate in turn
 (bench_step_topk): at B=8 a top-k's launches cost more inside the step's graph than alone."""
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_topk
 from dispatch.bench.engine_stacks import stack_of
 from dispatch.bench.launches import gpu_launches
-from dispatch.bench.runner import REFERENCE, Row, eligible_candidates, floor_seconds_of
+from dispatch.bench.runner import ENGINE_CALL, REFERENCE, Row, eligible_candidates, floor_seconds_of
 from dispatch.bench.timing import time_rotating
 from dispatch.bench.workload import (
     LogitsInputs,
@@ -31,6 +33,7 @@ from dispatch.bench.workload import (
 )
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.engines.indexer_step import IndexerStep
+from dispatch.contract.calling import call_backend
 from dispatch.contract.errors import DispatchError
 from dispatch.contract.key import DispatchKey, Fp8Dtype, Op
 from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk
@@ -119,21 +122,18 @@ def bench_step(
             plan, run_step = _step_call(dispatcher, inputs, fp8_dtype, k,
                                         {Op.PAGED_MQA_LOGITS: logits_backend, Op.TOPK: topk_backend})
             stages, scored = _stages(plan, paged, activations, step_settings, k)
-            # The step's own logits are the yardstick: the selection must be exact on what it scored.
-            row.error, row.check = compare_topk(run_step(), scored, plan.token_lengths, k)
         except Exception as error:  # a benchmark reports a combination that fails; it does not stop the others
             row.failed(error)
             continue
-        if row.check != "ok":
-            continue
-        on_gpu = device != "cpu"
-        row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=on_gpu, repeats=repeats,
-                                                         what=f"the step with {row.backend} at {row.shape}")
-        for name, stage in stages.items():
-            row.extra[f"{name}_us"] = time_rotating([stage], on_gpu=on_gpu, repeats=repeats)[0] * 1e6
-        row.extra["x_logits"] = row.seconds * 1e6 / row.extra["logits_us"]
-        if on_gpu:
-            row.extra["launches"] = gpu_launches(run_step)
+        _check_then_time_step(row, run_step, stages, scored, plan, k, device=device, repeats=repeats)
+        if stack and plan.topk.impl.engine_run is not None:
+            row.extra["engine"] = f"{stack}, its top-k through dispatch's adapter"
+            own = Row(STEP, f"{row.backend} {ENGINE_CALL}", "-", row.shape, bytes=bytes_, flops=logits_flops,
+                      floor_seconds=floor, extra={"engine": f"{stack}, its top-k as the engine calls it"})
+            rows.append(own)
+            engine_step, engine_topk = _engine_calls(plan, paged, activations, step_settings, scored, k)
+            _check_then_time_step(own, engine_step, {**stages, "topk": engine_topk}, scored, plan, k, device=device,
+                                  repeats=repeats)
     return rows
 
 
@@ -172,6 +172,45 @@ def bench_step_topk(
             row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=device != "cpu", repeats=repeats,
                                                              budget_s=budget_s, what=f"the step with {name} at {row.shape}")
     return rows
+
+
+def _check_then_time_step(row: Row, run_step, stages: dict, scored, plan, k: int, *, device: str, repeats: int) -> None:
+    """A step row: checked exact on the logits it scores (a failure is written on the row), then timed as
+    one captured graph, each stage alone, the step over the logits alone and, on a GPU, its launches."""
+    try:
+        row.error, row.check = compare_topk(run_step(), scored, plan.token_lengths, k)
+    except Exception as error:  # a benchmark reports a combination that fails; it does not stop the others
+        row.failed(error)
+        return
+    if row.check != "ok":
+        return
+    on_gpu = device != "cpu"
+    row.seconds, row.extra["timing"] = time_rotating([run_step], on_gpu=on_gpu, repeats=repeats,
+                                                     what=f"the step with {row.backend} at {row.shape}")
+    for name, stage in stages.items():
+        row.extra[f"{name}_us"] = time_rotating([stage], on_gpu=on_gpu, repeats=repeats)[0] * 1e6
+    row.extra["x_logits"] = row.seconds * 1e6 / row.extra["logits_us"]
+    if on_gpu:
+        row.extra["launches"] = gpu_launches(run_step)
+
+
+def _engine_calls(plan, paged, activations, settings, scored, k):
+    """(the step with the plan's top-k kernel called as its engine calls it, that call alone on `scored`):
+    the plan's Q quant and logits, then the backend's `engine_run` with the plan's per-batch state, as
+    bench_topk's engine row calls it."""
+    decision = plan.topk
+    built = plan.state_of(Op.TOPK)
+    state = {} if built is None else {"state": built}
+
+    def engine_topk(logits=scored):
+        return call_backend(decision, logits, plan.token_lengths, k, entry=decision.impl.engine_run, **state)
+
+    def engine_step():
+        q_fp8, folded = indexer_q_quant(plan, activations["q"], activations["weights"], activations["positions"],
+                                        activations["cos_sin_cache"], **settings)
+        return engine_topk(paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded, clean_logits=False))
+
+    return engine_step, engine_topk
 
 
 def _decided_pair(dispatcher: Dispatcher, key: DispatchKey, batch_size: int, max_seq_len: int) -> tuple[str, str] | None:

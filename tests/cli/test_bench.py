@@ -229,3 +229,41 @@ def test_a_refused_shape_is_listed_without_failing_the_run():
     assert exit_code([{"check": "ok"}, refused]) == 0
     assert exit_code([{"check": "ok"}, refused, {"check": "failed: RuntimeError: boom"}]) == 1
     assert exit_code([{"check": "1 of 4 rows differ from torch.topk"}]) == 1
+
+
+def test_an_engine_stack_with_an_engine_kernel_gets_the_engines_own_call_in_the_step(monkeypatch):
+    """`bench --op step`: where a combination is an engine's stack and its top-k has an `engine_run`, a
+    second row "... (engine's call)" runs the same Q quant and logits, then the kernel as the engine calls
+    it, checked and timed like the first; the first row says it went through dispatch's adapter."""
+    import dataclasses
+
+    from backends.reference.topk import topk_indices
+    from dispatch.bench import runner, step
+    from dispatch.bench.workload import LogitsShape
+    from dispatch.deciding.runtime import load_dispatcher
+
+    calls = []
+
+    def engine_run(logits, lengths, k, **kwargs):
+        calls.append((lengths.shape, k))
+        return topk_indices(logits, lengths, k)
+
+    real_build = step.build_plan
+
+    def build_plan(*args, **kwargs):
+        plan = real_build(*args, **kwargs)
+        decision = plan.decision(Op.TOPK)
+        impl = dataclasses.replace(decision.impl, engine_run=engine_run)
+        return dataclasses.replace(plan, decisions={**plan.decisions, Op.TOPK: dataclasses.replace(decision, impl=impl)})
+
+    monkeypatch.setattr(step, "build_plan", build_plan)
+    monkeypatch.setattr(step, "stack_of", lambda key, logits, topk: "SGLang's stack")
+    rows = step.bench_step(load_dispatcher(arch="cpu"), LogitsShape(2, 2, 256), Fp8Dtype.E4M3FN, k=64, device="cpu",
+                           ceilings=None, repeats=1, wanted={"torch.reference"})
+    by_name = {row.backend: row for row in rows}
+    own = f"torch.reference + torch.reference {runner.ENGINE_CALL}"
+    assert set(by_name) == {"torch.reference + torch.reference", own}
+    assert all(row.check == "ok" and row.seconds > 0 and row.extra["topk_us"] > 0 for row in rows)
+    assert by_name[own].extra["engine"] == "SGLang's stack, its top-k as the engine calls it"
+    assert by_name["torch.reference + torch.reference"].extra["engine"].endswith("through dispatch's adapter")
+    assert calls and all(shape == (4,) and k == 64 for shape, k in calls)
