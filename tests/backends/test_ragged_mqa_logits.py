@@ -217,7 +217,9 @@ def test_fnuz_modes(mode, prefix_lens, extend_lens):
 
 
 def test_chunks_reproduce_the_whole_batch():
-    """Row chunks on their own key windows give the same logits as one call over every key."""
+    """Row chunks on their own key windows give the same logits as one call over every key: the same -inf
+    pattern and the same values to 1e-6 relative (not bit for bit: the interpreter's dot is numpy's matmul,
+    whose BLAS may sum a block in another order for other operand addresses; seen on a CI CPU, AVX2)."""
     case = extend_case([100, 20, 0], [30, 50, 40], device=DEVICE, seed=8)
     k, scales = case.gathered()
     m = case.metadata
@@ -228,7 +230,7 @@ def test_chunks_reproduce_the_whole_batch():
         ks, ke = m.chunk_ranges(chunk)
         part = triton_ragged_mqa_logits(case.q[chunk.rows], k[chunk.keys], scales[chunk.keys], case.weights[chunk.rows],
                                  ks, ke)
-        assert torch.equal(part, whole[chunk.rows, chunk.keys])
+        assert_close(part, whole[chunk.rows, chunk.keys], tolerance=1e-6)
         outside = torch.ones(m.total_keys, dtype=torch.bool, device=DEVICE)
         outside[chunk.keys] = False
         assert torch.isneginf(whole[chunk.rows][:, outside]).all()
