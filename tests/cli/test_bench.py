@@ -165,13 +165,15 @@ def test_host_time_times_the_logits_one_launch_alone_where_plans_take_it(monkeyp
     assert len(made) >= 2 * host_time.PAGED_REPEATS
 
 
-def _plans_whose_backend_has(monkeypatch, op, **entries):
-    """build_plan's plans, their `op` decision's backend given `entries` (a prepare, a plan_tensors)."""
+def _plans_whose_backend_has(monkeypatch, op, module=None, **entries):
+    """build_plan's plans (as `module` calls it: paged_plan's own by default), their `op` decision's backend
+    given `entries` (a prepare, a plan_tensors, an engine_run)."""
     import dataclasses
 
     from dispatch.step import paged_plan
 
-    real_build = paged_plan.build_plan
+    module = module or paged_plan
+    real_build = module.build_plan
 
     def build_plan(*args, **kwargs):
         plan = real_build(*args, **kwargs)
@@ -179,7 +181,7 @@ def _plans_whose_backend_has(monkeypatch, op, **entries):
         impl = dataclasses.replace(decision.impl, **entries)
         return dataclasses.replace(plan, decisions={**plan.decisions, op: dataclasses.replace(decision, impl=impl)})
 
-    monkeypatch.setattr(paged_plan, "build_plan", build_plan)
+    monkeypatch.setattr(module, "build_plan", build_plan)
 
 
 def test_an_engine_kernels_own_call_is_timed_beside_its_backend_in_bench_not_in_tune(monkeypatch):
@@ -187,8 +189,6 @@ def test_an_engine_kernels_own_call_is_timed_beside_its_backend_in_bench_not_in_
     `bench --op topk`, "NAME (engine's call)": the kernel as its engine calls it, checked and timed beside
     the backend's own row, over the same logits and the plan's lengths and state. tune's call of the same
     function (engine_calls left False) gets no such row, so no overlay can name one."""
-    import dataclasses
-
     from backends.reference.topk import topk_indices
     from dispatch.bench import runner
     from dispatch.bench.workload import LogitsShape
@@ -200,15 +200,7 @@ def test_an_engine_kernels_own_call_is_timed_beside_its_backend_in_bench_not_in_
         calls.append((lengths, k, kwargs))
         return topk_indices(logits, lengths, k)
 
-    real_build = runner.build_plan
-
-    def build_plan(*args, **kwargs):
-        plan = real_build(*args, **kwargs)
-        decision = plan.decision(Op.TOPK)
-        impl = dataclasses.replace(decision.impl, engine_run=engine_run)
-        return dataclasses.replace(plan, decisions={**plan.decisions, Op.TOPK: dataclasses.replace(decision, impl=impl)})
-
-    monkeypatch.setattr(runner, "build_plan", build_plan)
+    _plans_whose_backend_has(monkeypatch, Op.TOPK, module=runner, engine_run=engine_run)
     dispatcher = load_dispatcher(arch="cpu")
     bench = dict(k=64, device="cpu", ceilings=None, repeats=1, wanted={"torch.reference"})
     rows = runner.bench_topk(dispatcher, LogitsShape(2, 2, 256), Fp8Dtype.E4M3FN, engine_calls=True, **bench)
@@ -235,8 +227,6 @@ def test_an_engine_stack_with_an_engine_kernel_gets_the_engines_own_call_in_the_
     """`bench --op step`: where a combination is an engine's stack and its top-k has an `engine_run`, a
     second row "... (engine's call)" runs the same Q quant and logits, then the kernel as the engine calls
     it, checked and timed like the first; the first row says it went through dispatch's adapter."""
-    import dataclasses
-
     from backends.reference.topk import topk_indices
     from dispatch.bench import runner, step
     from dispatch.bench.workload import LogitsShape
@@ -248,15 +238,7 @@ def test_an_engine_stack_with_an_engine_kernel_gets_the_engines_own_call_in_the_
         calls.append((lengths.shape, k))
         return topk_indices(logits, lengths, k)
 
-    real_build = step.build_plan
-
-    def build_plan(*args, **kwargs):
-        plan = real_build(*args, **kwargs)
-        decision = plan.decision(Op.TOPK)
-        impl = dataclasses.replace(decision.impl, engine_run=engine_run)
-        return dataclasses.replace(plan, decisions={**plan.decisions, Op.TOPK: dataclasses.replace(decision, impl=impl)})
-
-    monkeypatch.setattr(step, "build_plan", build_plan)
+    _plans_whose_backend_has(monkeypatch, Op.TOPK, module=step, engine_run=engine_run)
     monkeypatch.setattr(step, "stack_of", lambda key, logits, topk: "SGLang's stack")
     rows = step.bench_step(load_dispatcher(arch="cpu"), LogitsShape(2, 2, 256), Fp8Dtype.E4M3FN, k=64, device="cpu",
                            ceilings=None, repeats=1, wanted={"torch.reference"})
@@ -267,3 +249,4 @@ def test_an_engine_stack_with_an_engine_kernel_gets_the_engines_own_call_in_the_
     assert by_name[own].extra["engine"] == "SGLang's stack, its top-k as the engine calls it"
     assert by_name["torch.reference + torch.reference"].extra["engine"].endswith("through dispatch's adapter")
     assert calls and all(shape == (4,) and k == 64 for shape, k in calls)
+
