@@ -38,12 +38,10 @@ sys.path.insert(0, str(ROOT))
 from backends.cuda_topk.build import load_library  # noqa: E402
 from backends.cuda_topk.radix_topk import instance  # noqa: E402
 from dispatch.bench.compare import compare_topk  # noqa: E402
-from dispatch.bench.runner import _plan  # noqa: E402
+from dispatch.bench.runner import decided_logits  # noqa: E402
 from dispatch.bench.timing import time_rotating  # noqa: E402
 from dispatch.bench.workload import LogitsShape, logits_inputs  # noqa: E402
 from dispatch.contract.detect import detect_arch, platform_fp8_dtype  # noqa: E402
-from dispatch.contract.key import DispatchKey, Op  # noqa: E402
-from dispatch.contract.ops import paged_mqa_logits  # noqa: E402
 from dispatch.deciding.runtime import load_dispatcher  # noqa: E402
 from tools.radix_phase_stamps import NAMES, SLOTS  # noqa: E402
 
@@ -82,12 +80,7 @@ def build(paths: list[str], where: Path = BUILD_DIR) -> dict[str, object]:
 
 def step_logits(dispatcher, fp8, shape: LogitsShape):
     """bench_topk's logits for `shape`, and the plan's per-token lengths."""
-    key = DispatchKey(dispatcher.target_arch, shape.forward_mode, shape.next_n, fp8)
-    inputs = logits_inputs(shape, fp8, "cuda", seed=0)
-    backend = dispatcher.decide(Op.PAGED_MQA_LOGITS, key, batch_size=shape.batch_size,
-                                max_seq_len=max(inputs.seq_lens_host)).backend
-    plan = _plan(dispatcher, backend, shape.forward_mode, inputs, fp8)
-    logits = paged_mqa_logits(plan, inputs.q_tokens, inputs.kv_cache, inputs.weights)
+    plan, logits = decided_logits(dispatcher, shape, fp8, logits_inputs(shape, fp8, "cuda", seed=0))
     return logits, plan.token_lengths.to(torch.int32).contiguous()
 
 

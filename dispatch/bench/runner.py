@@ -248,10 +248,7 @@ def bench_topk(
     if not candidates:  # a grid's worth of inputs and logits for nothing to time
         return []
     inputs = logits_inputs(shape, fp8_dtype, device, seed=0)
-    logits_backend = dispatcher.decide(Op.PAGED_MQA_LOGITS, key, batch_size=shape.batch_size,
-                                       max_seq_len=max(inputs.seq_lens_host)).backend
-    decided = _plan(dispatcher, logits_backend, mode, inputs, fp8_dtype)
-    logits = paged_mqa_logits(decided, inputs.q_tokens, inputs.kv_cache, inputs.weights)
+    logits = decided_logits(dispatcher, shape, fp8_dtype, inputs)[1]
     floor = floor_seconds_of(topk_floor_bytes(inputs.seq_lens_host, shape.next_n, k), 0.0, ceilings)
     label = f"{shape.label()} k={k}"
     rows = []
@@ -263,18 +260,33 @@ def bench_topk(
         check_then_time(row, lambda plan=plan: topk(plan, logits, k),
                         lambda out, plan=plan: compare_topk(out, logits, plan.token_lengths, k),
                         on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
-        decision = plan.topk
-        if engine_calls and decision.impl.engine_run is not None:
-            own = Row(Op.TOPK.value, f"{name} {ENGINE_CALL}", decision.layout.value, label, bytes=bytes_,
+        if engine_calls and plan.topk.impl.engine_run is not None:
+            own = Row(Op.TOPK.value, f"{name} {ENGINE_CALL}", plan.topk.layout.value, label, bytes=bytes_,
                       floor_seconds=floor)
             rows.append(own)
-            built = plan.state_of(Op.TOPK)  # its per-batch state, passed as topk_rows passes it to `run`
-            state = {} if built is None else {"state": built}
-            check_then_time(own, lambda decision=decision, plan=plan, state=state: call_backend(
-                                decision, logits, plan.token_lengths, k, entry=decision.impl.engine_run, **state),
+            check_then_time(own, lambda plan=plan: engine_topk(plan, logits, k),
                             lambda out, plan=plan: compare_topk(out, logits, plan.token_lengths, k),
                             on_gpu=device != "cpu", repeats=repeats, budget_s=budget_s)
     return rows
+
+
+def decided_logits(dispatcher: Dispatcher, shape: LogitsShape, fp8_dtype: Fp8Dtype, inputs):
+    """(the plan, its logits): `inputs` (bench's workload for `shape`) scored by the paged logits backend
+    decided for this batch, the logits every top-k row is timed on."""
+    key = DispatchKey(dispatcher.target_arch, shape.forward_mode, shape.next_n, fp8_dtype)
+    backend = dispatcher.decide(Op.PAGED_MQA_LOGITS, key, batch_size=shape.batch_size,
+                                max_seq_len=max(inputs.seq_lens_host)).backend
+    plan = _plan(dispatcher, backend, shape.forward_mode, inputs, fp8_dtype)
+    return plan, paged_mqa_logits(plan, inputs.q_tokens, inputs.kv_cache, inputs.weights)
+
+
+def engine_topk(plan, logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The plan's top-k kernel called as its engine calls it: its backend's `engine_run` (no finish) over the
+    plan's token lengths, with the plan's per-batch state passed as topk_rows passes it to `run`."""
+    decision = plan.topk
+    built = plan.state_of(Op.TOPK)
+    state = {} if built is None else {"state": built}
+    return call_backend(decision, logits, plan.token_lengths, k, entry=decision.impl.engine_run, **state)
 
 
 def dispatch_overhead(dispatcher: Dispatcher, *, device: str, batch_size: int = 128, next_n: int = 4) -> dict[str, float]:

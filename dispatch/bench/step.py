@@ -5,8 +5,8 @@ backends (Q quant as decided); the combinations that are SGLang's and vLLM's own
 timed alone on the same plan in the same run, so the step reads against its own parts and against the
 sum of their floors. An engine's stack whose top-k is an engine kernel gets a second row, "... (engine's
 call)": the same Q quant and logits, then the kernel as its engine calls it (its backend's `engine_run`,
-without dispatch's finish), so the engines' rows are not charged for dispatch's adapter. `tune` ranks the top-k at small batches by the step with each candidate in turn
-(bench_step_topk): at B=8 a top-k's launches cost more inside the step's graph than alone."""
+without dispatch's finish), so the engines' rows are not charged for dispatch's adapter. `tune` ranks
+the top-k at small batches by the step with each candidate in turn (bench_step_topk): at B=8 a top-k's launches cost more inside the step's graph than alone."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dispatch.bench.ceilings import Ceilings
 from dispatch.bench.compare import compare_topk
 from dispatch.bench.engine_stacks import stack_of
 from dispatch.bench.launches import gpu_launches
-from dispatch.bench.runner import ENGINE_CALL, REFERENCE, Row, eligible_candidates, floor_seconds_of
+from dispatch.bench.runner import ENGINE_CALL, REFERENCE, Row, eligible_candidates, engine_topk, floor_seconds_of
 from dispatch.bench.timing import time_rotating
 from dispatch.bench.workload import (
     LogitsInputs,
@@ -33,7 +33,6 @@ from dispatch.bench.workload import (
 )
 from dispatch.deciding.dispatcher import Dispatcher
 from dispatch.engines.indexer_step import IndexerStep
-from dispatch.contract.calling import call_backend
 from dispatch.contract.errors import DispatchError
 from dispatch.contract.key import DispatchKey, Fp8Dtype, Op
 from dispatch.contract.ops import indexer_q_quant, paged_mqa_logits, topk
@@ -131,9 +130,9 @@ def bench_step(
             own = Row(STEP, f"{row.backend} {ENGINE_CALL}", "-", row.shape, bytes=bytes_, flops=logits_flops,
                       floor_seconds=floor, extra={"engine": f"{stack}, its top-k as the engine calls it"})
             rows.append(own)
-            engine_step, engine_topk = _engine_calls(plan, paged, activations, step_settings, scored, k)
-            _check_then_time_step(own, engine_step, {**stages, "topk": engine_topk}, scored, plan, k, device=device,
-                                  repeats=repeats)
+            _check_then_time_step(own, _engine_step(plan, paged, stages, k),
+                                  {**stages, "topk": lambda: engine_topk(plan, scored, k)}, scored, plan, k,
+                                  device=device, repeats=repeats)
     return rows
 
 
@@ -194,23 +193,15 @@ def _check_then_time_step(row: Row, run_step, stages: dict, scored, plan, k: int
         row.extra["launches"] = gpu_launches(run_step)
 
 
-def _engine_calls(plan, paged, activations, settings, scored, k):
-    """(the step with the plan's top-k kernel called as its engine calls it, that call alone on `scored`):
-    the plan's Q quant and logits, then the backend's `engine_run` with the plan's per-batch state, as
-    bench_topk's engine row calls it."""
-    decision = plan.topk
-    built = plan.state_of(Op.TOPK)
-    state = {} if built is None else {"state": built}
-
-    def engine_topk(logits=scored):
-        return call_backend(decision, logits, plan.token_lengths, k, entry=decision.impl.engine_run, **state)
+def _engine_step(plan, paged, stages: dict, k: int):
+    """The step with the plan's top-k kernel called as its engine calls it: the plan's Q quant (its stage),
+    its logits, then runner.engine_topk."""
 
     def engine_step():
-        q_fp8, folded = indexer_q_quant(plan, activations["q"], activations["weights"], activations["positions"],
-                                        activations["cos_sin_cache"], **settings)
-        return engine_topk(paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded, clean_logits=False))
+        q_fp8, folded = stages["quant"]()
+        return engine_topk(plan, paged_mqa_logits(plan, q_fp8, paged.kv_cache, folded, clean_logits=False), k)
 
-    return engine_step, engine_topk
+    return engine_step
 
 
 def _decided_pair(dispatcher: Dispatcher, key: DispatchKey, batch_size: int, max_seq_len: int) -> tuple[str, str] | None:
