@@ -52,6 +52,11 @@ SHAPES = {
     "512x24K": (256, 2, 16384), "32x10K": (8, 4, 8192), "8x3K": (8, 1, 2048), "1x2K": (1, 1, 2048),
 }
 PREFILL = "prefill"
+CTAS = {"512": (512, False), "1024": (1024, False), "short": (512, True)}  # --cta's names; "auto": instance()'s
+
+
+def cta_label(threads: int, short_list: bool) -> str:
+    return "short" if short_list else str(threads)
 BUILD_DIR = Path(tempfile.gettempdir()) / "dispatch_radix_variants"
 
 
@@ -166,11 +171,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shapes", default=",".join([*SHAPES, PREFILL]))
     parser.add_argument("--peers", action="store_true", help="the engines' kernels too, where importable")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--cta", default="auto",
+                        help="CTAs to time each variant with, comma-separated: auto (radix_topk.instance's choice for "
+                             "the shape), 512, 1024, short (the short-list instance)")
     parser.add_argument("--build-dir", type=Path, default=BUILD_DIR, help=f"where the variants build (default {BUILD_DIR})")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES and s != PREFILL]
     if unknown:
         parser.error(f"unknown shapes {unknown}; known: {', '.join([*SHAPES, PREFILL])}")
+    unknown = [c for c in args.cta.split(",") if c not in CTAS and c != "auto"]
+    if unknown:
+        parser.error(f"unknown --cta {unknown}; known: auto, {', '.join(CTAS)}")
     if not torch.cuda.is_available():
         print("no CUDA device: this tool times kernels on a GPU", file=sys.stderr)
         return 2
@@ -188,23 +199,28 @@ def main(argv: list[str]) -> int:
         prefill = label == PREFILL
         logits, lengths = prefill_rows() if prefill else step_logits(dispatcher, fp8, LogitsShape(*SHAPES[label]))
         rows, width = logits.shape
-        threads, short_list = instance(rows, width, sms)
+        chosen = instance(rows, width, sms)
+        ctas = [CTAS.get(c, chosen) for c in args.cta.split(",")]
         cells, phases = [], []
         for stem, module in modules.items():
-            out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
+            for threads, short_list in dict.fromkeys(ctas):
+                name = stem if (threads, short_list) == chosen else f"{stem}@{cta_label(threads, short_list)}"
+                # A variant that stages rows (served_stage) gets the served launch's stage, else none.
+                stage = module.served_stage(0, threads, short_list) if hasattr(module, "served_stage") else 0
+                out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
 
-            def run(module=module, out=out):
-                module.radix_topk(logits, lengths, None, None, None, K, 64, 0, True, threads, short_list, out)
+                def run(module=module, out=out, threads=threads, short_list=short_list, stage=stage):
+                    module.radix_topk(logits, lengths, None, None, None, K, 64, stage, True, threads, short_list, out)
 
-            run()
-            torch.cuda.synchronize()
-            verdict = "ok" if stem.startswith("ret") else compare_topk(out, logits, lengths, K)[1]
-            if verdict != "ok":
-                cells.append(f"{stem} WRONG ({verdict})")
-                continue
-            cells.append(f"{stem} {replay_us(run, args.reps):.1f}")
-            if "stamp" in stem:
-                phases.append(f"{stem}:" + phase_line(module, run, rows))
+                run()
+                torch.cuda.synchronize()
+                verdict = "ok" if stem.startswith("ret") else compare_topk(out, logits, lengths, K)[1]
+                if verdict != "ok":
+                    cells.append(f"{name} WRONG ({verdict})")
+                    continue
+                cells.append(f"{name} {replay_us(run, args.reps):.1f}")
+                if "stamp" in stem:
+                    phases.append(f"{name}:" + phase_line(module, run, rows))
         for name, (call, out) in engine_calls(engines, logits, lengths, prefill).items():
             try:
                 call()
@@ -213,8 +229,7 @@ def main(argv: list[str]) -> int:
                 cells.append(f"{name} {replay_us(call, args.reps):.1f}" + ("" if verdict == "ok" else f" ({verdict})"))
             except Exception as error:  # noqa: BLE001 - one engine's failure must not end the others' rows
                 cells.append(f"{name} ERROR ({type(error).__name__}: {str(error)[:80]})")
-        cta = f"{threads} threads{', short list' if short_list else ''}"
-        print(f"{label} ({rows} x {width}, {cta}), us: " + " | ".join(cells), flush=True)
+        print(f"{label} ({rows} x {width}, {cta_label(*chosen)} as served), us: " + " | ".join(cells), flush=True)
         for line in phases:
             print(line, flush=True)
         del logits, lengths

@@ -1,6 +1,6 @@
 """The `cuda.radix` timing tools' CPU-side parts: the phase-stamped copy of the kernel's source keeps every
 line of it and stamps every point (so the tool fails loudly, never silently, when the kernel changes), and
-the timing tool refuses a machine without a GPU and an unknown shape."""
+the timing tool refuses a machine without a GPU, an unknown shape and an unknown CTA."""
 
 import pytest
 
@@ -29,6 +29,9 @@ def test_the_timing_tool_needs_a_gpu_and_known_shapes(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         time_radix_variants.main(["x.cu", "--shapes", "7x7K"])
     assert "unknown shapes ['7x7K']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        time_radix_variants.main(["x.cu", "--cta", "auto,2048"])
+    assert "unknown --cta ['2048']" in capsys.readouterr().err
     monkeypatch.setattr(time_radix_variants.torch.cuda, "is_available", lambda: False)
     assert time_radix_variants.main(["x.cu", "--shapes", "64x12K"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
