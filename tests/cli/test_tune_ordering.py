@@ -101,10 +101,9 @@ def test_the_tuners_preference_carries_the_bands_between_order_and_shapes():
 # (op, next_n, band's batch_size_up_to): [(max_seq_len_up_to, the sub-band's first backend)], as tuned.
 SHIPPED_SUB_BANDS = {
     ("paged_mqa_logits", 1, 1): [(3072, "triton"), (12288, "triton"), (49152, "deepgemm.sm90")],
-    ("paged_mqa_logits", 1, 32): [(12288, "triton.flatten"), (49152, "deepgemm.sm90")],
     ("paged_mqa_logits", 2, 1): [(12288, "triton"), (49152, "deepgemm.sm90")],
-    ("topk", 1, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
-    ("topk", 2, 8): [(12288, "sglang.topk_v2"), (49152, "triton")],
+    ("topk", 1, 128): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
+    ("topk", 2, 8): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
     ("topk", 2, 32): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
     ("topk", 2, 128): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
     ("topk", 4, 8): [(12288, "sglang.topk_v2"), (49152, "cuda.radix")],
@@ -142,9 +141,9 @@ def test_the_shipped_h200_bands_are_what_tune_derives_from_its_recorded_times():
     # Top-k at next_n 1, 2 and 4 (ranked by the step up to B = 32, so always banded) and the paged logits at
     # next_n 1 and 2, where the Triton kernel wins at B = 1 and DeepGEMM's above.
     assert banded == 5
-    # The 2026-12-03 11:41 tune: SGLang's v2 leads where rows are held in its registers (L~8K: rows <= 12K)
-    # and another kernel at L~32K, except at next_n 1 with 32 < B <= 128, where cuda.radix leads at both; the
-    # paged logits' Triton kernel leads at short rows at B = 1 (and its flatten twin at B = 32, L~8K, by 0.2 us).
+    # The 2026-12-03 16:25 tune: SGLang's v2 leads where rows are held in its registers (L~8K: rows <= 12K)
+    # and cuda.radix at L~32K, except at next_n 1 with 8 < B <= 32, where cuda.radix leads at both; the
+    # paged logits' Triton kernel leads at short rows at B = 1.
     assert subs == SHIPPED_SUB_BANDS, subs
     topk = {p.key.next_n: p for p in overlay.ops[Op.TOPK].preferences if ForwardMode.EXTEND not in p.key.forward_mode}
     assert [b.order[0] for b in topk[2].bands] == ["sglang.topk_v2"] + ["cuda.radix"] * 4

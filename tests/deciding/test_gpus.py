@@ -94,14 +94,14 @@ def test_gpus_decides_each_gpu_from_the_registry(capsys):
     assert (h200["arch"], h200["cluster"]) == ("sm90", "h200-mtp")
     # A band that decides otherwise than the key, and a length sub-band otherwise than its band, is named.
     assert h200["decided"]["decode"] == (
-        "deepgemm.sm90 (B <= 1: triton; B <= 1, rows > 12K: deepgemm.sm90; 8 < B <= 32, rows <= 12K: triton.flatten)")
+        "deepgemm.sm90 (B <= 1: triton; B <= 1, rows > 12K: deepgemm.sm90)")
     assert h200["decided"]["MTP next_n 4"] == "deepgemm.sm90.n4"
     assert h200["verified"] == "measured on an H200"
     # The H200 overlay's top-k bands that decide otherwise than each key's own order are named beside it.
     assert h200["decided"]["top-k"] == (
-        "decode: cuda.radix (B <= 1: sglang.topk_v2; 1 < B <= 8: sglang.topk_v2; 8 < B <= 32, rows <= 12K: "
+        "decode: cuda.radix (B <= 1: sglang.topk_v2; 1 < B <= 8: sglang.topk_v2; B > 32, rows <= 12K: "
         "sglang.topk_v2), MTP next_n 2: cuda.radix (B <= 1: sglang.topk_v2; 1 < B <= 8, rows <= 12K: "
-        "sglang.topk_v2; 1 < B <= 8, rows > 12K: triton; 8 < B <= 32, rows <= 12K: sglang.topk_v2; "
+        "sglang.topk_v2; 8 < B <= 32, rows <= 12K: sglang.topk_v2; "
         "32 < B <= 128, rows <= 12K: sglang.topk_v2), MTP next_n 4: cuda.radix (B <= 1: sglang.topk_v2; "
         "1 < B <= 8, rows <= 12K: sglang.topk_v2; 8 < B <= 32, rows <= 12K: sglang.topk_v2; "
         "B > 64, rows <= 12K: sglang.topk_v2), extend: cuda.radix"
