@@ -11,6 +11,9 @@ side and timed in one process, beside the engines' own top-k kernels where they 
   shape). Every output is checked against torch.topk (dispatch.bench.compare.compare_topk) before it is
   timed; a wrong one is reported WRONG and not timed. A variant whose file name starts with "ret" is timed
   unchecked (a kernel cut short on purpose, to time what remains).
+- --cta times each variant at other CTAs too (named VARIANT@CTA). A variant that exports
+  `served_stage(device, threads, short_list)` (one that stages rows in shared memory, as the fourteenth
+  session's bulk-copy variant did) is launched with that stage, every other with none, as served.
 - A variant whose name holds "stamp" (made by tools/radix_phase_stamps.py) also prints, per phase, the
   median and the slowest row's time since the rows' start.
 - --peers: SGLang's top-k v2 (`sglang.kernels.ops.attention.dsv4.topk`: the paged kernel with its plan built
