@@ -55,11 +55,9 @@ SHAPES = {
     "512x24K": (256, 2, 16384), "32x10K": (8, 4, 8192), "8x3K": (8, 1, 2048), "1x2K": (1, 1, 2048),
 }
 PREFILL = "prefill"
-CTAS = {"512": (512, False), "1024": (1024, False), "short": (512, True)}  # --cta's names; "auto": instance()'s
-
-
-def cta_label(threads: int, short_list: bool) -> str:
-    return "short" if short_list else str(threads)
+# --cta's names for the kernel's instances, (threads, short_list); "auto" is radix_topk.instance's choice.
+CTAS = {"512": (512, False), "1024": (1024, False), "short": (512, True)}
+CTA_NAMES = {cta: name for name, cta in CTAS.items()}
 BUILD_DIR = Path(tempfile.gettempdir()) / "dispatch_radix_variants"
 
 
@@ -207,7 +205,7 @@ def main(argv: list[str]) -> int:
         cells, phases = [], []
         for stem, module in modules.items():
             for threads, short_list in dict.fromkeys(ctas):
-                name = stem if (threads, short_list) == chosen else f"{stem}@{cta_label(threads, short_list)}"
+                name = stem if (threads, short_list) == chosen else f"{stem}@{CTA_NAMES[threads, short_list]}"
                 # A variant that stages rows (served_stage) gets the served launch's stage, else none.
                 stage = module.served_stage(0, threads, short_list) if hasattr(module, "served_stage") else 0
                 out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
@@ -232,7 +230,7 @@ def main(argv: list[str]) -> int:
                 cells.append(f"{name} {replay_us(call, args.reps):.1f}" + ("" if verdict == "ok" else f" ({verdict})"))
             except Exception as error:  # noqa: BLE001 - one engine's failure must not end the others' rows
                 cells.append(f"{name} ERROR ({type(error).__name__}: {str(error)[:80]})")
-        print(f"{label} ({rows} x {width}, {cta_label(*chosen)} as served), us: " + " | ".join(cells), flush=True)
+        print(f"{label} ({rows} x {width}, {CTA_NAMES[chosen]} as served), us: " + " | ".join(cells), flush=True)
         for line in phases:
             print(line, flush=True)
         del logits, lengths

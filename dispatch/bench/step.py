@@ -6,7 +6,8 @@ timed alone on the same plan in the same run, so the step reads against its own 
 sum of their floors. An engine's stack whose top-k is an engine kernel gets a second row, "... (engine's
 call)": the same Q quant and logits, then the kernel as its engine calls it (its backend's `engine_run`,
 without dispatch's finish), so the engines' rows are not charged for dispatch's adapter. `tune` ranks
-the top-k at small batches by the step with each candidate in turn (bench_step_topk): at B=8 a top-k's launches cost more inside the step's graph than alone."""
+the top-k at small batches by the step with each candidate in turn (bench_step_topk): at B=8 a top-k's
+launches cost more inside the step's graph than alone."""
 
 from __future__ import annotations
 
