@@ -128,6 +128,15 @@ def finish(logits, lengths, positions, *, page_table, page_rows, block_size, sor
 
         return finish_in_place(positions, logits, lengths, starts=starts, page_table=page_table,
                                page_rows=page_rows, block_size=block_size)
+    return finish_with_torch_ops(logits, lengths, positions, page_table=page_table, page_rows=page_rows,
+                                 block_size=block_size, sorted=sorted, starts=starts)
+
+
+def finish_with_torch_ops(logits, lengths, positions, *, page_table, page_rows, block_size, sorted, starts=None):
+    """`finish` as torch ops, each a pass over [rows, k]: the CPU's and sorted=True's path, and the
+    reference the one-launch finish is tested against."""
+    import torch
+
     positions = positions.to(torch.int32)
     valid = (positions >= 0) & (positions < lengths[:, None])
     columns = positions.clamp(min=0).long()

@@ -34,6 +34,10 @@
 // A row's positions are in no promised order (some slots are taken by atomics).
 // No host sync, no allocation: CUDA-graph safe; nothing outside [start, start + n) of a row, the
 // lengths, starts, page rows or the page table's [0, pages) columns of a row is read.
+// Launched with programmatic dependent launch where the host asks (sm90+, backends/shared/
+// dependent_launch.py): every CTA waits for the kernel before it (the logits' writer) before its first
+// global read, then lets the next kernel launch. (Clearing shared memory ahead of the wait made ptxas
+// spill in the short-list instance, so the CTA's start alone overlaps the kernel before.)
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -114,6 +118,14 @@ struct Params {
   int block_size;
   int filtered;  // 1: the sampled cut and the filtered pass first; 0: the full select only (tests)
 };
+
+// griddepcontrol (sm90+): a no-op where the launch did not ask for PDL; absent below sm90.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
 
 __device__ __forceinline__ uint32_t ordered_key(float x) {
   // Flip the sign bit of a positive float, every bit of a negative one: unsigned order is value order.
@@ -717,6 +729,7 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
   uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
   const int t = threadIdx.x;
   const int64_t row = blockIdx.x;
+  wait_for_previous_kernel();  // every CTA, before its first global read
 
   // The visible window [start, start + n), clamped to the tensor.
   int start = 0;
@@ -829,7 +842,7 @@ int64_t max_stage(int64_t device) {
 void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const c10::optional<torch::Tensor>& starts,
                 const c10::optional<torch::Tensor>& page_table, const c10::optional<torch::Tensor>& page_rows,
                 int64_t k, int64_t block_size, int64_t stage_cap, bool filtered, int64_t threads, bool short_list,
-                torch::Tensor& out) {
+                bool dependent_launch, torch::Tensor& out) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   if (rows == 0) return;
@@ -860,8 +873,17 @@ void radix_topk(const torch::Tensor& logits, const torch::Tensor& lengths, const
   const Kernel kernel = short_list      ? pick_kernel<512, ShortList>(has_pages, bytes)
                         : threads == 512 ? pick_kernel<512, Wide>(has_pages, bytes)
                                          : pick_kernel<1024, Wide>(has_pages, bytes);
-  kernel<<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), bytes, c10::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(rows));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(bytes);
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = dependent_launch ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,5 +1,6 @@
 """The host side of `cuda.radix`: the CUDA-only checks (the op's call in dispatch.contract.ops.top_k
-has checked the rest against the contract once), the launch (one kernel, no host sync), and,
+has checked the rest against the contract once), the launch (one kernel, no host sync, with
+programmatic dependent launch on sm90+: backends/shared/dependent_launch.py), and,
 for sorted=True, the contract's order applied by backends/adapted_topk.finish."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 from backends.adapted_topk import finish
 from backends.cuda_topk.build import extension
+from backends.shared.dependent_launch import dependent_launch
 from dispatch.contract import LayoutError
 
 
@@ -46,7 +48,7 @@ def launch(logits, lengths, k, *, starts, page_table, page_rows, block_size, sor
     fuse_pages = page_table is not None and not sorted
     extension().radix_topk(logits, lengths, starts, page_table if fuse_pages else None,
                            page_rows if fuse_pages else None, k, block_size, stage, filtered, threads, short_list,
-                           out)
+                           dependent_launch(logits.device), out)
     if sorted:
         return finish(logits, lengths, out, page_table=page_table, page_rows=page_rows, block_size=block_size,
                       sorted=True, starts=starts)

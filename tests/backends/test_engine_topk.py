@@ -501,11 +501,13 @@ def test_lengths_are_clamped_to_each_rows_window_without_a_host_tensor():
 
 @pytest.mark.parametrize("with_starts,with_table", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_one_launch_finish_is_the_torch_finish(with_starts, with_table):
-    # backends/triton/selection_finish.py (what a GPU runs) against backends/adapted_topk.finish's torch ops:
+    # backends/triton/selection_finish.py (what a GPU runs) against backends/adapted_topk.finish_with_torch_ops:
     # exact, both keep or drop the same int32 positions and map them through the same table entries.
-    from backends.adapted_topk import finish
+    from backends.adapted_topk import finish_with_torch_ops
     from backends.triton.selection_finish import finish_in_place
 
+    # On a GPU the kernel runs compiled (launched with PDL on sm90+), on the CPU under the interpreter.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(5)
     rows, width, k = 7, 600, 50
     logits = torch.randn(rows, width, generator=generator)
@@ -516,8 +518,10 @@ def test_the_one_launch_finish_is_the_torch_finish(with_starts, with_table):
     raw = torch.randint(-1, 420, (rows, k), generator=generator, dtype=torch.int32)  # some past the length
     table = torch.randint(0, 90, (4, 7), generator=generator, dtype=torch.int32) if with_table else None
     table_rows = torch.tensor([0, 1, 1, 2, 3, 3, 0], dtype=torch.int32) if with_table else None
-    want = finish(logits, lengths, raw.clone(), page_table=table, page_rows=table_rows, block_size=64,
-                  sorted=False, starts=starts)
+    logits, lengths, raw = logits.to(device), lengths.to(device), raw.to(device)
+    starts, table, table_rows = (t.to(device) if t is not None else None for t in (starts, table, table_rows))
+    want = finish_with_torch_ops(logits, lengths, raw.clone(), page_table=table, page_rows=table_rows,
+                                 block_size=64, sorted=False, starts=starts)
     got = finish_in_place(raw.clone(), logits, lengths, starts=starts, page_table=table, page_rows=table_rows,
                           block_size=64)
     assert torch.equal(got, want)
