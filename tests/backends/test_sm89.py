@@ -114,7 +114,8 @@ _COMPILE_FOR_SM89 = textwrap.dedent('''
     kernel = module._paged_mqa_logits_kernel
     pointers = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}
     values = {"N": 4, "TG": 4, "H": 64, "D": 128, "BLOCK_KV": 64, "PAGES": 1, "PRODUCT_SCALE": 1.0,
-              "NAN_BYTES": module.nan_bytes_mode(Fp8Mode.E4M3FN), "FILL": True, "HIST": False}
+              "NAN_BYTES": module.nan_bytes_mode(Fp8Mode.E4M3FN), "FILL": True, "HIST": False,
+              "PDL": False}  # sm89 has no programmatic dependent launch
     names = kernel.arg_names
     constexpr = {p.name for p in kernel.params if p.is_constexpr}
     # Other constexprs are the module's constants of the same name (flag bits, scan widths), as launched.
