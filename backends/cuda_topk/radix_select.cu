@@ -29,7 +29,8 @@
 // Otherwise (the sample misjudged the row, the list overflowed, too few numbers) the full select: a
 // histogram of the whole row (its first stage_cap keys staged in shared memory, the rest re-read), the
 // threshold bin's keys as the list, or the row itself when they overflow it.
-// Rows with no more than k selectable (non-NaN) keys write every such position, then -1.
+// Rows with no more than k selectable (non-NaN) keys write every such position, then -1 (a row of at
+// most k keys without any select: every_key_row).
 // Output positions are relative to the row's start, or physical KV slots through the page table.
 // A row's positions are in no promised order (some slots are taken by atomics).
 // No host sync, no allocation: CUDA-graph safe; nothing outside [start, start + n) of a row, the
@@ -610,6 +611,24 @@ __device__ void select_in_registers(S& s, const uint32_t (&key)[kPer], int count
   }
 }
 
+// A row of at most k keys: every non-NaN one is selected, so it is read once and compacted, without a
+// histogram, a threshold or the shared-memory reset (the engines' kernels write 0 .. n - 1 without
+// reading such a row; the NaN rule needs the read). Then -1 up to k.
+template <int T, bool kHasPages, class S>
+__device__ void every_key_row(const RowView& v, S& s, int k, int* out_row, const PageRow& pr, int block_size) {
+  if (threadIdx.x == 0) s.out_count = 0;
+  __syncthreads();
+  for (int base = 0; base < v.n; base += T) {  // block-uniform bound: warp_slot's claims stay warp-uniform
+    const int i = base + threadIdx.x;
+    const float x = i < v.n ? __ldg(v.src + i) : __int_as_float(0x7FC00000);
+    const bool take = x == x;  // not NaN
+    const int slot = warp_slot(take, &s.out_count);
+    if (take) out_row[slot] = slot_value<kHasPages>(i, pr, block_size);
+  }
+  __syncthreads();
+  for (int i = s.out_count + threadIdx.x; i < k; i += T) out_row[i] = -1;
+}
+
 // A short row (n <= kPer * T) read once into registers with coalesced scalar loads (any start, any
 // stride), then selected there.
 template <int T, bool kHasPages, int kPer, class S>
@@ -756,6 +775,10 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
 
   constexpr int kShortCap = C::kShortPer * T;
   static_assert(kShortCap >= kCandCap, "a row too long to sit in registers is longer than the list");
+  if (p.filtered && n <= k) {  // block-uniform
+    every_key_row<T, kHasPages>(v, s, k, out_row, pr, p.block_size);
+    return;
+  }
   const bool is_short = p.filtered && n <= kShortCap;
   reset<T>(s);
   constexpr int kPer = kCandCap / T;  // a list's keys a thread

@@ -26,11 +26,18 @@ from dispatch.contract.layout import Layout
 from dispatch.contract.rope import RopeSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+# The Triton kernels run where the suite runs: compiled on a GPU, under the interpreter on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NATIVE_FNUZ = pytest.mark.skipif(
+    DEVICE == "cuda" and torch.version.hip is None,
+    reason="tl.float8e4b8 does not compile on NVIDIA GPUs; native fnuz is the gfx94x path, checked under the "
+    "CPU interpreter",
+)
 # (name, fp8 dtype, the Triton fnuz mode or None for the torch reference / e4m3fn)
 QUANT_BACKENDS = [
     pytest.param(Fp8Dtype.E4M3FN, "triton", None, id="triton"),
     pytest.param(Fp8Dtype.E4M3FNUZ, "triton", Fp8Mode.FNUZ_EMULATED, id="rocm.fnuz-emulated"),
-    pytest.param(Fp8Dtype.E4M3FNUZ, "triton", Fp8Mode.FNUZ_NATIVE, id="rocm.fnuz-native"),
+    pytest.param(Fp8Dtype.E4M3FNUZ, "triton", Fp8Mode.FNUZ_NATIVE, id="rocm.fnuz-native", marks=NATIVE_FNUZ),
     pytest.param(Fp8Dtype.E4M3FN, "reference", None, id="torch.reference-e4m3fn"),
     pytest.param(Fp8Dtype.E4M3FNUZ, "reference", None, id="torch.reference-fnuz"),
 ]
@@ -57,8 +64,9 @@ def test_q_quant_poisons_exactly_the_non_finite_vectors(fp8_dtype, which, mode, 
     if which == "reference":
         q_fp8, folded = reference_quant(q, weights, positions, cache, fp8_dtype=fp8_dtype, rope=rope, **SETTINGS)
     else:
-        q_fp8, folded = triton_quant(q, weights, positions, cache, fp8_dtype=fp8_dtype, rope=rope,
-                                     fnuz_mode=mode, **SETTINGS)
+        q_fp8, folded = triton_quant(*(t.to(DEVICE) for t in (q, weights, positions, cache)), fp8_dtype=fp8_dtype,
+                                     rope=rope, fnuz_mode=mode, **SETTINGS)
+        q_fp8, folded = q_fp8.cpu(), folded.cpu()
     poisoned = torch.zeros(5, 8, dtype=torch.bool)
     poisoned[1, 2] = poisoned[2, 0] = poisoned[3, 5] = True
     poisoned[4, 7] = not torch.isfinite(q[4, 7].to(torch.bfloat16)).all()  # 3e38 rounds to bf16 inf
@@ -79,7 +87,7 @@ LOGITS_BACKENDS = [
     pytest.param(Fp8Dtype.E4M3FN, Layout.NATIVE, None, id="triton"),
     pytest.param(Fp8Dtype.E4M3FN, Layout.FLATTEN, None, id="triton.flatten"),
     pytest.param(Fp8Dtype.E4M3FNUZ, Layout.NATIVE, Fp8Mode.FNUZ_EMULATED, id="rocm.fnuz-emulated"),
-    pytest.param(Fp8Dtype.E4M3FNUZ, Layout.NATIVE, Fp8Mode.FNUZ_NATIVE, id="rocm.fnuz-native"),
+    pytest.param(Fp8Dtype.E4M3FNUZ, Layout.NATIVE, Fp8Mode.FNUZ_NATIVE, id="rocm.fnuz-native", marks=NATIVE_FNUZ),
 ]
 
 
@@ -126,14 +134,16 @@ def expected_nan(lens: torch.Tensor) -> torch.Tensor:
 def test_logits_nan_rule_is_the_same_on_every_backend(fp8_dtype, layout, mode):
     q, cache, weights, lens, table = logits_case(fp8_dtype, layout)
     want = reference_logits(q, cache, weights, lens, table, max(SEQ_LENS), fp8_dtype)
-    out = triton_logits(q, cache, weights, lens, table, max(SEQ_LENS), fp8_dtype, fnuz_mode=mode)
+    out = triton_logits(*(t.to(DEVICE) for t in (q, cache, weights, lens, table)), max(SEQ_LENS), fp8_dtype,
+                        fnuz_mode=mode).cpu()
     nan = expected_nan(lens)
     assert torch.equal(torch.isnan(want), nan), "the torch reference breaks the rule"
     assert torch.equal(torch.isnan(out), nan)
     assert torch.equal(torch.isneginf(out), torch.isneginf(want))
     finite = torch.isfinite(want)
     error = (out[finite] - want[finite]).norm() / want[finite].norm()
-    assert error < 1e-5
+    # The interpreter sums as the reference does; a GPU's tensor-core dot accumulates in its own order.
+    assert error < (1e-5 if DEVICE == "cpu" else 1e-3)
 
 
 @pytest.mark.gpu
