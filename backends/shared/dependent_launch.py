@@ -39,8 +39,9 @@ def dependent_launch(device: torch.device) -> bool:
 
 
 def triton_dependent_launch(device: torch.device) -> bool:
-    """dependent_launch, for a Triton kernel: also needs a Triton that launches with PDL (3.3 and later;
-    the package accepts 3.2, which has neither the launch option nor the wait)."""
+    """dependent_launch, for a Triton kernel: also needs a Triton whose CUDA launcher takes the `launch_pdl`
+    option and has `gdc_wait` (3.6 and 3.9 do; the package accepts Triton from 3.2, asked here rather
+    than by version)."""
     return dependent_launch(device) and _triton_has_pdl()
 
 
