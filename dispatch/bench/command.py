@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 
@@ -150,6 +151,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "fp8_dtype": fp8.value,
         "ceilings": ceilings.as_dict() if ceilings else None,
         "dispatch_overhead": dispatch_overhead(dispatcher, device=device),
+        "dependent_launch": _dependent_launch(),
         "rows": [row.as_dict() for row in rows],
     }
     if not rows:
@@ -201,6 +203,14 @@ def _provenance_line(report: dict) -> str:
             f"fp8 {report['fp8_dtype']}")
 
 
+def _dependent_launch() -> str:
+    """How dispatch's kernels launched in this run: the step's figures differ by it, so the report says
+    (backends/shared/dependent_launch.py decides per kernel from the GPU and DISPATCH_PDL)."""
+    if os.environ.get("DISPATCH_PDL") == "0":
+        return "off (DISPATCH_PDL=0)"
+    return "on where the GPU has it (sm90+)"
+
+
 def _triton_version() -> str | None:
     try:
         import triton
@@ -217,7 +227,10 @@ def report_text(report: dict) -> str:
         c = report["ceilings"]
         lines.append(f"ceilings: copy {c['copy_GBps']:.0f} GB/s (read+write), fp8 matmul {c['fp8_TFLOPs']:.0f} TFLOP/s")
     o = report["dispatch_overhead"]
-    lines.append(f"dispatch: cached decide {o['decide_cached_us']:.2f} us, build_plan B=128 {o['build_plan_B128_us']:.1f} us (host)")
+    pdl = report.get("dependent_launch")
+    launched = "" if pdl is None else f"; dependent launch {pdl}"
+    lines.append(f"dispatch: cached decide {o['decide_cached_us']:.2f} us, build_plan B=128 {o['build_plan_B128_us']:.1f} us "
+                 f"(host){launched}")
     # Widths from the cells themselves: a step row's backend ("torch.reference + torch.reference") or a
     # long shape must not push the columns after it out of line.
     columns = [

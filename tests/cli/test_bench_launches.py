@@ -46,3 +46,16 @@ def test_a_step_row_names_its_launches_where_they_were_counted():
     assert "step = 2.50x logits; 5 launches)" in report_text(report)
     report["rows"] = [_step_row()]
     assert "step = 2.50x logits)" in report_text(report)
+
+
+def test_the_report_says_whether_dispatchs_kernels_launched_with_dependent_launch(monkeypatch):
+    # The step's figures differ by it (docs/benchmarks.md), so a report read later must say which it was.
+    from dispatch.bench.command import _dependent_launch
+
+    base = {"machine": "m", "date": "d", "torch": "t", "triton": None, "fp8_dtype": "e4m3fn", "ceilings": None,
+            "dispatch_overhead": {"decide_cached_us": 1.0, "build_plan_B128_us": 2.0}, "rows": []}
+    monkeypatch.setenv("DISPATCH_PDL", "0")
+    assert "dependent launch off (DISPATCH_PDL=0)" in report_text({**base, "dependent_launch": _dependent_launch()})
+    monkeypatch.delenv("DISPATCH_PDL")
+    assert "dependent launch on where the GPU has it" in report_text({**base, "dependent_launch": _dependent_launch()})
+    assert "dependent launch" not in report_text(base)  # a report saved before it was recorded
