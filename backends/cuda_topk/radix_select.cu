@@ -121,7 +121,7 @@ struct Params {
 };
 
 // griddepcontrol (sm90+): a no-op where the launch did not ask for PDL; absent below sm90.
-__device__ __forceinline__ void wait_for_previous_kernel() {
+__device__ __forceinline__ void wait_previous_then_launch_next() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -748,7 +748,7 @@ __global__ void __launch_bounds__(T, C::blocks(T)) radix_topk_kernel(const Param
   uint32_t* stage = reinterpret_cast<uint32_t*>(&s + 1);
   const int t = threadIdx.x;
   const int64_t row = blockIdx.x;
-  wait_for_previous_kernel();  // every CTA, before its first global read
+  wait_previous_then_launch_next();  // every CTA, before its first global read
 
   // The visible window [start, start + n), clamped to the tensor.
   int start = 0;

@@ -15,45 +15,26 @@ kernel's completion itself, so where the trigger sits affects only when the next
 
 Off under Triton's CPU interpreter and below sm90 (the instructions do not exist there), and when
 DISPATCH_PDL=0, which times the step without it (`bench --op step` beside a run with it) and rules it
-out when a kernel ordering problem is suspected.
+out when a kernel ordering problem is suspected. The Triton kernels' side (the wait in the kernel and the
+launch option, from one switch): backends/triton/dependent_launch.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 
 import torch
 
-from dispatch.contract import triton_interpreter_on
+from dispatch.contract import dependent_launch_switched_off, triton_interpreter_on
 
 PDL_ARCH_MAJOR = 9
 
 
 def dependent_launch(device: torch.device) -> bool:
     """True when kernels on `device` launch with PDL (a CUDA device of sm90 or later, not switched off)."""
-    if device.type != "cuda" or os.environ.get("DISPATCH_PDL") == "0" or triton_interpreter_on():
+    if device.type != "cuda" or dependent_launch_switched_off() or triton_interpreter_on():
         return False
     return _arch_has_pdl(torch.cuda.current_device() if device.index is None else device.index)
-
-
-def triton_dependent_launch(device: torch.device) -> bool:
-    """dependent_launch, for a Triton kernel: also needs a Triton whose CUDA launcher takes the `launch_pdl`
-    option and has `gdc_wait` (3.6 and 3.9 do; the package accepts Triton from 3.2, asked here rather
-    than by version)."""
-    return dependent_launch(device) and _triton_has_pdl()
-
-
-@functools.cache
-def _triton_has_pdl() -> bool:
-    try:
-        import triton.language as tl
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return ("launch_pdl" in {field.name for field in dataclasses.fields(CUDAOptions)}
-            and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
 @functools.cache

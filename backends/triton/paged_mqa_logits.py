@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.dependent_launch import triton_dependent_launch
+from backends.triton.dependent_launch import pdl_options, wait_previous_then_launch_next
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from backends.shared.page_guard import PageGuard, guard_pages
 from backends.triton.paged_schedule import PagedSchedule, program_count, schedule_pages
@@ -165,11 +165,9 @@ def _paged_mqa_logits_kernel(
     NAN_BYTES: tl.constexpr,  # which fp8 bytes are NaN where the dot does not see it (see _nan_bytes)
     FILL: tl.constexpr,  # write -inf in the columns past the row's pages (clean_logits)
     HIST: tl.constexpr = False,  # also count each logit row's first radix digits into hist_ptr
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (backends/shared/dependent_launch.py)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (backends/triton/dependent_launch.py)
 ):
-    if PDL:  # every program, before any read: the Q quant's output and the guard's table
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous_then_launch_next(PDL)  # every program, before any read: the Q quant's output and the guard's table
     GROUPS: tl.constexpr = (N + TG - 1) // TG
     num_pages = tl.cdiv(max_context_len, BLOCK_KV)
     program = tl.program_id(0)
@@ -358,7 +356,6 @@ def triton_paged_mqa_logits(
     flat = kv_cache.view(num_blocks, -1)
     keys = flat.view(mode.torch_view_dtype)
     scales = flat[:, block_kv * head_dim :].view(torch.float32)
-    pdl = triton_dependent_launch(q.device)
     _paged_mqa_logits_kernel[(schedule.programs,)](
         q.view(mode.torch_view_dtype),
         keys,
@@ -387,10 +384,9 @@ def triton_paged_mqa_logits(
         NAN_BYTES=nan_bytes_mode(mode),
         FILL=clean_logits,
         HIST=histogram is not None,
-        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=pdl,
+        **pdl_options(q.device),
     )
     return out
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.dependent_launch import triton_dependent_launch
+from backends.triton.dependent_launch import pdl_options, wait_previous_then_launch_next
 from backends.triton.fp8_mode import Fp8Mode, fp8_mode
 from dispatch.contract import (
     BAD_POSITION,
@@ -152,11 +152,9 @@ def _indexer_q_quant_kernel(
     BLOCK_H: tl.constexpr,  # heads per program
     HALF_BLOCK: tl.constexpr,  # HALF rounded up to a power of two
     REST_BLOCK: tl.constexpr,  # D - rot_dim rounded up to a power of two (0: no rest)
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (backends/shared/dependent_launch.py)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (backends/triton/dependent_launch.py)
 ):
-    if PDL:  # every program, before any read
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous_then_launch_next(PDL)  # every program, before any read
     # One program quantises a [BLOCK_T, BLOCK_H] block of head vectors. Each vector is handled as
     # its rotary pairs (x1, x2) and the rest, so every load and store is contiguous and RoPE is the
     # reference's formula: no gather for the partner element.
@@ -284,7 +282,6 @@ def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_sca
     if tokens and heads:
         max_exp, max_mant = _FP8_MAX_BITS[fp8_dtype]
         grid = (triton.cdiv(tokens, block_t), triton.cdiv(heads, block_h))
-        pdl = triton_dependent_launch(q.device)
         _indexer_q_quant_kernel[grid](
             q_ptr=q,
             weights_ptr=weights,
@@ -320,9 +317,8 @@ def launch(q, weights, positions, cos_sin_cache, *, fp8_dtype, rope, softmax_sca
             BLOCK_H=block_h,
             HALF_BLOCK=triton.next_power_of_2(rot_dim // 2),
             REST_BLOCK=triton.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0,
-            PDL=pdl,
             num_warps=num_warps,
-            launch_pdl=pdl,
+            **pdl_options(q.device),
         )
     return (q_out.view(torch.float8_e4m3fnuz) if emulated else q_out), w_out
 

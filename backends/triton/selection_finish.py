@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.shared.dependent_launch import triton_dependent_launch
+from backends.triton.dependent_launch import pdl_options, wait_previous_then_launch_next
 
 BLOCK = 1024
 
@@ -28,9 +28,7 @@ BLOCK = 1024
 def _finish_kernel(raw_ptr, logits_ptr, lens_ptr, starts_ptr, table_ptr, table_rows_ptr, k, stride_raw,
                    stride_logits, stride_table, table_width, block_size, HAS_STARTS: tl.constexpr,
                    HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # every program, before any read: raw is the previous kernel's output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_previous_then_launch_next(PDL)  # every program, before any read: raw is the previous kernel's output
     row = tl.program_id(0)
     slots = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_k = slots < k
@@ -58,12 +56,11 @@ def finish_in_place(raw: torch.Tensor, logits: torch.Tensor, lengths: torch.Tens
     if rows == 0 or k == 0:
         return raw
     has_table = page_table is not None
-    pdl = triton_dependent_launch(raw.device)
     grid = (rows, triton.cdiv(k, BLOCK))
     _finish_kernel[grid](
         raw, logits, lengths, starts if starts is not None else lengths, page_table if has_table else raw,
         page_rows if has_table else lengths, k, raw.stride(0), logits.stride(0),
         page_table.stride(0) if has_table else 0, page_table.shape[1] if has_table else 1, block_size,
-        HAS_STARTS=starts is not None, HAS_TABLE=has_table, BLOCK=BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        HAS_STARTS=starts is not None, HAS_TABLE=has_table, BLOCK=BLOCK, num_warps=4, **pdl_options(raw.device),
     )
     return raw

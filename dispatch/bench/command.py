@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import sys
 
@@ -206,7 +205,9 @@ def _provenance_line(report: dict) -> str:
 def _dependent_launch() -> str:
     """How dispatch's kernels launched in this run: the step's figures differ by it, so the report says
     (backends/shared/dependent_launch.py decides per kernel from the GPU and DISPATCH_PDL)."""
-    if os.environ.get("DISPATCH_PDL") == "0":
+    from dispatch.contract import dependent_launch_switched_off
+
+    if dependent_launch_switched_off():
         return "off (DISPATCH_PDL=0)"
     return "on where the GPU has it (sm90+)"
 

@@ -17,7 +17,7 @@ ENVIRONMENT: tuple[tuple[str, str, str], ...] = (
     ("DISPATCH_DEBUG_BOUNDS", "`dispatch/contract/bounds.py`",
      "`1` makes the Triton and DeepGEMM wrappers check pages, lengths and positions on the host before each launch "
      "(one sync a call) and raise `IndexBoundsError` at once"),
-    ("DISPATCH_PDL", "`backends/shared/dependent_launch.py`, `dispatch/bench/command.py` (its report says which)",
+    ("DISPATCH_PDL", "`dispatch/contract/detect.py` (for backends/shared/dependent_launch.py and bench's report)",
      "`0` launches dispatch's own kernels without programmatic dependent launch (on by default on sm90 and later: "
      "each kernel's start overlaps the end of the one before); for timing the step without it"),
     ("DISPATCH_CACHE_DIR", "`backends/cuda_topk/build.py`",

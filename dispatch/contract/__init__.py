@@ -77,6 +77,11 @@ def triton_interpreter_on():
     return detect.triton_interpreter_on()
 
 
+def dependent_launch_switched_off():
+    """Whether DISPATCH_PDL=0 rules out dependent launch (dispatch.contract.detect.dependent_launch_switched_off)."""
+    return detect.dependent_launch_switched_off()
+
+
 # Names whose modules import torch: loaded on first use (module attribute lookup, PEP 562).
 _LAZY = {
     "BAD_LENGTH": "dispatch.contract.bounds",
@@ -151,6 +156,7 @@ __all__ = sorted(
         "check_q_quant_inputs",
         "check_ragged_logits_inputs",
         "check_topk_inputs",
+        "dependent_launch_switched_off",
         "detect",
         "detect_arch",
         "fp8_dtype_of",

@@ -84,3 +84,9 @@ def gpu_name() -> str:
 
 def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dependent_launch_switched_off() -> bool:
+    """DISPATCH_PDL=0: dispatch's kernels launch without programmatic dependent launch (read here, once for
+    the backends that launch and for bench's report of how they did)."""
+    return os.environ.get("DISPATCH_PDL") == "0"
