@@ -256,7 +256,7 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
     from tests.support.plans import decision_for
 
     decision = decision_for(serving[0], key)
-    plan = SimpleNamespace(decision=lambda op: decision, error_flags=torch.zeros(1, dtype=torch.int32))
+    plan = SimpleNamespace(decision=lambda op: decision, error_flags=torch.zeros(1, dtype=torch.int32, device=DEVICE))
     q, weights, positions, cache = make_inputs(8, 64, seed=9)
     q_fp8, _ = ops_indexer_q_quant(plan, q, weights, positions, cache, rope=RopeSpec.gptj_tail(), softmax_scale=1.0,
                           head_scale=1.0)
