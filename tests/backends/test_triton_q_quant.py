@@ -9,8 +9,6 @@ interpreter (conftest sets TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -253,10 +251,11 @@ def test_mi300_fnuz_key_gets_fnuz_bytes_within_224():
     assert "fp8_dtype e4m3fnuz not supported" in triton_backend.supports.why_not(cpu_fnuz)
 
     from dispatch.contract.ops import indexer_q_quant as ops_indexer_q_quant
-    from tests.support.plans import decision_for
+    from tests.support.plans import OneOpPlan, decision_for
 
     decision = decision_for(serving[0], key)
-    plan = SimpleNamespace(decision=lambda op: decision, error_flags=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    # The plan's error flags live where the step's tensors do (the op checks they share q's device).
+    plan = OneOpPlan({Op.INDEXER_Q_QUANT: decision}, error_flags=torch.zeros(1, dtype=torch.int32, device=DEVICE))
     q, weights, positions, cache = make_inputs(8, 64, seed=9)
     q_fp8, _ = ops_indexer_q_quant(plan, q, weights, positions, cache, rope=RopeSpec.gptj_tail(), softmax_scale=1.0,
                           head_scale=1.0)
