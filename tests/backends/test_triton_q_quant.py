@@ -274,8 +274,8 @@ def test_rejects_mismatched_weights():
     q, weights, positions, cache = make_inputs(4, 8, seed=1)
     # The op's checks run in the host's call, before the kernel (dispatch/contract/ops/q_quant.py).
     with pytest.raises(LayoutError, match=r"weights \[4, 8\]"):
-        indexer_q_quant(one_op_plan(Op.INDEXER_Q_QUANT, triton_indexer_q_quant), q, weights[:, :4], positions,
-                        cache, rope=RopeSpec(), softmax_scale=1.0, head_scale=1.0)
+        plan = one_op_plan(Op.INDEXER_Q_QUANT, triton_indexer_q_quant, device=DEVICE)
+        indexer_q_quant(plan, q, weights[:, :4], positions, cache, rope=RopeSpec(), softmax_scale=1.0, head_scale=1.0)
 
 
 def test_plugin_registers_both_backends():

@@ -85,12 +85,15 @@ class OneOpPlan:
         return self.states.get(op)
 
 
-def one_op_plan(op: Op, run, *, layout=None, fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN, arch: Arch = Arch.CPU) -> OneOpPlan:
-    """A OneOpPlan whose decision for `op` runs `run` (a kernel entry point, or a backend's run)."""
+def one_op_plan(op: Op, run, *, layout=None, fp8_dtype: Fp8Dtype = Fp8Dtype.E4M3FN, arch: Arch = Arch.CPU,
+                device="cpu") -> OneOpPlan:
+    """A OneOpPlan whose decision for `op` runs `run` (a kernel entry point, or a backend's run), its error
+    flags on `device` (the op's checks want them beside the tensors: pass the test's device on a GPU)."""
     from dispatch.contract.backend import ALL_ARCHS, ALL_MODES, Support
     from dispatch.contract.ops import OP_CONTRACTS
 
     backend = Backend(name="under-test", op=op, layout=layout or OP_CONTRACTS[op].layouts[0],
                       supports=Support(archs=ALL_ARCHS, forward_modes=ALL_MODES), run=run)
     mode = ForwardMode.EXTEND if op is Op.RAGGED_MQA_LOGITS else ForwardMode.DECODE
-    return OneOpPlan({op: decision_for(backend, DispatchKey(arch=arch, forward_mode=mode, next_n=1, fp8_dtype=fp8_dtype))})
+    decision = decision_for(backend, DispatchKey(arch=arch, forward_mode=mode, next_n=1, fp8_dtype=fp8_dtype))
+    return OneOpPlan({op: decision}, error_flags=torch.zeros(1, dtype=torch.int32, device=device))
