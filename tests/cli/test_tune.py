@@ -26,7 +26,7 @@ from dispatch.step.paged_plan import EXTEND_STEP_OPS
 from dispatch.contract.host import collect_backends
 from dispatch.step.extend_batch import ExtendBatch
 from dispatch.registry.document import load_registry
-from dispatch.registry.measured import load_measured, parse_measured
+from dispatch.registry.measured import MEASURED_TIE, load_measured, parse_measured
 from dispatch.deciding.runtime import build_dispatcher, load_plugins
 from dispatch.contract.version import dispatch_version
 from tests.support.documentation import documentation_text
@@ -157,11 +157,16 @@ def test_validate_accepts_it_and_a_cluster_decides_by_it(tuned, capsys):
     assert evidence["machine"].startswith("CPU") and evidence["shapes"][0]["shape"] == "B=2 N=2 L~256 H=64 D=128"
     assert list(evidence["mean_us"]) == list(preference.order)
     reasons = {r["backend"]: r["reason"] for r in decision["rejected"]}
+    chosen = preference.order[0]
     for slower in preference.order[1:]:
-        assert reasons[slower] == (
-            f"measured slower: {preference.mean_us(slower):.1f} us vs {preference.mean_us(preference.order[0]):.1f} us "
-            f"({preference.order[0]})"
-        )
+        times = f"{preference.mean_us(slower):.1f} us vs {preference.mean_us(chosen):.1f} us ({chosen})"
+        # Timed here, on the CPU: two reference backends can land within MEASURED_TIE of each other (one CI
+        # run measured 962.5 against 961.2 us), and such a pair is reported level, not slower.
+        if preference.mean_us(slower) <= preference.mean_us(chosen) * (1 + MEASURED_TIE):
+            assert reasons[slower] == (f"measured level: {times}, within {MEASURED_TIE:.0%}, where the rules' order "
+                                       f"puts {chosen} first")
+        else:
+            assert reasons[slower] == f"measured slower: {times}"
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "by:       cluster `ci-cpu` measured[0]" in text
