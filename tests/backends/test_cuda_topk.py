@@ -142,6 +142,42 @@ def test_rows_that_crowd_a_value_binned_digit(width, cta):
     check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
 
 
+def threshold_bin_rows(width, gen):
+    """Short rows (k = 2048) at each end of the first round's threshold bin (the keys' top 11 bits: 4 bins
+    an octave): a bin of exactly the 48 keys still needed (taken whole), one of exactly 20 (ranked), 33
+    ties beside 12 neighbours in their bin (crowded: the next rounds), one outlier of 1e30, values of
+    +-2e38, spreads of up to +-1.7e38, subnormals, and randn with a few +-inf. The same rows tested a
+    value-binned first round (measured slower and not kept, docs/internal/benchmark-history.md), whose
+    edges they were built for: a range that overflows, one just finite, an infinite bin scale."""
+    def far(n, lo, hi):
+        return lo + (hi - lo) * torch.rand(n, generator=gen)
+
+    def exact_bin(ties):  # 2048 - ties keys far above, `ties` equal keys alone in their bin, the rest far below
+        row = torch.cat([far(2048 - ties, 10.0, 1000.0), torch.full((ties,), 5.0)])
+        return torch.cat([row, far(width - row.numel(), -1000.0, -10.0)])
+
+    crowded = exact_bin(33)
+    crowded[2048:2060] = 5.0 + torch.arange(1, 13) * 0.01  # the 5.0 bin's neighbours: 45 keys, 33 tied
+    outlier = torch.randn(width, generator=gen)
+    outlier[7] = 1e30
+    infs = torch.randn(width, generator=gen)
+    infs[::501], infs[3::701] = INF, -INF
+    rows = [exact_bin(48), exact_bin(20), crowded, outlier, torch.randn(width, generator=gen).sign() * 2e38,
+            torch.randn(width, generator=gen).sign() * 1.7e38 * torch.rand(width, generator=gen),
+            torch.randn(width, generator=gen) * 1e-42, infs]
+    return torch.stack(rows)
+
+
+# Rows of 3000, 8192 and 16384 keys sit in registers (radix_select.cu's short_row); each instance serves them.
+@gpu
+@pytest.mark.parametrize("width", [3000, 8192, 16384])
+@pytest.mark.parametrize("cta", [None, *INSTANCES], ids=["served", "t512", "t1024", "t512-short-list"])
+def test_short_rows_whose_threshold_bin_is_taken_ranked_or_split(width, cta):
+    logits = threshold_bin_rows(width, torch.Generator().manual_seed(width + 1))
+    lengths = torch.full((logits.shape[0],), width, dtype=torch.int32)
+    check(logits, lengths, 2048, radix(logits.cuda(), lengths.cuda(), 2048, cta=cta))
+
+
 def list_window_rows(n: int, gen) -> torch.Tensor:
     """Rows of n keys whose candidate list spans a window [cut, its largest key] of every width: 3000
     keys one ulp apart above the rest (a window of a few thousand keys: one digit and ties), 3000 keys of
