@@ -1,0 +1,157 @@
+"""Where `cuda.radix`'s machine code makes a thread wait on its own global loads one after another: read
+from the sm_90 SASS of radix_select.cu (or a copy of it), on a machine with nvcc and no GPU.
+
+    python3 tools/radix_load_chains.py [SOURCE ...] [--sass FILE]
+
+Per kernel instance (threads, config, pages) it prints:
+- **short-row loads**: each unrolled run of scalar row loads (`LDG.E.CONSTANT`, at least 6), and how many
+  of them issue before the first NaN test of a loaded value. Issue is in order, so a load after that
+  test waits for the first load's data: the run needs more than one memory round trip where this count
+  is smaller than the run.
+- **load-store pairs**: the longest stretch, between barriers, of global loads each followed by a store
+  before the next load (`LDG.E` then `STG.E`: a paged instance's page-table read, then its output slot).
+  Each store waits for its load's data and the next load issues after it, so the pairs' latencies add up:
+  an L1 hit's each at best, an L2 round trip where a page-table line is new to the SM.
+
+SOURCE defaults to backends/cuda_topk/radix_select.cu. It is compiled with nvcc (`-cubin -arch=sm_90
+-O3`, with torch's headers, as the served build's device code) and disassembled with cuobjdump or
+nvdisasm from PATH or from Triton's bundled copies. --sass reads a saved `cuobjdump -sass` listing
+instead. These are static counts, not timings: time a change with tools/time_radix_variants.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "backends" / "cuda_topk" / "radix_select.cu"
+
+# The shortest unrolled run of row loads reported, and the gap (in instructions) that ends a run.
+MIN_RUN = 6
+RUN_GAP = 120
+INSTANCE = re.compile(r"Function : \S*radix_topk_kernelILi(\d+)EN\w*?\d+(Wide|ShortList)ELb([01])E")
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+ROW_LOAD = re.compile(r"\bLDG\.E\.CONSTANT R")
+NAN_TEST = re.compile(r"\bFSETP\.NAN\b")
+PLAIN_LOAD = re.compile(r"\bLDG\.E R")
+STORE = re.compile(r"\bSTG\.E\b")
+BOUNDARY = re.compile(r"\b(BAR\.SYNC|EXIT|RET)\b")  # a stretch of pairs ends at a barrier or a path's end
+
+
+@dataclass(frozen=True)
+class Chains:
+    instance: str
+    load_runs: tuple[tuple[int, int], ...]  # (loads in the run, loads issued before its first NaN test)
+    longest_pairs: int  # load-store pairs in a row
+
+    def line(self) -> str:
+        runs = ", ".join(f"{issued} of {loads} before waiting" for loads, issued in self.load_runs) or "none"
+        return f"{self.instance}: short-row loads {runs}; load-store pairs in a row: {self.longest_pairs}"
+
+
+def instances(sass: str) -> dict[str, list[str]]:
+    """{'T config pages=P': its instructions, in order} for every radix_topk_kernel instance."""
+    found: dict[str, list[str]] = {}
+    current = None
+    for text in sass.splitlines():
+        if (name := INSTANCE.search(text)) is not None:
+            current = f"{name.group(1)} {name.group(2)} pages={name.group(3)}"
+            found[current] = []
+        elif current is not None and (op := INSTRUCTION.search(text)) is not None:
+            found[current].append(op.group(1))
+    return found
+
+
+def load_runs(code: list[str]) -> tuple[tuple[int, int], ...]:
+    at = [i for i, op in enumerate(code) if ROW_LOAD.search(op)]
+    runs, run = [], []
+    for i in at:
+        if run and i - run[-1] > RUN_GAP:
+            runs.append(run)
+            run = []
+        run.append(i)
+    runs.append(run)
+    counted = []
+    for run in (r for r in runs if len(r) >= MIN_RUN):
+        first_test = next((i for i in range(run[0], run[-1]) if NAN_TEST.search(code[i])), run[-1] + 1)
+        counted.append((len(run), sum(i < first_test for i in run)))
+    return tuple(counted)
+
+
+def longest_pairs(code: list[str]) -> int:
+    """The most global loads in a row that each meet a store before the next load does."""
+    marks = "".join("L" if PLAIN_LOAD.search(op) else "S" if STORE.search(op) else "|" if BOUNDARY.search(op) else ""
+                    for op in code)
+    return max((len(m) // 2 for m in re.findall(r"(?:LS)+", marks)), default=0)
+
+
+def chains(sass: str) -> list[Chains]:
+    return [Chains(name, load_runs(code), longest_pairs(code)) for name, code in instances(sass).items()]
+
+
+def disassembler() -> list[str] | None:
+    for tool in ("cuobjdump", "nvdisasm"):
+        found = shutil.which(tool)
+        if found is None:
+            try:
+                import triton  # noqa: PLC0415 - only for its bundled CUDA binaries
+
+                bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+                found = str(bundled) if bundled.is_file() else None
+            except ImportError:
+                found = None
+        if found is not None:
+            return [found, "-sass"] if tool == "cuobjdump" else [found]
+    return None
+
+
+def compiled_sass(source: Path) -> str:
+    """The sm_90 SASS of `source`, compiled as the served build compiles its device code."""
+    nvcc, disasm = shutil.which("nvcc"), disassembler()
+    if nvcc is None or disasm is None:
+        raise SystemExit(f"needs nvcc and cuobjdump or nvdisasm on PATH (nvcc: {nvcc}, disassembler: {disasm}); "
+                         "or pass --sass with a saved `cuobjdump -sass` listing")
+    import torch.utils.cpp_extension as extension  # noqa: PLC0415 - the headers of the torch that serves it
+
+    with tempfile.TemporaryDirectory() as folder:
+        # torch's headers include a macros file that only a CUDA build of torch ships: an empty one stands in.
+        stub = Path(folder) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        stub.parent.mkdir(parents=True)
+        stub.write_text("#pragma once\n")
+        cubin = Path(folder) / "radix.cubin"
+        includes = [f"-I{folder}", *(f"-I{path}" for path in extension.include_paths()),
+                    f"-I{sysconfig.get_paths()['include']}"]
+        subprocess.run([nvcc, "-cubin", "-std=c++17", "-arch=sm_90", "-O3", *includes, "-DTORCH_EXTENSION_NAME=x",
+                        "-DTORCH_API_INCLUDE_EXTENSION_H", str(source), "-o", str(cubin)], check=True,
+                       capture_output=True)
+        return subprocess.run([*disasm, str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sources", nargs="*", type=Path, help=f"copies of radix_select.cu (default {SOURCE})")
+    parser.add_argument("--sass", type=Path, help="a saved `cuobjdump -sass` listing, instead of compiling")
+    args = parser.parse_args(argv)
+    listings = {str(args.sass): args.sass.read_text()} if args.sass else {
+        str(source): compiled_sass(source) for source in (args.sources or [SOURCE])}
+    for name, sass in listings.items():
+        found = chains(sass)
+        if not found:
+            print(f"{name}: no radix_topk_kernel instance in its SASS", file=sys.stderr)
+            return 1
+        print(name)
+        for entry in found:
+            print("  " + entry.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
