@@ -20,6 +20,9 @@ side and timed in one process, beside the engines' own top-k kernels where they 
   beforehand, the ragged one for the prefill rows) and vLLM's `torch.ops._C` top-k ops (`vllm._custom_ops`),
   each called raw, as its engine calls it, where importable. vLLM's are checked; SGLang's paged output is
   positions through no page table and is checked too.
+- --pages: every variant is called with the plan's block table and page rows, as the decode and verify
+  step serves it (the paged instances, whose output is physical KV slots); its output is mapped back to
+  positions (positions_of_slots) before the check. The prefill rows and the engines' calls stay unpaged.
 - Medians of CUDA-graph replays held behind a spin kernel (dispatch.bench.timing), one call a graph, the L2
   not flushed; a replay of one 1-element add is printed first: every figure's floor.
 """
@@ -85,9 +88,26 @@ def build(paths: list[str], where: Path = BUILD_DIR) -> dict[str, object]:
 
 
 def step_logits(dispatcher, fp8, shape: LogitsShape):
-    """bench_topk's logits for `shape`, and the plan's per-token lengths."""
+    """bench_topk's logits for `shape`, the plan's per-token lengths, and its (block table, page rows)."""
     plan, logits = decided_logits(dispatcher, shape, fp8, logits_inputs(shape, fp8, "cuda", seed=0))
-    return logits, plan.token_lengths.to(torch.int32).contiguous()
+    rows = logits.shape[0]
+    page_rows = plan.page_rows if plan.page_rows is not None else torch.arange(rows, device=logits.device)
+    pages = (plan.block_table.to(torch.int32).contiguous(), page_rows.to(torch.int32).contiguous())
+    return logits, plan.token_lengths.to(torch.int32).contiguous(), pages
+
+
+def positions_of_slots(out: torch.Tensor, table: torch.Tensor, page_rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A paged top-k's physical slots back as row positions: slot s of row r is position j * block_size +
+    s % block_size where table[page_rows[r], j] holds s // block_size (a row's pages are distinct blocks);
+    -1 stays -1, and a slot of no page of its row becomes width-sized garbage (the check then fails it)."""
+    row_table = table[page_rows.long()].long()  # [rows, M]
+    ordered, page_of = row_table.sort(dim=1)
+    block = torch.where(out >= 0, out.long() // block_size, -1)
+    at = torch.searchsorted(ordered, block).clamp(max=ordered.shape[1] - 1)
+    found = ordered.gather(1, at) == block
+    position = page_of.gather(1, at) * block_size + out.long() % block_size
+    never = table.shape[1] * block_size  # past every row's width: not a position
+    return torch.where(out < 0, -1, torch.where(found, position, never)).to(torch.int32)
 
 
 def prefill_rows(rows: int = 4096, longest: int = 16384, seed: int = 0):
@@ -172,6 +192,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shapes", default=",".join([*SHAPES, PREFILL]))
     parser.add_argument("--peers", action="store_true", help="the engines' kernels too, where importable")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--pages", action="store_true",
+                        help="call the variants with the plan's block table, as the step serves them")
     parser.add_argument("--cta", default="auto",
                         help="CTAs to time each variant with, comma-separated: auto (radix_topk.instance's choice for "
                              "the shape), 512, 1024, short (the short-list instance)")
@@ -198,7 +220,12 @@ def main(argv: list[str]) -> int:
           f"a 1-element add replays in {replay_us(lambda: tiny.add_(1.0), args.reps):.2f} us", flush=True)
     for label in args.shapes.split(","):
         prefill = label == PREFILL
-        logits, lengths = prefill_rows() if prefill else step_logits(dispatcher, fp8, LogitsShape(*SHAPES[label]))
+        if prefill:
+            (logits, lengths), pages = prefill_rows(), None
+        else:
+            logits, lengths, pages = step_logits(dispatcher, fp8, LogitsShape(*SHAPES[label]))
+            pages = pages if args.pages else None
+        table, page_rows = pages if pages is not None else (None, None)
         rows, width = logits.shape
         chosen = instance(rows, width, sms)
         ctas = [CTAS.get(c, chosen) for c in args.cta.split(",")]
@@ -212,12 +239,13 @@ def main(argv: list[str]) -> int:
 
                 def run(module=module, out=out, threads=threads, short_list=short_list, stage=stage):
                     # no dependent launch: a graph of this one kernel has no kernel before it to overlap
-                    module.radix_topk(logits, lengths, None, None, None, K, 64, stage, True, threads, short_list, False,
-                                      out)
+                    module.radix_topk(logits, lengths, None, table, page_rows, K, 64, stage, True, threads, short_list,
+                                      False, out)
 
                 run()
                 torch.cuda.synchronize()
-                verdict = "ok" if stem.startswith("ret") else compare_topk(out, logits, lengths, K)[1]
+                positions = out if table is None else positions_of_slots(out, table, page_rows, 64)
+                verdict = "ok" if stem.startswith("ret") else compare_topk(positions, logits, lengths, K)[1]
                 if verdict != "ok":
                     cells.append(f"{name} WRONG ({verdict})")
                     continue
@@ -232,10 +260,11 @@ def main(argv: list[str]) -> int:
                 cells.append(f"{name} {replay_us(call, args.reps):.1f}" + ("" if verdict == "ok" else f" ({verdict})"))
             except Exception as error:  # noqa: BLE001 - one engine's failure must not end the others' rows
                 cells.append(f"{name} ERROR ({type(error).__name__}: {str(error)[:80]})")
-        print(f"{label} ({rows} x {width}, {CTA_NAMES[chosen]} as served), us: " + " | ".join(cells), flush=True)
+        paged = ", paged" if table is not None else ""
+        print(f"{label} ({rows} x {width}, {CTA_NAMES[chosen]} as served{paged}), us: " + " | ".join(cells), flush=True)
         for line in phases:
             print(line, flush=True)
-        del logits, lengths
+        del logits, lengths, table, page_rows
         torch.cuda.empty_cache()
     print(f"done in {time.time() - started:.0f} s")
     return 0

@@ -35,3 +35,30 @@ def test_the_timing_tool_needs_a_gpu_and_known_shapes(monkeypatch, capsys):
     monkeypatch.setattr(time_radix_variants.torch.cuda, "is_available", lambda: False)
     assert time_radix_variants.main(["x.cu", "--shapes", "64x12K"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_paged_slots_map_back_to_the_positions_they_came_from():
+    """--pages checks a paged variant by mapping its physical slots back: every visible position of a row
+    (its page row's shuffled blocks, padding block 0 after them) round-trips, -1 stays -1, and a slot in
+    a block of another request's pages maps past the row (the check then fails it)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    block, pages = 4, [3, 1, 5]
+    blocks = (torch.randperm(sum(pages), generator=gen) + 1).split(pages)
+    table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+    for r, mine in enumerate(blocks):
+        table[r, : len(mine)] = mine.to(torch.int32)
+    page_rows = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32)  # two tokens on request 0, two on request 2
+    positions = torch.full((5, 6), -1, dtype=torch.int64)
+    for token, request in enumerate(page_rows.tolist()):
+        width = pages[request] * block
+        positions[token, : min(6, width)] = torch.randperm(width, generator=gen)[:6]
+    row_table = table[page_rows.long()].long()
+    slots = torch.where(positions >= 0, row_table.gather(1, positions.clamp(min=0) // block) * block + positions % block, -1)
+    back = time_radix_variants.positions_of_slots(slots.to(torch.int32), table, page_rows, block)
+    assert torch.equal(back.long(), positions)
+    foreign = slots.clone()
+    foreign[2, 0] = int(blocks[0][0]) * block + 1  # request 0's block in request 1's row
+    back = time_radix_variants.positions_of_slots(foreign.to(torch.int32), table, page_rows, block)
+    assert int(back[2, 0]) == table.shape[1] * block and torch.equal(back[3:].long(), positions[3:])
