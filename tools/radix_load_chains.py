@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "backends" / "cuda_topk" / "radix_select.cu"
+sys.path.insert(0, str(ROOT))
+
+from backends.cuda_topk.build import SOURCE, find_nvcc  # noqa: E402 - the served build's source and nvcc
 
 # The shortest unrolled run of row loads reported, and the gap (in instructions) that ends a run.
 MIN_RUN = 6
@@ -115,9 +117,10 @@ def disassembler() -> list[str] | None:
 
 def compiled_sass(source: Path) -> str:
     """The sm_90 SASS of `source`, compiled as the served build compiles its device code."""
-    nvcc, disasm = shutil.which("nvcc"), disassembler()
+    nvcc, disasm = find_nvcc(), disassembler()
     if nvcc is None or disasm is None:
-        raise SystemExit(f"needs nvcc and cuobjdump or nvdisasm on PATH (nvcc: {nvcc}, disassembler: {disasm}); "
+        raise SystemExit(f"needs nvcc ($CUDA_HOME/bin, PATH or /usr/local/cuda) and cuobjdump or nvdisasm (PATH or "
+                         f"Triton's bundled copies); found nvcc: {nvcc}, disassembler: {disasm}; "
                          "or pass --sass with a saved `cuobjdump -sass` listing")
     import torch.utils.cpp_extension as extension  # noqa: PLC0415 - the headers of the torch that serves it
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from backends.cuda_topk.build import load_library  # noqa: E402
 from backends.cuda_topk.radix_topk import instance  # noqa: E402
 from dispatch.bench.compare import compare_topk  # noqa: E402
+from dispatch.contract import BLOCK_KV  # noqa: E402
 from dispatch.bench.runner import decided_logits  # noqa: E402
 from dispatch.bench.timing import time_rotating  # noqa: E402
 from dispatch.bench.workload import LogitsShape, logits_inputs  # noqa: E402
@@ -96,7 +97,8 @@ def step_logits(dispatcher, fp8, shape: LogitsShape):
     return logits, plan.token_lengths.to(torch.int32).contiguous(), pages
 
 
-def positions_of_slots(out: torch.Tensor, table: torch.Tensor, page_rows: torch.Tensor, block_size: int) -> torch.Tensor:
+def positions_of_slots(out: torch.Tensor, table: torch.Tensor, page_rows: torch.Tensor,
+                       block_size: int) -> torch.Tensor:
     """A paged top-k's physical slots back as row positions: slot s of row r is position j * block_size +
     s % block_size where table[page_rows[r], j] holds s // block_size (a row's pages are distinct blocks);
     -1 stays -1, and a slot of no page of its row becomes width-sized garbage (the check then fails it)."""
@@ -220,12 +222,13 @@ def main(argv: list[str]) -> int:
           f"a 1-element add replays in {replay_us(lambda: tiny.add_(1.0), args.reps):.2f} us", flush=True)
     for label in args.shapes.split(","):
         prefill = label == PREFILL
+        table = page_rows = None  # unpaged unless --pages, and the prefill rows always
         if prefill:
-            (logits, lengths), pages = prefill_rows(), None
+            logits, lengths = prefill_rows()
         else:
             logits, lengths, pages = step_logits(dispatcher, fp8, LogitsShape(*SHAPES[label]))
-            pages = pages if args.pages else None
-        table, page_rows = pages if pages is not None else (None, None)
+            if args.pages:
+                table, page_rows = pages
         rows, width = logits.shape
         chosen = instance(rows, width, sms)
         ctas = [CTAS.get(c, chosen) for c in args.cta.split(",")]
@@ -239,12 +242,12 @@ def main(argv: list[str]) -> int:
 
                 def run(module=module, out=out, threads=threads, short_list=short_list, stage=stage):
                     # no dependent launch: a graph of this one kernel has no kernel before it to overlap
-                    module.radix_topk(logits, lengths, None, table, page_rows, K, 64, stage, True, threads, short_list,
-                                      False, out)
+                    module.radix_topk(logits, lengths, None, table, page_rows, K, BLOCK_KV, stage, True, threads,
+                                      short_list, False, out)
 
                 run()
                 torch.cuda.synchronize()
-                positions = out if table is None else positions_of_slots(out, table, page_rows, 64)
+                positions = out if table is None else positions_of_slots(out, table, page_rows, BLOCK_KV)
                 verdict = "ok" if stem.startswith("ret") else compare_topk(positions, logits, lengths, K)[1]
                 if verdict != "ok":
                     cells.append(f"{name} WRONG ({verdict})")

@@ -61,6 +61,6 @@ def test_the_command_reads_a_saved_listing_and_refuses_one_without_the_kernel(tm
 
 
 def test_compiling_without_nvcc_is_refused_by_name(monkeypatch):
-    monkeypatch.setattr(radix_load_chains.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(radix_load_chains, "find_nvcc", lambda: None)
     with pytest.raises(SystemExit, match="needs nvcc"):
         radix_load_chains.compiled_sass(radix_load_chains.SOURCE)
