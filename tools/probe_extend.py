@@ -217,7 +217,9 @@ def resources() -> None:
 
     from backends.triton.ragged_mqa_logits import _ragged_mqa_logits_kernel as kernel
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    from tools.cuda_binaries import require_bundled
+
+    cuobjdump = require_bundled("cuobjdump")
     names = kernel.arg_names
     pointers = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*fp32"]
     for config in CONFIGS:

@@ -298,7 +298,9 @@ def resources() -> None:
 
     from backends.triton import topk
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    from tools.cuda_binaries import require_bundled
+
+    cuobjdump = require_bundled("cuobjdump")
     pointers = {"logits_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*i32",
                 "cand_ptr": "*i64", "pt_ptr": "*i32", "page_rows_ptr": "*i32", "bracket_ptr": "*fp32",
                 "counts_ptr": "*i64", "window_ptr": "*fp32", "hist_ptr": "*i32", "ties_ptr": "*i64"}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backends.cuda_topk.build import SOURCE, find_nvcc  # noqa: E402 - the served build's source and nvcc
+from tools.cuda_binaries import find  # noqa: E402
 
 # The shortest unrolled run of row loads reported, and the gap (in instructions) that ends a run.
 MIN_RUN = 6
@@ -101,15 +101,7 @@ def chains(sass: str) -> list[Chains]:
 
 def disassembler() -> list[str] | None:
     for tool in ("cuobjdump", "nvdisasm"):
-        found = shutil.which(tool)
-        if found is None:
-            try:
-                import triton  # noqa: PLC0415 - only for its bundled CUDA binaries
-
-                bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
-                found = str(bundled) if bundled.is_file() else None
-            except ImportError:
-                found = None
+        found = find(tool)
         if found is not None:
             return [found, "-sass"] if tool == "cuobjdump" else [found]
     return None

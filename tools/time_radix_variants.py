@@ -57,6 +57,7 @@ K = 2048
 SHAPES = {
     "512x49K": (128, 4, 32768), "128x49K": (128, 1, 32768), "64x12K": (32, 2, 8192), "256x98K": (64, 4, 65536),
     "512x24K": (256, 2, 16384), "32x10K": (8, 4, 8192), "8x3K": (8, 1, 2048), "1x2K": (1, 1, 2048),
+    "128x12K": (128, 1, 8192),  # the widest batch of short rows no more than the SMs: B=128 next_n 1 L~8K
 }
 PREFILL = "prefill"
 # --cta's names for the kernel's instances, (threads, short_list); "auto" is radix_topk.instance's choice.

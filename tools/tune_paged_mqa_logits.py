@@ -200,7 +200,9 @@ def resources() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    from tools.cuda_binaries import require_bundled
+
+    cuobjdump = require_bundled("cuobjdump")
     names = _paged_mqa_logits_kernel.arg_names
     pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*fp32"]
     seen = set()
