@@ -12,6 +12,8 @@ Per kernel instance (threads, config, pages) it prints:
   before the next load (`LDG.E` then `STG.E`: a paged instance's page-table read, then its output slot).
   Each store waits for its load's data and the next load issues after it, so the pairs' latencies add up:
   an L1 hit's each at best, an L2 round trip where a page-table line is new to the SM.
+- **registers and spills**, where it compiled the source: ptxas's count (`-Xptxas -v`) of registers a thread
+  and bytes spilled to local memory (stores / loads), since a change that moves loads often moves spills.
 
 SOURCE defaults to backends/cuda_topk/radix_select.cu. It is compiled with nvcc (`-cubin -arch=sm_90
 -O3`, with torch's headers, as the served build's device code) and disassembled with cuobjdump or
@@ -39,7 +41,11 @@ from tools.cuda_binaries import find  # noqa: E402
 # The shortest unrolled run of row loads reported, and the gap (in instructions) that ends a run.
 MIN_RUN = 6
 RUN_GAP = 120
-INSTANCE = re.compile(r"Function : \S*radix_topk_kernelILi(\d+)EN\w*?\d+(Wide|ShortList)ELb([01])E")
+KERNEL = re.compile(r"radix_topk_kernelILi(\d+)EN\w*?\d+(Wide|ShortList)ELb([01])E")
+INSTANCE = re.compile(r"Function : \S*" + KERNEL.pattern)
+PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 ROW_LOAD = re.compile(r"\bLDG\.E\.CONSTANT R")
 NAN_TEST = re.compile(r"\bFSETP\.NAN\b")
@@ -49,14 +55,30 @@ BOUNDARY = re.compile(r"\b(BAR\.SYNC|EXIT|RET)\b")  # a stretch of pairs ends at
 
 
 @dataclass(frozen=True)
+class Resources:
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int
+
+    def text(self) -> str:
+        return f"{self.registers} registers, spills {self.spill_stores}/{self.spill_loads} bytes (stores/loads)"
+
+
+@dataclass(frozen=True)
 class Chains:
     instance: str
     load_runs: tuple[tuple[int, int], ...]  # (loads in the run, loads issued before its first NaN test)
     longest_pairs: int  # load-store pairs in a row
+    resources: Resources | None = None  # None for a saved listing: ptxas's report is not in it
 
     def line(self) -> str:
         runs = ", ".join(f"{issued} of {loads} before waiting" for loads, issued in self.load_runs) or "none"
-        return f"{self.instance}: short-row loads {runs}; load-store pairs in a row: {self.longest_pairs}"
+        tail = f"; {self.resources.text()}" if self.resources is not None else ""
+        return f"{self.instance}: short-row loads {runs}; load-store pairs in a row: {self.longest_pairs}{tail}"
+
+
+def label(kernel: re.Match) -> str:
+    return f"{kernel.group(1)} {kernel.group(2)} pages={kernel.group(3)}"
 
 
 def instances(sass: str) -> dict[str, list[str]]:
@@ -65,7 +87,7 @@ def instances(sass: str) -> dict[str, list[str]]:
     current = None
     for text in sass.splitlines():
         if (name := INSTANCE.search(text)) is not None:
-            current = f"{name.group(1)} {name.group(2)} pages={name.group(3)}"
+            current = label(name)
             found[current] = []
         elif current is not None and (op := INSTRUCTION.search(text)) is not None:
             found[current].append(op.group(1))
@@ -95,8 +117,27 @@ def longest_pairs(code: list[str]) -> int:
     return max((len(m) // 2 for m in re.findall(r"(?:LS)+", marks)), default=0)
 
 
-def chains(sass: str) -> list[Chains]:
-    return [Chains(name, load_runs(code), longest_pairs(code)) for name, code in instances(sass).items()]
+def resources(ptxas_log: str) -> dict[str, Resources]:
+    """{instance: its registers and spills} from ptxas's -v report (per entry: its name, then its stack frame
+    and spills, then the registers it used)."""
+    found: dict[str, Resources] = {}
+    current, spills = None, (0, 0)
+    for text in ptxas_log.splitlines():
+        if (entry := PTXAS_ENTRY.search(text)) is not None:
+            kernel = KERNEL.search(entry.group(1))
+            current, spills = (label(kernel) if kernel else None), (0, 0)
+        elif current is not None and (spill := PTXAS_SPILLS.search(text)) is not None:
+            spills = (int(spill.group(1)), int(spill.group(2)))
+        elif current is not None and (used := PTXAS_REGISTERS.search(text)) is not None:
+            found[current] = Resources(int(used.group(1)), *spills)
+            current = None
+    return found
+
+
+def chains(sass: str, ptxas_log: str = "") -> list[Chains]:
+    used = resources(ptxas_log)
+    return [Chains(name, load_runs(code), longest_pairs(code), used.get(name))
+            for name, code in instances(sass).items()]
 
 
 def disassembler() -> list[str] | None:
@@ -107,8 +148,8 @@ def disassembler() -> list[str] | None:
     return None
 
 
-def compiled_sass(source: Path) -> str:
-    """The sm_90 SASS of `source`, compiled as the served build compiles its device code."""
+def compiled_sass(source: Path) -> tuple[str, str]:
+    """(the sm_90 SASS of `source`, compiled as the served build compiles its device code; ptxas's report)."""
     nvcc, disasm = find_nvcc(), disassembler()
     if nvcc is None or disasm is None:
         raise SystemExit(f"needs nvcc ($CUDA_HOME/bin, PATH or /usr/local/cuda) and cuobjdump or nvdisasm (PATH or "
@@ -124,10 +165,11 @@ def compiled_sass(source: Path) -> str:
         cubin = Path(folder) / "radix.cubin"
         includes = [f"-I{folder}", *(f"-I{path}" for path in extension.include_paths()),
                     f"-I{sysconfig.get_paths()['include']}"]
-        subprocess.run([nvcc, "-cubin", "-std=c++17", "-arch=sm_90", "-O3", *includes, "-DTORCH_EXTENSION_NAME=x",
-                        "-DTORCH_API_INCLUDE_EXTENSION_H", str(source), "-o", str(cubin)], check=True,
-                       capture_output=True)
-        return subprocess.run([*disasm, str(cubin)], check=True, capture_output=True, text=True).stdout
+        built = subprocess.run([nvcc, "-cubin", "-std=c++17", "-arch=sm_90", "-O3", "-Xptxas", "-v", *includes,
+                                "-DTORCH_EXTENSION_NAME=x", "-DTORCH_API_INCLUDE_EXTENSION_H", str(source), "-o",
+                                str(cubin)], check=True, capture_output=True, text=True)
+        sass = subprocess.run([*disasm, str(cubin)], check=True, capture_output=True, text=True).stdout
+        return sass, built.stdout + built.stderr
 
 
 def main(argv: list[str]) -> int:
@@ -135,10 +177,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("sources", nargs="*", type=Path, help=f"copies of radix_select.cu (default {SOURCE})")
     parser.add_argument("--sass", type=Path, help="a saved `cuobjdump -sass` listing, instead of compiling")
     args = parser.parse_args(argv)
-    listings = {str(args.sass): args.sass.read_text()} if args.sass else {
+    listings = {str(args.sass): (args.sass.read_text(), "")} if args.sass else {
         str(source): compiled_sass(source) for source in (args.sources or [SOURCE])}
-    for name, sass in listings.items():
-        found = chains(sass)
+    for name, (sass, ptxas_log) in listings.items():
+        found = chains(sass, ptxas_log)
         if not found:
             print(f"{name}: no radix_topk_kernel instance in its SASS", file=sys.stderr)
             return 1

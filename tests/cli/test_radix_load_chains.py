@@ -1,6 +1,7 @@
 """tools/radix_load_chains.py on SASS listings written here in cuobjdump's layout: the instances are told apart
-by their template arguments, a run of row loads is counted up to its first NaN test, and a stretch of
-load-store pairs ends at a barrier. Compiling needs nvcc, which CI lacks: the tool says so by name."""
+by their template arguments, a run of row loads is counted up to its first NaN test, a stretch of
+load-store pairs ends at a barrier; ptxas's -v report gives each instance its registers and spills. Compiling
+needs nvcc, which CI lacks: the tool says so by name."""
 
 import pytest
 
@@ -64,3 +65,28 @@ def test_compiling_without_nvcc_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(radix_load_chains, "find_nvcc", lambda: None)
     with pytest.raises(SystemExit, match="needs nvcc"):
         radix_load_chains.compiled_sass(radix_load_chains.SOURCE)
+
+
+PTXAS_LOG = """ptxas info    : Compiling entry function '_ZN48_GLOBAL__N__4eb_17radix_topk_kernelILi1024ENS_4WideELb0EEEvNS_6ParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN48_GLOBAL__N__4eb_17radix_topk_kernelILi1024ENS_4WideELb0EEEvNS_6ParamsE
+    24 bytes stack frame, 24 bytes spill stores, 88 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 24 bytes cumulative stack size
+ptxas info    : Compiling entry function '_Z5otherv' for 'sm_90'
+    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 12 registers
+ptxas info    : Compiling entry function '_ZN48_GLOBAL__N__4eb_17radix_topk_kernelILi512ENS_9ShortListELb1EEEvNS_6ParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN48_GLOBAL__N__4eb_17radix_topk_kernelILi512ENS_9ShortListELb1EEEvNS_6ParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers
+"""
+
+
+def test_ptxas_report_gives_each_instance_its_registers_and_spills():
+    code = [*row_loads(6), NAN_TEST]
+    found = radix_load_chains.chains(sass((1024, "Wide", 0, code), (512, "ShortList", 1, code), (512, "Wide", 0, code)),
+                                     PTXAS_LOG)
+    used = {c.instance: c.resources for c in found}
+    assert used["1024 Wide pages=0"] == radix_load_chains.Resources(64, 24, 88)
+    assert used["512 ShortList pages=1"] == radix_load_chains.Resources(40, 0, 0)
+    assert used["512 Wide pages=0"] is None  # not in the report: nothing claimed
+    assert found[0].line().endswith("64 registers, spills 24/88 bytes (stores/loads)")
