@@ -17,9 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
+
+# The repository root, so tools.* imports as in its sibling tools, with or without PYTHONPATH=.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dispatch.bench.ceilings import measure_ceilings
 from dispatch.bench.compare import compare_logits
