@@ -208,7 +208,7 @@ def resources() -> None:
 
     cuobjdump = require_bundled("cuobjdump")
     names = _paged_mqa_logits_kernel.arg_names
-    pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*fp32"]
+    pointer_types = ["*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*fp32", "*i32"]  # .. out, hist
     seen = set()
     for (name, next_n, _), configs in SWEEP.items():
         for config in configs:
