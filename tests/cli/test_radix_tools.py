@@ -43,6 +43,8 @@ def test_paged_slots_map_back_to_the_positions_they_came_from():
     a block of another request's pages maps past the row (the check then fails it)."""
     import torch
 
+    from backends.adapted_topk import page_slots  # the forward map the served finish uses
+
     gen = torch.Generator().manual_seed(7)
     block, pages = 4, [3, 1, 5]
     blocks = (torch.randperm(sum(pages), generator=gen) + 1).split(pages)
@@ -54,9 +56,8 @@ def test_paged_slots_map_back_to_the_positions_they_came_from():
     for token, request in enumerate(page_rows.tolist()):
         width = pages[request] * block
         positions[token, : min(6, width)] = torch.randperm(width, generator=gen)[:6]
-    row_table = table[page_rows.long()].long()
-    slots = torch.where(positions >= 0, row_table.gather(1, positions.clamp(min=0) // block) * block + positions % block, -1)
-    back = time_radix_variants.positions_of_slots(slots.to(torch.int32), table, page_rows, block)
+    slots = page_slots(positions, table, page_rows, block)
+    back = time_radix_variants.positions_of_slots(slots, table, page_rows, block)
     assert torch.equal(back.long(), positions)
     foreign = slots.clone()
     foreign[2, 0] = int(blocks[0][0]) * block + 1  # request 0's block in request 1's row
